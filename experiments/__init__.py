@@ -1,0 +1,1 @@
+"""Task code: one module or package per experiment (models, datasets, losses, metrics)."""

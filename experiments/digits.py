@@ -1,0 +1,87 @@
+"""Digits: an MLP classifier on scikit-learn's bundled 8x8 handwritten digits (1,797 images, no download)."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner import ConfigError
+from runner.data import TensorData
+
+
+def _digits_file() -> Path:
+    # Locate the data file shipped inside scikit-learn without importing it (sklearn's import costs ~1 s).
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the digits experiment reads the data set shipped with scikit-learn, which is not installed. "
+            'Fix: pip install -e ".[examples]"   (or: pip install scikit-learn)'
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    if not path.exists():
+        raise ConfigError(
+            f"scikit-learn is installed but {path} is missing; reinstall it: pip install --force-reinstall scikit-learn"
+        )
+    return path
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """Images as float32 [1797, 64] scaled to [0, 1], labels as int64 [1797]."""
+    with gzip.open(_digits_file(), "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    return table[:, :-1] / 16.0, table[:, -1].astype(np.int64)
+
+
+def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of a train/val split that keeps each class's share in both parts."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for cls in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        n_val = int(round(len(idx) * val_fraction))
+        val.append(idx[:n_val])
+        train.append(idx[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+def digits_splits(val_fraction: float = 0.2, seed: int = 0) -> dict[str, TensorData]:
+    """{'train': ..., 'val': ...} datasets of (image, label) tensors."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"data.splits.val_fraction must be in (0, 1), got {val_fraction}")
+    x, y = load_digits()
+    train, val = stratified_split(y, val_fraction, seed)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    return {"train": TensorData(x[train], y[train]), "val": TensorData(x[val], y[val])}
+
+
+class MLPClassifier(nn.Module):
+    """ReLU MLP with dropout; training_step returns cross-entropy loss and accuracy."""
+
+    def __init__(
+        self, in_features: int = 64, hidden: list[int] = (256, 256), num_classes: int = 10, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for width in hidden:
+            layers += [nn.Linear(in_features, width), nn.ReLU(), nn.Dropout(dropout)]
+            in_features = width
+        layers.append(nn.Linear(in_features, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Cross-entropy and accuracy of one batch."""
+        x, y = batch
+        logits = self(x)
+        return {"loss": F.cross_entropy(logits.float(), y), "acc": (logits.argmax(-1) == y).float().mean()}
+
+    validation_step = training_step

@@ -1,0 +1,102 @@
+"""The only place that turns config into objects (hydra.utils.instantiate lives here and nowhere else)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from runner import ConfigError
+from runner.callbacks import Best
+from runner.loop import Run, check_monitors
+from runner.progress import TrainingProgress
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def param_groups(task: nn.Module) -> list[dict[str, Any]]:
+    """Weight decay for matrices and embeddings only: biases and norm gains (1-D tensors) are not decayed."""
+    params = [p for p in task.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+
+
+def _named(group: DictConfig | None) -> list[Any]:
+    # callbacks and loggers are groups whose options merge into one mapping of name -> component config
+    return [instantiate(c) for c in (group or {}).values() if c is not None]
+
+
+def build(cfg: DictConfig) -> Run:
+    """Instantiate every component of the run described by `cfg`."""
+    dist = instantiate(cfg.distributed)
+    seed_everything(cfg.seed)
+    data = instantiate(cfg.data)
+    train_loader = data.train_loader(dist.rank, dist.world_size, dist.device)
+    val_loader = data.val_loader(dist.rank, dist.world_size, dist.device)
+    if len(train_loader) == 0:
+        raise ConfigError(
+            f"the train loader is empty: {len(train_loader.dataset)} samples with "
+            f"data.batch_size={data.batch_size} and drop_last on {dist.world_size} rank(s)"
+        )
+    task = instantiate(cfg.model).to(dist.device)
+    optimizer = instantiate(cfg.optimizer)(param_groups(task))
+    trainer = cfg.trainer
+    progress = TrainingProgress(
+        trainer.max_duration,
+        batch_size=data.batch_size,
+        batches_per_epoch=len(train_loader),
+        samples_per_epoch=len(train_loader.sampler) * dist.world_size,
+        accumulate=trainer.accumulate_grad_batches,
+        world_size=dist.world_size,
+        tokens_per_sample=data.tokens_per_sample,
+    )
+    run = Run(
+        task=task,
+        optimizer=optimizer,
+        schedule=instantiate(cfg.scheduler)(optimizer=optimizer, progress=progress),
+        progress=progress,
+        precision=instantiate(cfg.precision, device=dist.device),
+        train_loader=train_loader,
+        val_loader=val_loader,
+        device=dist.device,
+        val_interval=progress.resolve(trainer.val_interval),
+        log_interval=progress.resolve(trainer.log_interval),
+        gradient_clip_val=trainer.gradient_clip_val,
+        max_nonfinite_steps=trainer.max_nonfinite_steps,
+        callbacks=_named(cfg.get("callbacks")),
+        loggers=_named(cfg.get("logger")) if dist.is_main else [],
+        monitor=cfg.get("monitor"),
+        best=Best(cfg.get("mode", "min")),
+        distributed=dist,
+    )
+    check_monitors(run)
+    return run
+
+
+def run_info(run: Run, cfg: DictConfig) -> dict[str, Any]:
+    """Facts for the loggers' start(): what the console's startup table shows and what wandb stores as config."""
+    p = run.progress
+    return {
+        "task": type(run.task).__name__,
+        "parameters": sum(q.numel() for q in run.task.parameters()),
+        "device": str(run.device),
+        "precision": run.precision.name,
+        "world_size": run.world_size,
+        "global_batch": f"{p.batch_size} x {run.world_size} x {p.accumulate} = "
+        f"{p.batch_size * run.world_size * p.accumulate}",
+        "total_steps": p.total_steps(),
+        "max_duration": str(p.max_duration),
+        "run_dir": cfg.get("run_dir"),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }

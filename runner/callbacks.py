@@ -1,0 +1,189 @@
+"""Callbacks: small objects with named hooks the loop calls. Early stopping and EMA of the weights live here."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from runner import ConfigError
+
+if TYPE_CHECKING:
+    from runner.loop import Run
+
+
+class Callback:
+    """Base class: every hook is a no-op. Hooks run in the order the callbacks appear in the config."""
+
+    monitor: str | None = None  # a callback that reads a validation metric names it here, so the loop can check it
+
+    def on_fit_start(self, run: Run) -> None:
+        """Before the first micro-batch (after a checkpoint, if any, was restored)."""
+
+    def on_optimizer_step(self, run: Run) -> None:
+        """After each optimizer step (skipped non-finite steps included) and the progress count."""
+
+    def on_validation_start(self, run: Run) -> None:
+        """Before a validation pass."""
+
+    def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """After a validation pass with its metrics (keys like 'val/loss')."""
+
+    def on_fit_end(self, run: Run) -> None:
+        """After the last step, whatever stopped the run."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+
+
+class Best:
+    """Tracks the best value of a metric under `mode` ('min' or 'max') with an improvement margin."""
+
+    def __init__(self, mode: str = "min", min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.mode, self.min_delta = mode, abs(min_delta)
+        self.value: float | None = None
+        self.step: int | None = None
+
+    def update(self, value: float, step: int) -> bool:
+        """Record `value`; return True if it beats the best so far by more than min_delta (NaN never does)."""
+        if math.isnan(value):
+            return False
+        if self.value is not None:
+            gain = self.value - value if self.mode == "min" else value - self.value
+            if gain <= self.min_delta:
+                return False
+        self.value, self.step = value, step
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Best value and step."""
+        return {"value": self.value, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        self.value, self.step = state["value"], state["step"]
+
+
+class EarlyStopping(Callback):
+    """Stop after `patience` validations in a row without improvement of `monitor`; can restore the best weights."""
+
+    def __init__(
+        self,
+        monitor: str = "val/loss",
+        mode: str = "min",
+        patience: int = 5,
+        min_delta: float = 0.0,
+        restore_best: bool = False,
+    ) -> None:
+        if patience < 1:
+            raise ConfigError(f"callbacks.early_stopping.patience must be >= 1, got {patience}")
+        self.monitor, self.patience, self.restore_best = monitor, patience, restore_best
+        self.best = Best(mode, min_delta)
+        self.wait = 0
+        self.best_weights: dict[str, torch.Tensor] | None = None
+
+    def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """Count a validation without improvement, or reset and remember the weights."""
+        if self.best.update(metrics[self.monitor], run.progress.step):
+            self.wait = 0
+            if self.restore_best:
+                self.best_weights = {k: v.detach().clone() for k, v in run.task.state_dict().items()}
+        else:
+            self.wait += 1
+            if self.wait >= self.patience:
+                run.request_stop("early_stopping")
+
+    def on_fit_end(self, run: Run) -> None:
+        """Put the best weights back."""
+        if self.restore_best and self.best_weights is not None:
+            run.task.load_state_dict(self.best_weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, best value and (with restore_best) the best weights."""
+        state = {"wait": self.wait, "best": self.best.state_dict()}
+        if self.best_weights is not None:
+            state["best_weights"] = self.best_weights
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        self.wait = state["wait"]
+        self.best.load_state_dict(state["best"])
+        self.best_weights = state.get("best_weights")
+
+
+class EMA(Callback):
+    """Exponential moving average of the weights, updated every `every` (a duration, e.g. '1st').
+
+    With `validate_with_ema` the validation passes run on the averaged weights; with `apply_at_end` the model ends
+    the run holding them. List `ema` before `early_stopping` so that restore_best remembers the weights it validated.
+    """
+
+    def __init__(
+        self, decay: float = 0.999, every: str = "1st", validate_with_ema: bool = True, apply_at_end: bool = True
+    ) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ConfigError(f"callbacks.ema.decay must be in (0, 1), got {decay}")
+        self.decay, self.every = decay, every
+        self.validate_with_ema, self.apply_at_end = validate_with_ema, apply_at_end
+        self.names: list[str] = []
+        self.shadow: list[torch.Tensor] = []
+        self._live: list[torch.Tensor] = []
+
+    def _tensors(self, run: Run) -> list[torch.Tensor]:
+        state = run.task.state_dict(keep_vars=True)
+        return [state[name] for name in self.names]
+
+    def on_fit_start(self, run: Run) -> None:
+        """Start the average at the current weights (unless a checkpoint already restored it)."""
+        floats = {k: v for k, v in run.task.state_dict().items() if v.is_floating_point()}
+        if not self.shadow:
+            self.names = list(floats)
+            self.shadow = [v.detach().clone() for v in floats.values()]
+
+    def on_optimizer_step(self, run: Run) -> None:
+        """Move the average towards the current weights in one fused kernel."""
+        if run.progress.ticked(self.every):
+            with torch.no_grad():
+                torch._foreach_lerp_(self.shadow, [t.detach() for t in self._tensors(run)], 1.0 - self.decay)
+
+    def _swap(self, run: Run) -> None:
+        with torch.no_grad():
+            live = self._tensors(run)
+            backup = [t.detach().clone() for t in live]
+            torch._foreach_copy_(live, self.shadow)
+            self._live = backup
+
+    def on_validation_start(self, run: Run) -> None:
+        """Validate on the averaged weights."""
+        if self.validate_with_ema:
+            self._swap(run)
+
+    def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """Put the live weights back for training."""
+        if self._live:
+            with torch.no_grad():
+                torch._foreach_copy_(self._tensors(run), self._live)
+            self._live = []
+
+    def on_fit_end(self, run: Run) -> None:
+        """End the run holding the averaged weights."""
+        if self.apply_at_end and self.shadow:
+            with torch.no_grad():
+                torch._foreach_copy_(self._tensors(run), self.shadow)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averaged weights by parameter name."""
+        return {"shadow": dict(zip(self.names, self.shadow, strict=True))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        self.names = list(state["shadow"])
+        self.shadow = list(state["shadow"].values())

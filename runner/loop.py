@@ -1,0 +1,227 @@
+"""fit(): the loop. Micro-batches, accumulation, precision, clipping, optimizer and scheduler steps, validation."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner import ConfigError
+from runner.callbacks import Best, Callback
+from runner.data import batch_size_of, to_device, tokens_of, with_last
+from runner.loggers import Logger
+from runner.precision import FP32
+from runner.progress import Duration, TrainingProgress
+from runner.schedulers import PerStep
+
+
+@dataclass
+class Run:
+    """Everything fit() needs, built from the config by runner.build; callbacks receive it too."""
+
+    task: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: PerStep
+    progress: TrainingProgress
+    precision: FP32
+    train_loader: Any
+    val_loader: Any
+    device: torch.device
+    val_interval: Duration
+    log_interval: Duration
+    gradient_clip_val: float | None = None
+    max_nonfinite_steps: int = 10
+    distributed: Any = None  # runner.distributed.Single (or, later, DDP/FSDP): rank, world size, device
+    callbacks: list[Callback] = field(default_factory=list)
+    loggers: list[Logger] = field(default_factory=list)
+    monitor: str | None = "val/loss"
+    best: Best = field(default_factory=Best)
+    stop_reason: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the last logged value of every metric
+    nonfinite_steps: int = 0
+
+    @property
+    def world_size(self) -> int:
+        """Processes training together."""
+        return self.distributed.world_size if self.distributed is not None else 1
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the loop to stop after the current step; the first reason given wins."""
+        self.stop_reason = self.stop_reason or reason
+
+
+def check_monitors(run: Run) -> None:
+    """Refuse to start when a scheduler or callback monitors a metric that this run can never produce."""
+    readers = [("the scheduler", run.schedule.monitor)]
+    readers += [(type(cb).__name__, cb.monitor) for cb in run.callbacks]
+    validates = run.val_loader is not None and hasattr(run.task, "validation_step")
+    for who, name in readers:
+        if name and not name.startswith("val/"):
+            raise ConfigError(f"{who} monitors {name!r}; it must be a validation metric, named 'val/...'")
+        if name and not validates:
+            raise ConfigError(
+                f"{who} monitors {name!r}, but this run never validates (no 'val' split or no "
+                "validation_step on the model). Add one, or pick a scheduler/callback without a monitor."
+            )
+
+
+def _log(run: Run, metrics: dict[str, float]) -> None:
+    p = run.progress
+    metrics = {"epoch": p.epoch_float, "samples": p.samples, **({"tokens": p.tokens} if p.tokens else {}), **metrics}
+    run.metrics.update(metrics)
+    for logger in run.loggers:
+        logger.log(metrics, p.step)
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """One pass over the validation loader; metrics are means weighted by batch size, named 'val/<key>'."""
+    run.task.eval()
+    sums: dict[str, torch.Tensor] = {}
+    count = 0
+    for batch in run.val_loader:
+        batch = to_device(batch, run.device)
+        size = batch_size_of(batch)
+        with run.precision.autocast():
+            out = run.task.validation_step(batch)
+        for key, value in out.items():
+            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value).detach().float() * size
+        count += size
+    run.task.train()
+    values = torch.stack(list(sums.values())).div(count).tolist() if sums else []  # one device sync
+    return {f"val/{k}": v for k, v in zip(sums, values, strict=True)}
+
+
+def validate(run: Run) -> dict[str, float]:
+    """A validation during training: callbacks around evaluate(), then the best value and plateau schedules."""
+    for cb in run.callbacks:
+        cb.on_validation_start(run)
+    metrics = evaluate(run)
+    for name in {run.schedule.monitor, *(cb.monitor for cb in run.callbacks)} - {None}:
+        if name not in metrics:
+            raise ConfigError(
+                f"monitored metric {name!r} is not produced by validation_step; it returns {sorted(metrics)}"
+            )
+    if run.monitor in metrics:
+        run.best.update(metrics[run.monitor], run.progress.step)
+    run.schedule.on_validation(metrics)
+    for cb in run.callbacks:
+        cb.on_validation_end(run, metrics)
+    return metrics
+
+
+def fit(run: Run) -> Run:
+    """Train until max_duration elapses or something asks to stop; returns `run` with stop_reason and metrics set."""
+    p, task, opt, precision = run.progress, run.task, run.optimizer, run.precision
+    params = [q for q in task.parameters() if q.requires_grad]
+    for cb in run.callbacks:
+        cb.on_fit_start(run)
+    sums: dict[str, torch.Tensor] = {}  # training outputs summed over micro-batches since the last log
+    micro, steps, norm_sum, window_loss, bad_in_a_row = 0, 0, 0.0, 0.0, 0
+    clock, samples0, tokens0, last_val = time.perf_counter(), p.samples, p.tokens, -1
+    task.train()
+    while run.stop_reason is None and not p.finished:
+        if hasattr(run.train_loader.sampler, "set_epoch"):
+            run.train_loader.sampler.set_epoch(p.epoch)
+        for batch, last in with_last(run.train_loader):
+            window = p.window_size()
+            p.count_micro_batch(batch_size_of(batch) * run.world_size, tokens_of(batch) * run.world_size)
+            batch = to_device(batch, run.device)
+            with precision.autocast():
+                out = task.training_step(batch)
+            loss = out["loss"]
+            precision.backward(loss / window)  # / real window size: a short epoch-end window still averages
+            window_loss = window_loss + loss.detach()
+            for key, value in out.items():
+                sums[key] = sums.get(key, 0.0) + value.detach()
+            micro += 1
+            if not p.window_done(last):
+                continue
+
+            precision.unscale_(opt)
+            if run.gradient_clip_val is not None:
+                norm = torch.nn.utils.clip_grad_norm_(params, run.gradient_clip_val, foreach=True)
+            else:
+                norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None], foreach=True)
+            # fp16 loss scaling skips overflowed grads itself; a non-finite loss is always ours to skip.
+            check = window_loss if precision.handles_overflow else window_loss + norm
+            if bool(torch.isfinite(check)):  # the one host sync per optimizer step
+                precision.step(opt)
+                bad_in_a_row = 0
+            else:
+                precision.skip()
+                run.nonfinite_steps += 1
+                bad_in_a_row += 1
+                if bad_in_a_row >= run.max_nonfinite_steps:
+                    run.request_stop("nonfinite")
+            opt.zero_grad(set_to_none=True)
+            run.schedule.on_optimizer_step()
+            p.count_optimizer_step()
+            if last:
+                p.end_epoch()
+            norm_sum, steps, window_loss = norm_sum + norm, steps + 1, 0.0
+            for cb in run.callbacks:
+                cb.on_optimizer_step(run)
+
+            metrics: dict[str, float] = {}
+            if p.ticked(run.log_interval):
+                keys = list(sums)
+                values = torch.stack(
+                    [
+                        *(torch.as_tensor(sums[k]).float() / micro for k in keys),
+                        torch.as_tensor(norm_sum).float() / steps,
+                        _param_norm(params),
+                    ]
+                ).tolist()
+                elapsed = time.perf_counter() - clock
+                metrics = {f"train/{k}": v for k, v in zip(keys, values, strict=False)}
+                metrics.update(
+                    {
+                        "train/grad_norm": values[-2],
+                        "train/param_norm": values[-1],
+                        "train/lr": opt.param_groups[0]["lr"],
+                        "train/nonfinite_steps": run.nonfinite_steps,
+                        "train/samples_per_s": (p.samples - samples0) / elapsed,
+                        "sys/peak_memory_mb": _peak_memory_mb(run.device),
+                    }
+                )
+                if p.tokens:
+                    metrics["train/tokens_per_s"] = (p.tokens - tokens0) / elapsed
+                sums, micro, steps, norm_sum = {}, 0, 0, 0.0
+                clock, samples0, tokens0 = time.perf_counter(), p.samples, p.tokens
+            if run.val_loader is not None and p.ticked(run.val_interval):
+                metrics.update(validate(run))
+                last_val = p.step
+            if metrics:
+                _log(run, metrics)
+            if run.stop_reason is not None or p.finished:
+                break
+    if run.stop_reason is None:
+        run.stop_reason = "max_duration"
+        p.check_total()
+    for cb in run.callbacks:
+        cb.on_fit_end(run)
+    if run.val_loader is not None and run.stop_reason != "nonfinite":
+        # Measure the weights the run ends with (restore_best or EMA may have just put others in place), so that
+        # summary.json describes the model that is kept. Logged only if this step has no validation row yet.
+        final = evaluate(run)
+        if last_val != p.step:
+            if run.monitor in final:
+                run.best.update(final[run.monitor], p.step)
+            _log(run, final)
+        run.metrics.update(final)
+    return run
+
+
+def _param_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([q.detach() for q in params]))).float()
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

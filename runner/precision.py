@@ -1,0 +1,99 @@
+"""Numeric precision as small objects with one interface: fp32, bf16 autocast, fp16 autocast with loss scaling."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+class FP32:
+    """Full precision: autocast is a no-op and the optimizer steps as usual."""
+
+    name = "fp32"
+    # Whether this precision itself skips steps whose gradients overflowed (fp16 loss scaling does).
+    handles_overflow = False
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss`."""
+        loss.backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make .grad hold true gradients before clipping (a no-op without loss scaling)."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the optimizer step."""
+        optimizer.step()
+
+    def skip(self) -> None:
+        """Called instead of step() when the loop drops a step with a non-finite loss or gradient."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+
+
+class Autocast(FP32):
+    """Mixed precision: the forward pass runs under torch.autocast in `dtype` (bfloat16 needs no loss scaling)."""
+
+    def __init__(self, dtype: str = "bfloat16", device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        self.dtype = getattr(torch, dtype)
+        self.name = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass."""
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+class ScaledAutocast(Autocast):
+    """fp16 autocast with a GradScaler: the loss is scaled up for backward and steps with inf/nan grads are skipped."""
+
+    handles_overflow = True
+
+    def __init__(
+        self,
+        dtype: str = "float16",
+        device: torch.device | str = "cpu",
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+    ) -> None:
+        super().__init__(dtype, device)
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale, growth_interval=growth_interval)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate the scaled loss."""
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the current scale, so that clipping and norms see true values."""
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step unless the gradients overflowed, then adapt the scale."""
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def skip(self) -> None:
+        """Close the scaler's step (it was unscaled) and back the scale off."""
+        self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The GradScaler's state."""
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        if "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,114 @@
+"""Learning-rate schedules and when they step: once per optimizer step, or after each validation on a metric."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
+
+from runner import ConfigError
+from runner.progress import TrainingProgress
+
+
+class PerStep:
+    """Steps its scheduler once per optimizer step (never per micro-batch, never per rank)."""
+
+    monitor: str | None = None
+
+    def __init__(self, scheduler: LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def on_optimizer_step(self) -> None:
+        """Advance the schedule by one optimizer step."""
+        self.scheduler.step()
+
+    def on_validation(self, metrics: dict[str, float]) -> None:
+        """Per-step schedules ignore validation."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state."""
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        self.scheduler.load_state_dict(state)
+
+
+class OnMetric(PerStep):
+    """Steps ReduceLROnPlateau once after each validation with the monitored metric."""
+
+    def __init__(self, scheduler: ReduceLROnPlateau, monitor: str) -> None:
+        super().__init__(scheduler)
+        self.monitor = monitor
+
+    def on_optimizer_step(self) -> None:
+        """Plateau schedules do not move between validations."""
+
+    def on_validation(self, metrics: dict[str, float]) -> None:
+        """Step on the monitored metric (the loop has already checked that it is there)."""
+        self.scheduler.step(metrics[self.monitor])
+
+
+def _steps(progress: TrainingProgress, duration: str, what: str) -> int:
+    steps = progress.steps_for(duration)
+    if steps is None:
+        raise ConfigError(
+            f"{what}={duration} cannot be converted to optimizer steps before training (the data has no "
+            "length, or the duration is in tokens and data.tokens_per_sample is not set); give it in "
+            "'st' instead"
+        )
+    return steps
+
+
+def constant(optimizer: torch.optim.Optimizer, progress: TrainingProgress, warmup: str = "0st") -> PerStep:
+    """Constant learning rate after an optional linear warmup."""
+    warm = _steps(progress, warmup, "scheduler.warmup")
+    return PerStep(LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / (warm + 1))))
+
+
+def cosine(
+    optimizer: torch.optim.Optimizer, progress: TrainingProgress, warmup: str = "0.02dur", min_lr_ratio: float = 0.1
+) -> PerStep:
+    """Linear warmup, then cosine decay that reaches `min_lr_ratio` x the base LR exactly at max_duration."""
+    total = _steps(progress, str(progress.max_duration), "trainer.max_duration")
+    warm = min(_steps(progress, warmup, "scheduler.warmup"), total)
+
+    def factor(t: int) -> float:
+        if t < warm:
+            return (t + 1) / (warm + 1)
+        done = min(1.0, (t - warm) / max(1, total - warm))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
+
+    return PerStep(LambdaLR(optimizer, factor))
+
+
+def step(
+    optimizer: torch.optim.Optimizer, progress: TrainingProgress, every: str = "1ep", gamma: float = 0.1
+) -> PerStep:
+    """Multiply the learning rate by `gamma` every `every` (a duration)."""
+    size = _steps(progress, every, "scheduler.every")
+    if size < 1:
+        raise ConfigError(f"scheduler.every={every} is shorter than one optimizer step")
+    return PerStep(torch.optim.lr_scheduler.StepLR(optimizer, step_size=size, gamma=gamma))
+
+
+def plateau(
+    optimizer: torch.optim.Optimizer,
+    progress: TrainingProgress,
+    monitor: str = "val/loss",
+    mode: str = "min",
+    factor: float = 0.1,
+    patience: int = 10,
+    threshold: float = 1e-4,
+    cooldown: int = 0,
+    min_lr: float = 0.0,
+) -> OnMetric:
+    """ReduceLROnPlateau stepped once per validation: the LR drops after `patience` + 1 validations without gain."""
+    if mode not in ("min", "max"):
+        raise ConfigError(f"scheduler.mode must be 'min' or 'max', got {mode!r}")
+    scheduler = ReduceLROnPlateau(
+        optimizer, mode=mode, factor=factor, patience=patience, threshold=threshold, cooldown=cooldown, min_lr=min_lr
+    )
+    return OnMetric(scheduler, monitor)
