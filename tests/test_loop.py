@@ -1,0 +1,214 @@
+"""The loop's promises, in-process on a tiny regression task: learning, accumulation, non-finite steps, callbacks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from runner import ConfigError
+from runner.callbacks import EMA, Callback, EarlyStopping
+from runner.data import DataModule, TensorData
+from runner.distributed import Single
+from runner.loop import Run, check_monitors, fit
+from runner.precision import FP32
+from runner.progress import TrainingProgress
+from runner.schedulers import constant, plateau
+
+
+class Regression(nn.Module):
+    """Linear regression; `poison` makes training_step return NaN losses at the given optimizer steps."""
+
+    def __init__(self, poison_from: int | None = None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.poison_from = poison_from
+        self.calls = 0
+
+    def training_step(self, batch):
+        x, y = batch
+        self.calls += 1
+        loss = ((self.linear(x) - y) ** 2).mean()
+        if self.poison_from is not None and self.calls > self.poison_from:
+            loss = loss * float("nan")
+        return {"loss": loss}
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"loss": ((self.linear(x) - y) ** 2).mean()}
+
+
+def _data(n: int = 64, seed: int = 0) -> dict[str, TensorData]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1
+    return {"train": TensorData(x, y), "val": TensorData(x[:16], y[:16])}
+
+
+def make_run(task: nn.Module | None = None, *, max_duration: str = "20st", batch_size: int = 8, accumulate: int = 1,
+             lr: float = 0.05, val_interval: str = "1ep", shuffle: bool = True, callbacks=(), schedule=None,
+             max_nonfinite_steps: int = 10, splits=None, clip: float | None = None) -> Run:
+    torch.manual_seed(0)
+    task = task or Regression()
+    data = DataModule(splits or _data(), batch_size=batch_size, shuffle=shuffle, seed=0)
+    train, val = data.train_loader(), data.val_loader()
+    opt = torch.optim.SGD(task.parameters(), lr=lr)
+    progress = TrainingProgress(max_duration, batch_size=batch_size, batches_per_epoch=len(train),
+                                samples_per_epoch=len(train.sampler), accumulate=accumulate)
+    schedule = (schedule or constant)(optimizer=opt, progress=progress)
+    return Run(task=task, optimizer=opt, schedule=schedule, progress=progress, precision=FP32(), train_loader=train,
+               val_loader=val, device=torch.device("cpu"), val_interval=progress.resolve(val_interval),
+               log_interval=progress.resolve("1st"), gradient_clip_val=clip, max_nonfinite_steps=max_nonfinite_steps,
+               callbacks=list(callbacks), distributed=Single("cpu"))
+
+
+class Recorder(Callback):
+    """Remembers the loss logged at each step and the weights after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.weights: list[torch.Tensor] = []
+
+    def on_optimizer_step(self, run: Run) -> None:
+        self.weights.append(run.task.linear.weight.detach().clone())
+
+
+class ListLogger:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict]] = []
+
+    def log(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+
+def _losses(run: Run) -> list[float]:
+    logger = ListLogger()
+    run.loggers.append(logger)
+    fit(run)
+    return [m["train/loss"] for _, m in logger.rows if "train/loss" in m]
+
+
+def test_twenty_steps_lower_the_loss():
+    losses = _losses(make_run(max_duration="20st"))
+    assert len(losses) == 20
+    assert losses[-1] < 0.2 * losses[0]
+
+
+def test_seeded_runs_reproduce_their_losses():
+    assert _losses(make_run(max_duration="10st")) == _losses(make_run(max_duration="10st"))
+
+
+def test_accumulation_matches_one_big_batch():
+    # 4 micro-batches of 8 with accumulation 4 == one batch of 32: the loss is divided by the window size.
+    small = make_run(max_duration="1st", batch_size=8, accumulate=4, shuffle=False)
+    big = make_run(max_duration="1st", batch_size=32, accumulate=1, shuffle=False)
+    fit(small)
+    fit(big)
+    assert small.progress.micro_batch == 4 and big.progress.micro_batch == 1
+    torch.testing.assert_close(small.task.linear.weight, big.task.linear.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_short_epoch_end_window_is_a_mean_over_its_own_micro_batches():
+    # 64 samples / batch 8 = 8 micro-batches; accumulation 3 -> windows of 3, 3, 2. The last step's gradient must
+    # equal that of one batch of 16 made of the last two micro-batches (divided by 2, not by 3).
+    acc = make_run(max_duration="1ep", batch_size=8, accumulate=3, shuffle=False, lr=0.0)
+    rec = Recorder()
+    grads = []
+    acc.callbacks.append(rec)
+    acc.optimizer.register_step_pre_hook(lambda *_: grads.append(acc.task.linear.weight.grad.detach().clone()))
+    fit(acc)
+    assert acc.progress.step == 3 and acc.progress.micro_batch == 8
+    x, y = _data()["train"].tensors
+    ref = Regression()
+    ref.load_state_dict(acc.task.state_dict())
+    loss = ((ref.linear(x[48:]) - y[48:]) ** 2).mean()
+    loss.backward()
+    torch.testing.assert_close(grads[-1], ref.linear.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_nonfinite_loss_skips_the_step_and_stops_after_the_limit():
+    # Micro-batches 1-5 are fine, every later loss is NaN: weights must freeze at step 5 and the run must stop
+    # after exactly 3 skipped steps in a row.
+    run = make_run(Regression(poison_from=5), max_duration="50st", max_nonfinite_steps=3)
+    rec = Recorder()
+    run.callbacks.append(rec)
+    fit(run)
+    assert run.stop_reason == "nonfinite"
+    assert run.nonfinite_steps == 3
+    assert run.progress.step == 8  # skipped steps still advance time
+    for w in rec.weights[5:]:
+        torch.testing.assert_close(w, rec.weights[4], rtol=0, atol=0)
+    assert all(torch.isfinite(p).all() for p in run.task.parameters())
+
+
+def test_nonfinite_gradient_norm_is_also_skipped():
+    class InfGrad(Regression):
+        def training_step(self, batch):
+            out = super().training_step(batch)
+            if self.calls > 2:
+                out["loss"] = out["loss"] + self.linear.weight.sum() * 0 + torch.sqrt(self.linear.bias * 0).sum()
+            return out
+
+    run = make_run(InfGrad(), max_duration="10st", max_nonfinite_steps=2)
+    fit(run)
+    assert run.stop_reason == "nonfinite" and run.nonfinite_steps == 2
+
+
+def test_early_stopping_after_exactly_patience_bad_validations_and_restores_best():
+    # Validate every step with a learning rate so high the loss explodes after the first steps.
+    class Diverging(Regression):
+        pass
+
+    stopper = EarlyStopping(monitor="val/loss", patience=3, restore_best=True)
+    rec = Recorder()
+    logger = ListLogger()
+    run = make_run(Diverging(), max_duration="100st", lr=0.5, val_interval="1st", callbacks=[rec, stopper])
+    run.loggers.append(logger)
+    fit(run)
+    vals = [(s, m["val/loss"]) for s, m in logger.rows if "val/loss" in m]
+    assert run.stop_reason == "early_stopping"
+    best_step, best = min(vals, key=lambda sv: sv[1])
+    # stopped exactly `patience` validations after the best one
+    assert run.progress.step == best_step + 3
+    assert stopper.best.value == best and stopper.best.step == best_step
+    # restore_best put the weights of the best validation back
+    torch.testing.assert_close(run.task.linear.weight, rec.weights[best_step - 1])
+    assert math.isclose(run.metrics["val/loss"], best, rel_tol=1e-6)
+
+
+def test_plateau_steps_once_per_validation_and_needs_a_validation_metric():
+    class Flat(Regression):
+        def validation_step(self, batch):
+            return {"loss": torch.tensor(1.0)}
+
+    run = make_run(Flat(), max_duration="4ep", schedule=lambda **kw: plateau(patience=0, factor=0.5, **kw), lr=0.01)
+    fit(run)
+    # the validation loss never improves after the first of 4 validations (+1 final, unhooked): 3 halvings, not 3 x 8
+    assert run.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**3)
+    no_val = make_run(schedule=plateau, splits={"train": _data()["train"]})
+    with pytest.raises(ConfigError, match="never validates"):
+        check_monitors(no_val)
+
+
+def test_ema_tracks_the_average_and_validates_with_it():
+    ema = EMA(decay=0.9, every="1st", validate_with_ema=True, apply_at_end=False)
+    rec = Recorder()
+    run = make_run(max_duration="5st", callbacks=[rec, ema], val_interval="100st")
+    start = run.task.linear.weight.detach().clone()
+    fit(run)
+    expected = start
+    for w in rec.weights:
+        expected = expected + 0.1 * (w - expected)
+    shadow = ema.state_dict()["shadow"]["linear.weight"]
+    torch.testing.assert_close(shadow, expected)
+    # apply_at_end=False keeps the live weights; the final validation ran on the EMA weights and swapped back
+    torch.testing.assert_close(run.task.linear.weight, rec.weights[-1])
+
+
+def test_gradient_clipping_bounds_the_update():
+    run = make_run(max_duration="1st", lr=1.0, clip=1e-3, shuffle=False)
+    before = [p.detach().clone() for p in run.task.parameters()]
+    fit(run)
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(run.task.parameters(), before, strict=True)])
+    assert delta.norm().item() == pytest.approx(1e-3, rel=1e-4)
