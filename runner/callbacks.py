@@ -14,7 +14,11 @@ if TYPE_CHECKING:
 
 
 class Callback:
-    """Base class: every hook is a no-op. Hooks run in the order the callbacks appear in the config."""
+    """Base class: every hook is a no-op.
+
+    Hooks run in the order the callbacks appear in the config, except on_validation_end, which runs in reverse so that
+    it unwinds on_validation_start (a callback that swaps weights in for validation swaps them back last).
+    """
 
     monitor: str | None = None  # a callback that reads a validation metric names it here, so the loop can check it
 
@@ -123,7 +127,8 @@ class EMA(Callback):
     """Exponential moving average of the weights, updated every `every` (a duration, e.g. '1st').
 
     With `validate_with_ema` the validation passes run on the averaged weights; with `apply_at_end` the model ends
-    the run holding them. List `ema` before `early_stopping` so that restore_best remembers the weights it validated.
+    the run holding them. With `callbacks=[ema,early_stopping]`, early stopping sees (and with restore_best keeps)
+    the averaged weights it validated, and its restore at the end comes after EMA's apply_at_end.
     """
 
     def __init__(

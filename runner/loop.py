@@ -109,7 +109,7 @@ def validate(run: Run) -> dict[str, float]:
     if run.monitor in metrics:
         run.best.update(metrics[run.monitor], run.progress.step)
     run.schedule.on_validation(metrics)
-    for cb in run.callbacks:
+    for cb in reversed(run.callbacks):  # unwinds on_validation_start: EMA swaps its weights back after the others
         cb.on_validation_end(run, metrics)
     return metrics
 

@@ -26,7 +26,8 @@ class Duration:
     unit: str
 
     def __str__(self) -> str:
-        return f"{self.value:g}{self.unit}"
+        value = int(self.value) if self.value == int(self.value) else self.value
+        return f"{value}{self.unit}"
 
 
 def parse_duration(text: str | Duration) -> Duration:
@@ -104,8 +105,8 @@ class TrainingProgress:
         """Micro-batches in the accumulation window the next micro-batch belongs to (short at the end of an epoch)."""
         if self.batches_per_epoch is None:
             return self.accumulate
-        start = (self.batch_in_epoch // self.accumulate) * self.accumulate
-        return min(self.accumulate, self.batches_per_epoch - start) or self.accumulate
+        left = self.batches_per_epoch - (self.batch_in_epoch // self.accumulate) * self.accumulate
+        return min(self.accumulate, left) if left > 0 else self.accumulate  # past len(): drift, warned at epoch end
 
     def window_done(self, last_in_epoch: bool) -> bool:
         """Whether the micro-batch just counted closes an accumulation window."""
@@ -219,9 +220,11 @@ class TrainingProgress:
         per = self.per_step(d.unit)
         if per is None:
             return None
-        epoch_size = self.samples_per_epoch if d.unit == "sa" else None
+        per_sample = 1 if d.unit == "sa" else self.tokens_per_sample
+        epoch_size = self.samples_per_epoch * per_sample if self.samples_per_epoch else None
         if epoch_size and spe:
             # Only the last micro-batch of an epoch can be short, so after k < spe steps an epoch has seen k * per.
+            # (tok: exact when every sample holds tokens_per_sample tokens.)
             whole, rest = divmod(d.value, epoch_size)
             return int(whole) * spe + min(spe, math.ceil(rest / per - _EPS))
         return math.ceil(d.value / per - _EPS)

@@ -9,7 +9,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from runner import ConfigError
-from runner.progress import TrainingProgress
+from runner.progress import Duration, TrainingProgress
 
 
 class PerStep:
@@ -51,7 +51,7 @@ class OnMetric(PerStep):
         self.scheduler.step(metrics[self.monitor])
 
 
-def _steps(progress: TrainingProgress, duration: str, what: str) -> int:
+def _steps(progress: TrainingProgress, duration: str | Duration, what: str) -> int:
     steps = progress.steps_for(duration)
     if steps is None:
         raise ConfigError(
@@ -72,7 +72,7 @@ def cosine(
     optimizer: torch.optim.Optimizer, progress: TrainingProgress, warmup: str = "0.02dur", min_lr_ratio: float = 0.1
 ) -> PerStep:
     """Linear warmup, then cosine decay that reaches `min_lr_ratio` x the base LR exactly at max_duration."""
-    total = _steps(progress, str(progress.max_duration), "trainer.max_duration")
+    total = _steps(progress, progress.max_duration, "trainer.max_duration")
     warm = min(_steps(progress, warmup, "scheduler.warmup"), total)
 
     def factor(t: int) -> float:
