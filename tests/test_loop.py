@@ -212,3 +212,19 @@ def test_gradient_clipping_bounds_the_update():
     fit(run)
     delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(run.task.parameters(), before, strict=True)])
     assert delta.norm().item() == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_early_stopping_keeps_the_ema_weights_it_validated():
+    # [ema, early_stopping]: validation runs on the EMA weights, restore_best keeps those, and the final evaluation
+    # (summary metrics) is of exactly the weights that were best.
+    ema = EMA(decay=0.5, every="1st", validate_with_ema=True, apply_at_end=True)
+    stopper = EarlyStopping(monitor="val/loss", patience=2, restore_best=True)
+    logger = ListLogger()
+    run = make_run(max_duration="12st", lr=0.5, val_interval="1st", callbacks=[ema, stopper])
+    run.loggers.append(logger)
+    fit(run)
+    vals = {s: m["val/loss"] for s, m in logger.rows if "val/loss" in m}
+    best_step = min(vals, key=vals.get)
+    assert stopper.best.step == best_step
+    torch.testing.assert_close(run.task.state_dict()["linear.weight"], stopper.best_weights["linear.weight"])
+    assert math.isclose(run.metrics["val/loss"], vals[best_step], rel_tol=1e-6)
