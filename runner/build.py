@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import numpy as np
@@ -32,9 +33,20 @@ def param_groups(task: nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
 
 
-def _named(group: DictConfig | None) -> list[Any]:
-    # callbacks and loggers are groups whose options merge into one mapping of name -> component config
-    return [instantiate(c) for c in (group or {}).values() if c is not None]
+def _named(group: DictConfig | None, what: str) -> list[Any]:
+    """Instantiate a group whose options merge into one mapping of name -> component config (callbacks, logger)."""
+    components = []
+    for name, node in (group or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            # An experiment tuned a component (say callbacks.early_stopping.patience) whose option the command line
+            # then left out (callbacks=none): the tuning has nothing to apply to.
+            warnings.warn(f"{what}.{name} has settings but its option is not selected (no _target_); ignoring it",
+                          UserWarning, stacklevel=2)
+            continue
+        components.append(instantiate(node))
+    return components
 
 
 def build(cfg: DictConfig) -> Run:
@@ -74,8 +86,8 @@ def build(cfg: DictConfig) -> Run:
         log_interval=progress.resolve(trainer.log_interval),
         gradient_clip_val=trainer.gradient_clip_val,
         max_nonfinite_steps=trainer.max_nonfinite_steps,
-        callbacks=_named(cfg.get("callbacks")),
-        loggers=_named(cfg.get("logger")) if dist.is_main else [],
+        callbacks=_named(cfg.get("callbacks"), "callbacks"),
+        loggers=_named(cfg.get("logger"), "logger") if dist.is_main else [],
         monitor=cfg.get("monitor"),
         best=Best(cfg.get("mode", "min")),
         distributed=dist,

@@ -122,7 +122,7 @@ def fit(run: Run) -> Run:
         cb.on_fit_start(run)
     sums: dict[str, torch.Tensor] = {}  # training outputs summed over micro-batches since the last log
     micro, steps, norm_sum, window_loss, bad_in_a_row = 0, 0, 0.0, 0.0, 0
-    clock, samples0, tokens0, last_val = time.perf_counter(), p.samples, p.tokens, -1
+    clock, samples0, tokens0 = time.perf_counter(), p.samples, p.tokens
     task.train()
     while run.stop_reason is None and not p.finished:
         if hasattr(run.train_loader.sampler, "set_epoch"):
@@ -193,27 +193,22 @@ def fit(run: Run) -> Run:
                     metrics["train/tokens_per_s"] = (p.tokens - tokens0) / elapsed
                 sums, micro, steps, norm_sum = {}, 0, 0, 0.0
                 clock, samples0, tokens0 = time.perf_counter(), p.samples, p.tokens
-            if run.val_loader is not None and p.ticked(run.val_interval):
-                metrics.update(validate(run))
-                last_val = p.step
+            # The last step always validates, so the summary holds validation metrics of the final weights.
+            due = p.ticked(run.val_interval) or p.finished or run.stop_reason is not None
+            if run.val_loader is not None and due and run.stop_reason != "nonfinite":
+                metrics.update(validate(run))  # may ask to stop (early stopping)
             if metrics:
                 _log(run, metrics)
-            if run.stop_reason is not None or p.finished:
+            if p.finished or run.stop_reason is not None:
                 break
     if run.stop_reason is None:
         run.stop_reason = "max_duration"
         p.check_total()
+    versions = [t._version for t in task.state_dict(keep_vars=True).values()]
     for cb in run.callbacks:
         cb.on_fit_end(run)
-    if run.val_loader is not None and run.stop_reason != "nonfinite":
-        # Measure the weights the run ends with (restore_best or EMA may have just put others in place), so that
-        # summary.json describes the model that is kept. Logged only if this step has no validation row yet.
-        final = evaluate(run)
-        if last_val != p.step:
-            if run.monitor in final:
-                run.best.update(final[run.monitor], p.step)
-            _log(run, final)
-        run.metrics.update(final)
+    if run.val_loader is not None and versions != [t._version for t in task.state_dict(keep_vars=True).values()]:
+        run.metrics.update(evaluate(run))  # restore_best or EMA changed the weights: summary.json describes these
     return run
 
 

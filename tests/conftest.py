@@ -1,0 +1,64 @@
+"""Shared fixtures: run the real CLI (`python -m runner ...`) in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+CLI_TIMEOUT_S = 300  # generous: the machine may be shared; a healthy run takes a few seconds
+
+
+def _has_run_dir(overrides: tuple[str, ...]) -> bool:
+    return any(o.lstrip("+").startswith("hydra.run.dir=") for o in overrides)
+
+
+def cli(
+    *overrides: str, cwd: str | Path, run_dir: str | Path | None = None, timeout: float = CLI_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    """Run `python -m runner *overrides` in `cwd`; add hydra.run.dir=`run_dir` unless the overrides set one.
+
+    WANDB_MODE is offline and HYDRA_FULL_ERROR is unset, so errors look as a user sees them. The runner and
+    experiments packages are installed editable, so they import from any working directory.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["WANDB_MODE"] = "offline"
+    args = list(overrides)
+    if run_dir is not None and not _has_run_dir(overrides):
+        args.append(f"hydra.run.dir={run_dir}")
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture
+def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """`run_cli(*overrides, cwd=tmp_path)`: the CLI with hydra.run.dir=<tmp_path>/run unless the caller sets one."""
+
+    def _run(
+        *overrides: str, cwd: str | Path = tmp_path, timeout: float = CLI_TIMEOUT_S
+    ) -> subprocess.CompletedProcess:
+        return cli(*overrides, cwd=cwd, run_dir=tmp_path / "run", timeout=timeout)
+
+    return _run
+
+
+@pytest.fixture(scope="session")
+def run_cli_in() -> Callable[..., subprocess.CompletedProcess]:
+    """Session-scoped variant for module fixtures: `run_cli_in(directory, *overrides)` runs in `directory` with
+    hydra.run.dir=<directory>/run unless the overrides set one."""
+
+    def _run(directory: Path, *overrides: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+        return cli(*overrides, cwd=directory, run_dir=directory / "run", timeout=timeout)
+
+    return _run

@@ -1,0 +1,262 @@
+"""Every option of every config group composes with the digits experiment and builds into sensible objects.
+
+Options are discovered from the YAML files under conf/, so a newly added file is tested without editing this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
+
+from runner.build import build
+from runner.callbacks import Callback
+from runner.loggers import JsonlLogger, Logger, WandbLogger
+from runner.loop import Run, fit
+from runner.precision import FP32
+from runner.progress import Duration, parse_duration
+from runner.schedulers import OnMetric, PerStep
+
+CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
+EXPECTED_GROUPS = {
+    "model",
+    "data",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "distributed",
+    "logger",
+    "callbacks",
+    "experiment",
+}
+GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
+OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF_DIR / group).glob("*.yaml"))]
+EXPERIMENTS = [option for group, option in OPTIONS if group == "experiment"]
+
+def _with_digits_params() -> list:
+    return [pytest.param(group, option, id=f"{group}={option}") for group, option in OPTIONS]
+
+
+@pytest.fixture(autouse=True)
+def _offline_wandb(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+
+
+@pytest.fixture
+def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
+    """`compose_cfg(*overrides)`: the job config as the CLI would see it, with ${hydra:runtime.output_dir} resolving to
+    <tmp_path>/run. Hydra's choices stay available through HydraConfig.get().runtime.choices."""
+
+    def _compose(*overrides: str) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(
+                config_name="config",
+                overrides=[*overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+                return_hydra_config=True,
+            )
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]  # the job config of a real run has no hydra node
+        return cfg
+
+    yield _compose
+    HydraConfig.instance().cfg = None
+
+
+@pytest.fixture
+def built(compose_cfg: Callable[..., DictConfig]) -> Iterator[Callable[..., tuple[DictConfig, Run]]]:
+    """`built(*overrides)`: compose and build a run; its loggers are closed when the test ends."""
+    runs: list[Run] = []
+
+    def _build(*overrides: str) -> tuple[DictConfig, Run]:
+        cfg = compose_cfg(*overrides)
+        run = build(cfg)
+        runs.append(run)
+        return cfg, run
+
+    yield _build
+    for run in runs:
+        for logger in run.loggers:
+            logger.close(None)
+
+
+def _overrides_for(group: str, option: str) -> list[str]:
+    if group == "experiment":
+        return [f"+experiment={option}"]
+    return ["+experiment=digits", f"{group}={option}"]
+
+
+def _components(node: DictConfig | None) -> dict[str, DictConfig]:
+    # entries without _target_ are an experiment's tuning of a component the command line deselected: not built
+    return {name: c for name, c in (node or {}).items() if c is not None and "_target_" in c}
+
+
+def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
+    """Assertions that hold for any config: every component is built, of the class its _target_ names."""
+    assert isinstance(run, Run)
+
+    # model
+    assert isinstance(run.task, nn.Module)
+    assert type(run.task) is get_object(cfg.model._target_)
+    assert callable(getattr(run.task, "training_step", None))
+    params = [p for p in run.task.parameters() if p.requires_grad]
+    assert params and all(p.device.type == run.device.type for p in params)
+
+    # optimizer: every trainable parameter in exactly one group; matrices decayed, 1-D tensors not
+    assert isinstance(run.optimizer, torch.optim.Optimizer)
+    assert type(run.optimizer) is get_object(cfg.optimizer._target_)
+    grouped = [p for g in run.optimizer.param_groups for p in g["params"]]
+    assert len(grouped) == len(params) and {id(p) for p in grouped} == {id(p) for p in params}
+    for group in run.optimizer.param_groups:
+        if all(p.ndim < 2 for p in group["params"]):
+            assert group["weight_decay"] == 0.0
+        else:
+            assert all(p.ndim >= 2 for p in group["params"])
+            assert group["weight_decay"] == pytest.approx(cfg.optimizer.get("weight_decay", 0.0))
+        assert group["lr"] > 0
+
+    # scheduler
+    assert isinstance(run.schedule, PerStep)
+    if isinstance(run.schedule, OnMetric):
+        assert run.schedule.monitor == cfg.scheduler.monitor
+        assert run.schedule.monitor.startswith("val/")
+    else:
+        assert run.schedule.monitor is None
+
+    # precision: autocast() is a context manager under which the forward pass runs in the configured dtype
+    assert isinstance(run.precision, FP32)
+    assert type(run.precision) is get_object(cfg.precision._target_)
+    x, y = next(iter(run.train_loader))
+    assert x.shape[0] == y.shape[0] == cfg.data.batch_size
+    with torch.no_grad(), run.precision.autocast():
+        logits = run.task(x.to(run.device))
+        out = run.task.training_step((x.to(run.device), y.to(run.device)))
+    expected_dtype = getattr(torch, cfg.precision.dtype) if "dtype" in cfg.precision else torch.float32
+    assert logits.dtype == expected_dtype
+    assert run.precision.name == {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[expected_dtype]
+    assert torch.isfinite(out["loss"])
+
+    # distributed and data
+    assert run.distributed.is_main and run.world_size == 1
+    assert type(run.distributed) is get_object(cfg.distributed._target_)
+    n_train = len(run.train_loader.dataset)
+    assert len(run.train_loader) == math.ceil(n_train / cfg.data.batch_size)
+    assert run.val_loader is not None and len(run.val_loader.dataset) > 0
+
+    # progress and durations
+    p = run.progress
+    assert (p.step, p.micro_batch, p.epoch, p.samples) == (0, 0, 0, 0)
+    assert p.max_duration == parse_duration(cfg.trainer.max_duration)
+    assert p.batches_per_epoch == len(run.train_loader)
+    assert p.accumulate == cfg.trainer.accumulate_grad_batches
+    assert isinstance(run.val_interval, Duration) and isinstance(run.log_interval, Duration)
+
+    # loggers and callbacks: one object per configured entry, in order, of the class its _target_ names
+    assert isinstance(run.loggers, list) and isinstance(run.callbacks, list)
+    loggers = _components(cfg.get("logger"))
+    assert [type(lg) for lg in run.loggers] == [get_object(c._target_) for c in loggers.values()]
+    assert all(isinstance(lg, Logger) for lg in run.loggers)
+    for lg in run.loggers:
+        if isinstance(lg, JsonlLogger):
+            assert lg.path == tmp_path / "run" / "metrics.jsonl"
+        if isinstance(lg, WandbLogger):
+            assert lg.run is None  # never started here
+            assert lg.kwargs["mode"] == "offline"
+            assert lg.kwargs["dir"] == str(tmp_path / "run")
+    callbacks = _components(cfg.get("callbacks"))
+    assert [type(cb) for cb in run.callbacks] == [get_object(c._target_) for c in callbacks.values()]
+    assert all(isinstance(cb, Callback) for cb in run.callbacks)
+    for cb in run.callbacks:
+        assert cb.monitor is None or cb.monitor.startswith("val/")
+
+
+def test_expected_groups_are_discovered() -> None:
+    assert EXPECTED_GROUPS <= set(GROUPS)
+    counts = {g: sum(1 for group, _ in OPTIONS if group == g) for g in GROUPS}
+    assert all(n >= 1 for n in counts.values()), counts
+    assert "digits" in EXPERIMENTS
+
+
+def test_base_config_defaults_do_not_list_experiment() -> None:
+    base = OmegaConf.load(CONF_DIR / "config.yaml")
+    defaults = OmegaConf.to_container(base.defaults)
+    names = [entry if isinstance(entry, str) else next(iter(entry)) for entry in defaults]
+    assert names, "the base config has a defaults list"
+    assert "_self_" in names
+    for name in names:
+        # plain, optional or override entries: "experiment", "optional experiment", "override /experiment", ...
+        assert "experiment" not in name.replace("/", " ").split(), f"defaults list selects an experiment: {name!r}"
+
+
+def test_base_config_composes_without_experiment(compose_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    cfg = compose_cfg()
+    assert HydraConfig.get().runtime.choices.get("experiment") is None
+    assert cfg.run_dir == str(tmp_path / "run")
+    assert cfg.trainer.max_duration == "10ep"
+
+
+@pytest.mark.parametrize(("group", "option"), _with_digits_params())
+def test_option_builds_with_digits(
+    group: str, option: str, built: Callable[..., tuple[DictConfig, Run]], tmp_path: Path
+) -> None:
+    cfg, run = built(*_overrides_for(group, option))
+    assert HydraConfig.get().runtime.choices[group] == option
+    assert cfg.run_dir == str(tmp_path / "run")
+    check_run(cfg, run, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("group", "option"), [pytest.param(g, o, id=f"{g}={o}") for g, o in OPTIONS if g != "experiment"]
+)
+def test_option_builds_on_base_config(
+    group: str, option: str, built: Callable[..., tuple[DictConfig, Run]], tmp_path: Path
+) -> None:
+    cfg, run = built(f"{group}={option}")
+    assert HydraConfig.get().runtime.choices[group] == option
+    check_run(cfg, run, tmp_path)
+
+
+def test_digits_experiment_applies_its_settings(built: Callable[..., tuple[DictConfig, Run]]) -> None:
+    cfg, run = built("+experiment=digits")
+    assert cfg.model.hidden == [512, 512] and cfg.model.dropout == 0.3
+    assert isinstance(run.schedule, OnMetric) and run.schedule.monitor == "val/loss"
+    (stopper,) = run.callbacks
+    assert type(stopper).__name__ == "EarlyStopping" and stopper.patience == 8 and stopper.restore_best
+    linears = [m for m in run.task.modules() if isinstance(m, nn.Linear)]
+    assert [m.out_features for m in linears] == [512, 512, 10]
+    # 1797 digits; the stratified split rounds each class's 20% share: 359 val, 1438 train (45 micro-batches of 32)
+    assert (len(run.train_loader.dataset), len(run.val_loader.dataset)) == (1438, 359)
+    assert len(run.train_loader) == 45
+    assert run.progress.total_steps() == 60 * 45
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_fits_tiny_budget(experiment: str, built: Callable[..., tuple[DictConfig, Run]]) -> None:
+    cfg, run = built(f"+experiment={experiment}", "trainer.max_duration=5st")
+    before = [p.detach().clone() for p in run.task.parameters()]
+    fit(run)
+    assert run.stop_reason == "max_duration"
+    assert run.progress.step == 5
+    assert run.progress.micro_batch == 5 * cfg.trainer.accumulate_grad_batches
+    assert run.nonfinite_steps == 0
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, run.task.parameters(), strict=True))
+    assert math.isfinite(run.metrics["val/loss"])
+
+
+def test_deselecting_a_callback_the_experiment_tunes_warns_and_builds(
+    built: Callable[..., tuple[DictConfig, Run]],
+) -> None:
+    # digits sets callbacks.early_stopping.patience; callbacks=none leaves those settings with nothing to apply to
+    with pytest.warns(UserWarning, match=r"callbacks\.early_stopping has settings but its option is not selected"):
+        _, run = built("+experiment=digits", "callbacks=none")
+    assert run.callbacks == []
