@@ -42,6 +42,7 @@ class ConsoleLogger(Logger):
         self.show = tuple(show)
         self.bar = None
         self.task = None
+        self.latest: dict[str, float] = {}  # the last value of each shown metric (train and val rows differ in step)
 
     def start(self, info: dict[str, Any]) -> None:
         """Print the startup table and open the progress bar."""
@@ -80,11 +81,13 @@ class ConsoleLogger(Logger):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Update the bar; print a line per validation."""
+        self.latest.update((k, metrics[k]) for k in self.show if k in metrics)
         if self.bar is not None:
-            stats = "  ".join(f"{k.split('/')[-1]} {_fmt(metrics[k])}" for k in self.show if k in metrics)
-            self.bar.update(self.task, completed=step, **({"stats": stats} if stats else {}))
+            stats = "  ".join(f"{k.split('/')[-1]} {_fmt(v)}" for k, v in self.latest.items())
+            self.bar.update(self.task, completed=step, stats=stats)
         if any(k.startswith("val/") for k in metrics):
-            shown = {k: v for k, v in metrics.items() if k.startswith("val/") or k == "train/loss"}
+            shown = {**{k: v for k, v in self.latest.items() if k == "train/loss"},
+                     **{k: v for k, v in metrics.items() if k.startswith("val/")}}
             line = "  ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
             self.console.print(
                 f"step {step}  epoch {metrics.get('epoch', 0):.2f}  {line}", highlight=False, soft_wrap=True

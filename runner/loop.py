@@ -120,9 +120,7 @@ def fit(run: Run) -> Run:
     params = [q for q in task.parameters() if q.requires_grad]
     for cb in run.callbacks:
         cb.on_fit_start(run)
-    sums: dict[str, torch.Tensor] = {}  # training outputs summed over micro-batches since the last log
-    micro, steps, norm_sum, window_loss, bad_in_a_row = 0, 0, 0.0, 0.0, 0
-    clock, samples0, tokens0 = time.perf_counter(), p.samples, p.tokens
+    meter, window_loss, bad_in_a_row = _Meter(p), 0.0, 0
     task.train()
     while run.stop_reason is None and not p.finished:
         if hasattr(run.train_loader.sampler, "set_epoch"):
@@ -136,9 +134,7 @@ def fit(run: Run) -> Run:
             loss = out["loss"]
             precision.backward(loss / window)  # / real window size: a short epoch-end window still averages
             window_loss = window_loss + loss.detach()
-            for key, value in out.items():
-                sums[key] = sums.get(key, 0.0) + value.detach()
-            micro += 1
+            meter.add(out)
             if not p.window_done(last):
                 continue
 
@@ -163,36 +159,12 @@ def fit(run: Run) -> Run:
             p.count_optimizer_step()
             if last:
                 p.end_epoch()
-            norm_sum, steps, window_loss = norm_sum + norm, steps + 1, 0.0
+            meter.add_step(norm)
+            window_loss = 0.0
             for cb in run.callbacks:
                 cb.on_optimizer_step(run)
 
-            metrics: dict[str, float] = {}
-            if p.ticked(run.log_interval):
-                keys = list(sums)
-                values = torch.stack(
-                    [
-                        *(torch.as_tensor(sums[k]).float() / micro for k in keys),
-                        torch.as_tensor(norm_sum).float() / steps,
-                        _param_norm(params),
-                    ]
-                ).tolist()
-                elapsed = time.perf_counter() - clock
-                metrics = {f"train/{k}": v for k, v in zip(keys, values, strict=False)}
-                metrics.update(
-                    {
-                        "train/grad_norm": values[-2],
-                        "train/param_norm": values[-1],
-                        "train/lr": opt.param_groups[0]["lr"],
-                        "train/nonfinite_steps": run.nonfinite_steps,
-                        "train/samples_per_s": (p.samples - samples0) / elapsed,
-                        "sys/peak_memory_mb": _peak_memory_mb(run.device),
-                    }
-                )
-                if p.tokens:
-                    metrics["train/tokens_per_s"] = (p.tokens - tokens0) / elapsed
-                sums, micro, steps, norm_sum = {}, 0, 0, 0.0
-                clock, samples0, tokens0 = time.perf_counter(), p.samples, p.tokens
+            metrics = meter.read(run, params) if p.ticked(run.log_interval) else {}
             # The last step always validates, so the summary holds validation metrics of the final weights.
             due = p.ticked(run.val_interval) or p.finished or run.stop_reason is not None
             if run.val_loader is not None and due and run.stop_reason != "nonfinite":
@@ -212,8 +184,50 @@ def fit(run: Run) -> Run:
     return run
 
 
-def _param_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([q.detach() for q in params]))).float()
+class _Meter:
+    """Training outputs and grad norms summed on the device between two logs, so that steps need no host sync."""
+
+    def __init__(self, progress: TrainingProgress) -> None:
+        self._reset(progress)
+
+    def _reset(self, progress: TrainingProgress) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.micro, self.steps, self.norm = 0, 0, 0.0
+        self.clock, self.samples, self.tokens = time.perf_counter(), progress.samples, progress.tokens
+
+    def add(self, out: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch's training_step outputs."""
+        for key, value in out.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value.detach()
+        self.micro += 1
+
+    def add_step(self, grad_norm: torch.Tensor) -> None:
+        """Add one optimizer step's global gradient norm."""
+        self.norm = self.norm + grad_norm
+        self.steps += 1
+
+    def read(self, run: Run, params: list[torch.Tensor]) -> dict[str, float]:
+        """Means since the last read, norms, LR, throughput and memory, with one device sync; then start over."""
+        p, keys = run.progress, list(self.sums)
+        param_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([q.detach() for q in params])))
+        means = [torch.as_tensor(self.sums[k]).float() / self.micro for k in keys]
+        values = torch.stack([*means, torch.as_tensor(self.norm).float() / self.steps, param_norm.float()]).tolist()
+        elapsed = time.perf_counter() - self.clock
+        metrics = {f"train/{k}": v for k, v in zip(keys, values, strict=False)}
+        metrics.update(
+            {
+                "train/grad_norm": values[-2],
+                "train/param_norm": values[-1],
+                "train/lr": run.optimizer.param_groups[0]["lr"],
+                "train/nonfinite_steps": run.nonfinite_steps,
+                "train/samples_per_s": (p.samples - self.samples) / elapsed,
+                "sys/peak_memory_mb": _peak_memory_mb(run.device),
+            }
+        )
+        if p.tokens:
+            metrics["train/tokens_per_s"] = (p.tokens - self.tokens) / elapsed
+        self._reset(p)
+        return metrics
 
 
 def _peak_memory_mb(device: torch.device) -> float:
