@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -50,7 +51,17 @@ def _named(group: DictConfig | None, what: str) -> list[Any]:
 
 
 def build(cfg: DictConfig) -> Run:
-    """Instantiate every component of the run described by `cfg`."""
+    """Instantiate every component of the run described by `cfg`; a ConfigError from a component is re-raised bare."""
+    try:
+        return _build(cfg)
+    except InstantiationException as error:
+        # Hydra wraps what a constructor raises; a ConfigError is a message for the user, not a bug to trace.
+        if isinstance(error.__cause__, ConfigError):
+            raise error.__cause__ from None
+        raise
+
+
+def _build(cfg: DictConfig) -> Run:
     dist = instantiate(cfg.distributed)
     seed_everything(cfg.seed)
     data = instantiate(cfg.data)
@@ -61,9 +72,13 @@ def build(cfg: DictConfig) -> Run:
             f"the train loader is empty: {len(train_loader.dataset)} samples with "
             f"data.batch_size={data.batch_size} and drop_last on {dist.world_size} rank(s)"
         )
+    trainer = cfg.trainer
+    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val <= 0:
+        raise ConfigError(f"trainer.gradient_clip_val must be > 0 or null (off), got {trainer.gradient_clip_val}")
+    if trainer.max_nonfinite_steps < 1:
+        raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
     task = instantiate(cfg.model).to(dist.device)
     optimizer = instantiate(cfg.optimizer)(param_groups(task))
-    trainer = cfg.trainer
     progress = TrainingProgress(
         trainer.max_duration,
         batch_size=data.batch_size,
@@ -87,12 +102,13 @@ def build(cfg: DictConfig) -> Run:
         gradient_clip_val=trainer.gradient_clip_val,
         max_nonfinite_steps=trainer.max_nonfinite_steps,
         callbacks=_named(cfg.get("callbacks"), "callbacks"),
-        loggers=_named(cfg.get("logger"), "logger") if dist.is_main else [],
         monitor=cfg.get("monitor"),
         best=Best(cfg.get("mode", "min")),
         distributed=dist,
     )
     check_monitors(run)
+    # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
+    run.loggers = _named(cfg.get("logger"), "logger") if dist.is_main else []
     return run
 
 

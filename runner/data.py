@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from runner import ConfigError
+
 
 class TensorData(Dataset):
     """In-memory tensors indexed along dim 0. A whole batch is one fancy-indexing call (no per-sample collate)."""
@@ -59,9 +61,9 @@ class DataModule:
         tokens_per_sample: float | None = None,
     ) -> None:
         if "train" not in splits:
-            raise ValueError(f"data.splits must have a 'train' split, got {sorted(splits)}")
+            raise ConfigError(f"data.splits must have a 'train' split, got {sorted(splits)}")
         if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
         self.splits, self.batch_size = splits, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.shuffle, self.drop_last, self.seed = num_workers, shuffle, drop_last, seed

@@ -17,6 +17,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
+from runner import ConfigError
 from runner.build import build
 from runner.callbacks import Callback
 from runner.loggers import JsonlLogger, Logger, WandbLogger
@@ -260,3 +261,21 @@ def test_deselecting_a_callback_the_experiment_tunes_warns_and_builds(
     with pytest.warns(UserWarning, match=r"callbacks\.early_stopping has settings but its option is not selected"):
         _, run = built("+experiment=digits", "callbacks=none")
     assert run.callbacks == []
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.gradient_clip_val=-1", "gradient_clip_val must be > 0 or null"),
+        ("trainer.max_nonfinite_steps=0", "max_nonfinite_steps must be >= 1"),
+        ("trainer.val_interval=2epochs", "cannot read duration"),
+        ("data.batch_size=0", "batch_size must be >= 1"),
+    ],
+)
+def test_bad_trainer_values_are_refused_before_any_file_is_written(
+    override: str, message: str, compose_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    cfg = compose_cfg("+experiment=digits", override)
+    with pytest.raises(ConfigError, match=message):
+        build(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
