@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from runner import ConfigError
 from runner.build import build, run_info
-from runner.loggers import run_metadata, write_json
+from runner.loggers import run_metadata, save_weights, write_json
 from runner.loop import Run, fit
 
 
@@ -61,6 +61,7 @@ def main(cfg: DictConfig) -> float | None:
         summary = summarize(run, time.perf_counter() - started)
     finally:
         if summary is not None and run.distributed.is_main:
+            save_weights(run.task, run_dir / "model.safetensors")
             write_json(run_dir / "summary.json", summary)
         for logger in run.loggers:
             logger.close(summary)

@@ -43,8 +43,11 @@ def _named(group: DictConfig | None, what: str) -> list[Any]:
         if "_target_" not in node:
             # An experiment tuned a component (say callbacks.early_stopping.patience) whose option the command line
             # then left out (callbacks=none): the tuning has nothing to apply to.
-            warnings.warn(f"{what}.{name} has settings but its option is not selected (no _target_); ignoring it",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                f"{what}.{name} has settings but its option is not selected (no _target_); ignoring it",
+                UserWarning,
+                stacklevel=2,
+            )
             continue
         components.append(instantiate(node))
     return components

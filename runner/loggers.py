@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 class Logger:
     """Base class: a logger overrides what it needs."""
@@ -86,8 +88,10 @@ class ConsoleLogger(Logger):
             stats = "  ".join(f"{k.split('/')[-1]} {_fmt(v)}" for k, v in self.latest.items())
             self.bar.update(self.task, completed=step, stats=stats)
         if any(k.startswith("val/") for k in metrics):
-            shown = {**{k: v for k, v in self.latest.items() if k == "train/loss"},
-                     **{k: v for k, v in metrics.items() if k.startswith("val/")}}
+            shown = {
+                **{k: v for k, v in self.latest.items() if k == "train/loss"},
+                **{k: v for k, v in metrics.items() if k.startswith("val/")},
+            }
             line = "  ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
             self.console.print(
                 f"step {step}  epoch {metrics.get('epoch', 0):.2f}  {line}", highlight=False, soft_wrap=True
@@ -180,6 +184,17 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def save_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """The model's state_dict as safetensors (loadable without unpickling), written atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    # clone: safetensors refuses tensors that share storage (tied weights); each key gets its own copy
+    save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))
     os.replace(tmp, path)
 
 

@@ -121,6 +121,8 @@ def fit(run: Run) -> Run:
     for cb in run.callbacks:
         cb.on_fit_start(run)
     meter, window_loss, bad_in_a_row = _Meter(p), 0.0, 0
+    # A task may keep a constraint after each applied step (an SAE renormalises its decoder rows).
+    after_step = getattr(task, "after_optimizer_step", lambda: None)
     task.train()
     while run.stop_reason is None and not p.finished:
         if hasattr(run.train_loader.sampler, "set_epoch"):
@@ -147,6 +149,7 @@ def fit(run: Run) -> Run:
             check = window_loss if precision.handles_overflow else window_loss + norm
             if bool(torch.isfinite(check)):  # the one host sync per optimizer step
                 precision.step(opt)
+                after_step()
                 bad_in_a_row = 0
             else:
                 precision.skip()

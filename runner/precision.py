@@ -15,8 +15,10 @@ class FP32:
     # Whether this precision itself skips steps whose gradients overflowed (fp16 loss scaling does).
     handles_overflow = False
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", flush_denormal: bool = True) -> None:
         self.device = torch.device(device)
+        # Denormal floats (Adam moments of rarely used weights decay into them) are many times slower on CPUs.
+        torch.set_flush_denormal(flush_denormal)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Context for the forward pass."""
@@ -47,8 +49,10 @@ class FP32:
 class Autocast(FP32):
     """Mixed precision: the forward pass runs under torch.autocast in `dtype` (bfloat16 needs no loss scaling)."""
 
-    def __init__(self, dtype: str = "bfloat16", device: torch.device | str = "cpu") -> None:
-        super().__init__(device)
+    def __init__(
+        self, dtype: str = "bfloat16", device: torch.device | str = "cpu", flush_denormal: bool = True
+    ) -> None:
+        super().__init__(device, flush_denormal)
         self.dtype = getattr(torch, dtype)
         self.name = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
@@ -68,8 +72,9 @@ class ScaledAutocast(Autocast):
         device: torch.device | str = "cpu",
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
+        flush_denormal: bool = True,
     ) -> None:
-        super().__init__(dtype, device)
+        super().__init__(dtype, device, flush_denormal)
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale, growth_interval=growth_interval)
 
     def backward(self, loss: torch.Tensor) -> None:

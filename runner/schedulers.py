@@ -84,6 +84,28 @@ def cosine(
     return PerStep(LambdaLR(optimizer, factor))
 
 
+def wsd(
+    optimizer: torch.optim.Optimizer,
+    progress: TrainingProgress,
+    warmup: str = "0.01dur",
+    decay: str = "0.2dur",
+    min_lr_ratio: float = 0.0,
+) -> PerStep:
+    """Warmup-stable-decay: linear warmup, constant, then linear decay to `min_lr_ratio` over the last `decay`."""
+    total = _steps(progress, progress.max_duration, "trainer.max_duration")
+    warm = min(_steps(progress, warmup, "scheduler.warmup"), total)
+    cool = min(_steps(progress, decay, "scheduler.decay"), total - warm)
+
+    def factor(t: int) -> float:
+        if t < warm:
+            return (t + 1) / (warm + 1)
+        if t < total - cool:
+            return 1.0
+        return 1.0 - (1.0 - min_lr_ratio) * min(1.0, (t - (total - cool)) / max(1, cool))
+
+    return PerStep(LambdaLR(optimizer, factor))
+
+
 def step(
     optimizer: torch.optim.Optimizer, progress: TrainingProgress, every: str = "1ep", gamma: float = 0.1
 ) -> PerStep:

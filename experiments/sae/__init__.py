@@ -1,0 +1,1 @@
+"""Sparse autoencoders on activations: models, data sources, metrics and callbacks."""

@@ -1,0 +1,96 @@
+"""SAE callbacks: ground-truth feature recovery at each validation, and Anthropic-style resampling of dead latents."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from experiments.sae.metrics import feature_recovery
+from runner.callbacks import Callback
+from runner.progress import parse_duration
+
+if TYPE_CHECKING:
+    from runner.loop import Run
+
+
+class GroundTruthRecovery(Callback):
+    """Adds val/mmcs and val/recovered_<t> when the validation data knows its true features (synthetic data)."""
+
+    def __init__(self, thresholds: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)) -> None:
+        self.thresholds = tuple(thresholds)
+
+    def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """Score the decoder against the truth (metrics added here are logged with the validation's row)."""
+        truth = getattr(run.val_loader.dataset, "true_features", None) if run.val_loader is not None else None
+        if truth is not None:
+            scores = feature_recovery(run.task.W_dec.detach(), truth.to(run.task.W_dec.device), self.thresholds)
+            metrics.update({f"val/{k}": v for k, v in scores.items()})
+
+
+class ResampleDead(Callback):
+    """Every `every` (until `until`), re-initialise dead latents towards inputs the SAE reconstructs worst.
+
+    As in Anthropic's 'Towards Monosemanticity': sample inputs with probability proportional to their squared
+    reconstruction error, point the dead latents' decoder rows at them (unit norm), set their encoder columns to the
+    same direction scaled to `encoder_scale` x the mean norm of live encoder columns, zero their encoder bias, and
+    reset the optimizer state of every touched entry.
+    """
+
+    def __init__(
+        self, every: str = "250st", until: str = "0.5dur", samples: int = 8192, encoder_scale: float = 0.2
+    ) -> None:
+        self.every, self.until = parse_duration(every), parse_duration(until)
+        self.samples, self.encoder_scale = samples, encoder_scale
+        self.resampled = 0
+
+    @torch.no_grad()
+    def on_optimizer_step(self, run: Run) -> None:
+        """Resample at each tick of `every` while `until` has not elapsed."""
+        p, sae = run.progress, run.task
+        if not p.ticked(self.every) or p.elapsed(self.until):
+            return
+        dead = sae.dead_mask().nonzero().flatten()
+        if len(dead) == 0:
+            return
+        x = self._inputs(run).to(sae.W_dec.device)
+        xn = x.float() * sae.input_scale
+        err = (sae.decode(*sae.activate(sae.pre_activations(xn))) - xn).pow(2).sum(1)
+        picks = torch.multinomial(err / err.sum(), len(dead), replacement=len(dead) > len(err))
+        directions = F.normalize(xn[picks] - sae.b_dec, dim=1)
+        alive = torch.ones(sae.n_latents, dtype=torch.bool, device=dead.device)
+        alive[dead] = False
+        norm = sae.W_enc[:, alive].norm(dim=0).mean() if alive.any() else torch.tensor(1.0)
+        sae.W_dec[dead] = directions
+        sae.W_enc[:, dead] = directions.t() * norm * self.encoder_scale
+        sae.b_enc[dead] = 0.0
+        sae.since_fired[dead] = 0
+        self._reset_optimizer_state(run.optimizer, sae, dead)
+        self.resampled += len(dead)
+
+    def _inputs(self, run: Run) -> torch.Tensor:
+        batches, total = [], 0
+        for batch in run.train_loader:
+            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+            batches.append(x)
+            total += len(x)
+            if total >= self.samples:
+                break
+        return torch.cat(batches)[: self.samples]
+
+    @staticmethod
+    def _reset_optimizer_state(optimizer: torch.optim.Optimizer, sae, dead: torch.Tensor) -> None:
+        slices = {sae.W_dec: (dead,), sae.W_enc: (slice(None), dead), sae.b_enc: (dead,)}
+        for param, index in slices.items():
+            for value in optimizer.state.get(param, {}).values():
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    value[index] = 0.0
+
+    def state_dict(self) -> dict[str, int]:
+        """How many latents were resampled."""
+        return {"resampled": self.resampled}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore state_dict()."""
+        self.resampled = state["resampled"]

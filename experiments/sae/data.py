@@ -1,0 +1,219 @@
+"""Activation data for SAEs: synthetic activations with known features, and files (.npy, .pt, .safetensors)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from runner import ConfigError
+from runner.data import DataModule, TensorData
+
+
+def _generator(seed: int, stream: str, position: int = 0) -> torch.Generator:
+    # Independent streams per purpose: torch.manual_seed(seed) also seeds the model's init, and a generator seeded
+    # with the same number would hand the model the true features as its initial decoder.
+    words = [seed, position, *stream.encode()]
+    return torch.Generator().manual_seed(int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> 1))
+
+
+class SyntheticFeatures:
+    """K random unit feature directions in d dims; feature i is active with probability proportional to decay**i.
+
+    Optional correlation: features in consecutive groups of `group_size` share a Gaussian factor with weight
+    `correlation` (a Gaussian copula), which keeps each feature's own probability and makes group mates co-occur.
+    """
+
+    def __init__(
+        self,
+        d: int = 256,
+        n_features: int = 512,
+        mean_active: float = 5.0,
+        decay: float = 0.99,
+        magnitude: tuple[float, float] = (0.0, 1.0),
+        correlation: float = 0.0,
+        group_size: int = 8,
+        seed: int = 0,
+    ) -> None:
+        if not 0 < mean_active <= n_features:
+            raise ConfigError(f"data mean_active={mean_active} must be in (0, n_features={n_features}]")
+        if not 0 <= correlation < 1:
+            raise ConfigError(f"data correlation={correlation} must be in [0, 1)")
+        g = _generator(seed, "features")
+        self.features = torch.nn.functional.normalize(torch.randn(n_features, d, generator=g), dim=1)
+        weights = decay ** torch.arange(n_features, dtype=torch.float64)
+        self.probs = self._probabilities(weights, mean_active).float()
+        self.low, self.high = magnitude
+        self.correlation, self.group_size, self.seed = correlation, group_size, seed
+        if correlation > 0:
+            normal = torch.distributions.Normal(0.0, 1.0)
+            self.cutoffs = normal.icdf(self.probs.clamp(1e-7, 1 - 1e-7))
+
+    @staticmethod
+    def _probabilities(weights: torch.Tensor, mean_active: float) -> torch.Tensor:
+        # Scale so that the probabilities (each capped at 1) sum to mean_active.
+        probs = weights / weights.sum() * mean_active
+        for _ in range(100):
+            if probs.max() <= 1:
+                break
+            capped = probs >= 1
+            rest = mean_active - capped.sum()
+            probs = torch.where(capped, torch.ones_like(probs), weights / weights[~capped].sum() * rest)
+        return probs.clamp(max=1)
+
+    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """n activation vectors [n, d]."""
+        k = len(self.probs)
+        if self.correlation > 0:
+            groups = math.ceil(k / self.group_size)
+            shared = torch.randn(n, groups, generator=generator).repeat_interleave(self.group_size, dim=1)[:, :k]
+            noise = torch.randn(n, k, generator=generator)
+            active = (self.correlation**0.5 * shared + (1 - self.correlation) ** 0.5 * noise) < self.cutoffs
+        else:
+            active = torch.rand(n, k, generator=generator) < self.probs
+        rows, cols = active.nonzero(as_tuple=True)
+        mags = self.low + (self.high - self.low) * torch.rand(len(rows), generator=generator)
+        # Sparse sum of the active features: about mean_active rows of `features` per sample.
+        offsets = torch.zeros(n, dtype=torch.long)
+        offsets[1:] = active.sum(1).cumsum(0)[:-1]
+        return torch.nn.functional.embedding_bag(cols, self.features, offsets, per_sample_weights=mags, mode="sum")
+
+
+class SyntheticActivations(Dataset):
+    """`size` samples drawn in batches: a batch is generated from (seed, index of its first sample), so any epoch
+    and any resumed position yields the same data, with no need to hold it all in memory."""
+
+    def __init__(self, source: SyntheticFeatures, size: int, seed: int) -> None:
+        self.source, self.size, self.seed = source, size, seed
+
+    @property
+    def true_features(self) -> torch.Tensor:
+        """The ground-truth directions [K, d], for evaluation only."""
+        return self.source.features
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
+        generator = _generator(self.seed, "train", int(indices[0]))
+        return (self.source.sample(len(indices), generator),)
+
+
+def synthetic_splits(
+    d: int = 256,
+    n_features: int = 512,
+    mean_active: float = 5.0,
+    decay: float = 0.99,
+    magnitude: tuple[float, float] = (0.0, 1.0),
+    correlation: float = 0.0,
+    group_size: int = 8,
+    n_train: int = 4_194_304,
+    n_val: int = 16_384,
+    seed: int = 0,
+) -> dict[str, Dataset]:
+    """Train (generated on the fly) and validation (fixed, in memory) splits of synthetic activations."""
+    source = SyntheticFeatures(d, n_features, mean_active, decay, tuple(magnitude), correlation, group_size, seed)
+    val = TensorData(source.sample(n_val, _generator(seed, "val")))
+    val.true_features = source.features
+    return {"train": SyntheticActivations(source, n_train, seed), "val": val}
+
+
+class RowData(Dataset):
+    """Rows [start, stop) of an [N, d] array (a numpy memmap or a tensor); a batch is one fancy-indexing read."""
+
+    def __init__(self, array: np.ndarray | torch.Tensor, start: int = 0, stop: int | None = None) -> None:
+        self.array, self.start = array, start
+        self.stop = len(array) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
+        rows = np.asarray(indices) + self.start
+        if isinstance(self.array, np.ndarray):
+            # sorted reads are sequential on disk; the order inside a batch does not matter to an SAE
+            return (torch.from_numpy(np.ascontiguousarray(self.array[np.sort(rows)])).float(),)
+        return (self.array[torch.from_numpy(rows)].float(),)
+
+
+_FLOATS = {np.dtype("float16"), np.dtype("float32"), np.dtype("float64")}
+
+
+def load_matrix(path: str | Path, key: str | None = None, d: int | None = None) -> np.ndarray | torch.Tensor:
+    """An [N, d] float matrix from .npy (memory-mapped), .pt (a tensor or a dict of them) or .safetensors."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"activation file {path} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            array = np.load(path, mmap_mode="r")  # never reads more than the rows asked for
+        elif suffix == ".pt":
+            array = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        elif suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            array = load_file(str(path))
+        else:
+            raise ConfigError(f"activation file {path}: unknown format {suffix!r}; use .npy, .pt or .safetensors")
+    except (ValueError, RuntimeError, OSError) as error:
+        raise ConfigError(f"activation file {path} cannot be read: {error}") from None
+    if isinstance(array, dict):
+        if key is None and len(array) != 1:
+            raise ConfigError(f"activation file {path} holds {sorted(array)}: set data.splits.key to one of them")
+        if key is not None and key not in array:
+            raise ConfigError(f"activation file {path} has no tensor {key!r}; it holds {sorted(array)}")
+        array = array[key] if key is not None else next(iter(array.values()))
+    if not isinstance(array, (np.ndarray, torch.Tensor)):
+        raise ConfigError(f"activation file {path} holds a {type(array).__name__}, not a tensor or array")
+    dtype_ok = array.dtype in _FLOATS if isinstance(array, np.ndarray) else array.is_floating_point()
+    if array.ndim != 2 or not dtype_ok or (d is not None and array.shape[1] != d):
+        want = f"[N, {d}]" if d is not None else "[N, d]"
+        raise ConfigError(
+            f"activation file {path} holds a {array.dtype} array of shape {list(array.shape)}; "
+            f"expected a floating-point {want} matrix (one activation vector per row)"
+        )
+    return array
+
+
+def file_splits(
+    train_path: str,
+    val_path: str | None = None,
+    val_fraction: float = 0.05,
+    key: str | None = None,
+    d: int | None = None,
+) -> dict[str, Dataset]:
+    """Train/val activations from files: a separate validation file, or the last `val_fraction` of the rows."""
+    train = load_matrix(train_path, key, d)
+    if val_path:
+        return {"train": RowData(train), "val": RowData(load_matrix(val_path, key, train.shape[1]))}
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"data.splits.val_fraction must be in [0, 1), got {val_fraction}")
+    n_val = int(len(train) * val_fraction)
+    if n_val == 0:
+        return {"train": RowData(train)}
+    return {"train": RowData(train, 0, len(train) - n_val), "val": RowData(train, len(train) - n_val)}
+
+
+class ActivationFiles(DataModule):
+    """A DataModule over activation files, so that the paths are top-level keys: data.train_path, data.val_path."""
+
+    def __init__(
+        self,
+        train_path: str,
+        val_path: str | None = None,
+        val_fraction: float = 0.05,
+        key: str | None = None,
+        d: int | None = None,
+        **loader,
+    ) -> None:
+        super().__init__(file_splits(train_path, val_path, val_fraction, key, d), **loader)

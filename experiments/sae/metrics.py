@@ -1,0 +1,19 @@
+"""Scores of a learned dictionary against known ground-truth features."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def feature_recovery(
+    decoder: torch.Tensor, true_features: torch.Tensor, thresholds: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)
+) -> dict[str, float]:
+    """MMCS (mean over true features of the best cosine with any decoder row) and the fraction recovered at each
+    cosine threshold. `decoder` is [n_latents, d] (one direction per row), `true_features` [K, d]."""
+    cos = F.normalize(true_features.float(), dim=1) @ F.normalize(decoder.float(), dim=1).t()
+    best = cos.max(dim=1).values
+    scores = {"mmcs": best.mean().item()}
+    scores.update({f"recovered_{t:g}": (best >= t).float().mean().item() for t in thresholds})
+    return scores

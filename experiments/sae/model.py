@@ -1,0 +1,275 @@
+"""Sparse autoencoders: TopK (+AuxK), ReLU + L1, BatchTopK, sharing one recipe.
+
+The recipe (each piece an option): inputs scaled so that E||x|| = sqrt(d), with the scale kept as a buffer so that
+reconstructions come back in the original units; decoder rows (one direction per latent, `W_dec` [n_latents, d]) kept
+at unit norm after every optimizer step, with the gradient component parallel to each row removed before the step;
+the encoder initialised as the decoder's transpose; the decoder bias initialised to the geometric median of the first
+training batch. Dead latents are those that have not fired within `dead_window` (optimizer steps or samples).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner import ConfigError
+from runner.progress import parse_duration
+
+
+def geometric_median(points: torch.Tensor, iterations: int = 100, tol: float = 1e-6) -> torch.Tensor:
+    """Weiszfeld's algorithm: the point minimising the sum of Euclidean distances to `points` [N, d]."""
+    median = points.mean(0)
+    for _ in range(iterations):
+        weights = 1.0 / torch.linalg.vector_norm(points - median, dim=1).clamp_min(1e-8)
+        new = (weights[:, None] * points).sum(0) / weights.sum()
+        if torch.linalg.vector_norm(new - median) <= tol * torch.linalg.vector_norm(median).clamp_min(1e-8):
+            return new
+        median = new
+    return median
+
+
+class SAE(nn.Module):
+    """Base class: encoder, decoder, recipe and dead-latent tracking. Subclasses choose the activation and the loss."""
+
+    def __init__(
+        self,
+        d_in: int = 256,
+        n_latents: int = 1024,
+        dead_window: str = "200st",
+        normalize_input: bool = True,
+        unit_norm_decoder: bool = True,
+        tied_init: bool = True,
+        geometric_median_init: bool = True,
+        sparse_decode: bool = True,
+    ) -> None:
+        super().__init__()
+        self.d_in, self.n_latents = d_in, n_latents
+        self.normalize_input, self.unit_norm_decoder = normalize_input, unit_norm_decoder
+        self.geometric_median_init, self.sparse_decode = geometric_median_init, sparse_decode
+        window = parse_duration(dead_window)
+        if window.unit not in ("st", "sa", "tok"):
+            raise ConfigError(f"model.dead_window={dead_window}: give it in optimizer steps (st) or samples (sa)")
+        self.dead_unit, self.dead_window = ("st" if window.unit == "st" else "sa"), window.value
+        W_dec = F.normalize(torch.randn(n_latents, d_in), dim=1)
+        self.W_dec = nn.Parameter(W_dec)
+        self.W_enc = nn.Parameter(W_dec.t().clone() if tied_init else F.normalize(torch.randn(d_in, n_latents), dim=0))
+        self.b_enc = nn.Parameter(torch.zeros(n_latents))
+        self.b_dec = nn.Parameter(torch.zeros(d_in))
+        self.register_buffer("input_scale", torch.ones(()))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        # Per latent: steps (or samples) since it last fired, and the running counters that measure it.
+        self.register_buffer("since_fired", torch.zeros(n_latents))
+        self.register_buffer("fired", torch.zeros(n_latents, dtype=torch.bool))  # within the current step
+        self.n_dead = 0  # dead latents as of the last optimizer step
+        if unit_norm_decoder:
+            self.W_dec.register_hook(self._remove_parallel_grad)
+
+    # ---- recipe ---------------------------------------------------------------------------------------------
+    def _remove_parallel_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        # Linear in grad, so it is exact under accumulation and loss scaling: applying it per micro-batch equals
+        # applying it to the summed gradient.
+        w = self.W_dec.detach()
+        return grad - (grad * w).sum(1, keepdim=True) * w
+
+    @torch.no_grad()
+    def initialize_from(self, x: torch.Tensor) -> None:
+        """Data-dependent init from a sample of raw inputs: the input scale and the decoder bias."""
+        if self.normalize_input:
+            self.input_scale.fill_(self.d_in**0.5 / torch.linalg.vector_norm(x.float(), dim=1).mean().clamp_min(1e-8))
+        if self.geometric_median_init:
+            self.b_dec.copy_(geometric_median(x.float() * self.input_scale))
+        self.initialized.fill_(True)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """Renormalise decoder rows and advance the dead-latent clock (called by the loop after each step)."""
+        if self.unit_norm_decoder:
+            self.W_dec.div_(torch.linalg.vector_norm(self.W_dec, dim=1, keepdim=True).clamp_min(1e-8))
+        if self.dead_unit == "st":
+            self.since_fired.add_(1).masked_fill_(self.fired, 0)
+            self.fired.zero_()
+        # Read once per step (the loop syncs once per step anyway), not once per micro-batch.
+        self.n_dead = int(self.dead_mask().sum())
+
+    def _track(self, codes_fired: torch.Tensor, batch: int) -> None:
+        # codes_fired: [n_latents] bool, latents that fired anywhere in this micro-batch
+        if self.dead_unit == "st":
+            self.fired |= codes_fired
+        else:
+            self.since_fired.add_(batch).masked_fill_(codes_fired, 0)
+
+    def dead_mask(self) -> torch.Tensor:
+        """Latents that have not fired within dead_window."""
+        return self.since_fired >= self.dead_window
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """Encoder pre-activations of normalised inputs."""
+        return (x - self.b_dec) @ self.W_enc + self.b_enc
+
+    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values [B, k], indices [B, k]) of the active latents per row, or (dense codes [B, n], None)."""
+        raise NotImplementedError
+
+    def decode(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        """Reconstruction (normalised units) from active values [B, k] at `indices`, or dense codes (indices None)."""
+        if indices is None:
+            return values @ self.W_dec + self.b_dec
+        if self.sparse_decode:
+            # Sums k decoder rows per sample instead of a dense [B, n] x [n, d] product (k << n).
+            return F.embedding_bag(indices, self.W_dec, per_sample_weights=values, mode="sum") + self.b_dec
+        return self._dense(values, indices) @ self.W_dec + self.b_dec
+
+    def _dense(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        if indices is None:
+            return values
+        dense = torch.zeros(values.shape[0], self.n_latents, dtype=values.dtype, device=values.device)
+        return dense.scatter(1, indices, values)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense latent codes [B, n_latents] of raw inputs."""
+        return self._dense(*self.activate(self.pre_activations(x * self.input_scale)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Reconstruction of raw inputs, in their original units."""
+        values, indices = self.activate(self.pre_activations(x * self.input_scale))
+        return self.decode(values, indices) / self.input_scale
+
+    def aux_loss(
+        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, recon: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Extra loss terms, named '*_term' (added to the loss), and their metrics; none by default."""
+        return {}
+
+    def _step(self, batch: torch.Tensor | tuple[torch.Tensor, ...], train: bool) -> dict[str, torch.Tensor]:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if train and not self.initialized:
+            self.initialize_from(x)
+        xn = x.float() * self.input_scale
+        pre = self.pre_activations(xn)
+        values, indices = self.activate(pre)
+        recon = self.decode(values, indices)
+        sse = (recon - xn).pow(2).sum(1).mean()
+        sst = (xn - xn.mean(0)).pow(2).sum(1).mean()
+        out = {
+            "recon_loss": sse / sst,
+            "fve": 1 - sse / sst,
+            "nmse": sse / xn.pow(2).sum(1).mean(),
+            "mse": sse / self.d_in / self.input_scale**2,  # per element, in the original units
+            "l0": (values > 0).sum(1).float().mean(),
+        }
+        if train:
+            fired = values.detach() > 0
+            if indices is None:
+                self._track(fired.any(0), x.shape[0])
+            else:  # no host sync: scatter the per-row hits into a per-latent count
+                hits = torch.zeros(self.n_latents, device=x.device).index_add_(
+                    0, indices.flatten(), fired.flatten().float()
+                )
+                self._track(hits > 0, x.shape[0])
+            out.update(self.aux_loss(xn, pre, values, recon))
+        out["loss"] = out["recon_loss"] + sum(out.pop(k) for k in [k for k in out if k.endswith("_term")])
+        out["dead_fraction"] = self.dead_mask().float().mean()
+        return out
+
+    def training_step(self, batch) -> dict[str, torch.Tensor]:
+        """Normalised reconstruction loss plus the variant's auxiliary terms, and metrics."""
+        return self._step(batch, train=True)
+
+    def validation_step(self, batch) -> dict[str, torch.Tensor]:
+        """Reconstruction metrics on held-out activations."""
+        return self._step(batch, train=False)
+
+
+class TopKSAE(SAE):
+    """Keeps the k largest pre-activations (ReLU'd) per sample; AuxK trains dead latents on the residual."""
+
+    def __init__(self, k: int = 5, auxk_coeff: float = 1 / 32, k_aux: int | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not 0 < k <= self.n_latents:
+            raise ConfigError(f"model.k={k} must be in [1, n_latents={self.n_latents}]")
+        self.k, self.auxk_coeff = k, auxk_coeff
+        self.k_aux = k_aux or self.d_in // 2
+
+    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k values (ReLU'd) and their indices."""
+        values, indices = pre.topk(self.k, dim=1, sorted=False)
+        return F.relu(values), indices
+
+    def aux_loss(
+        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, recon: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """AuxK: the top k_aux dead latents reconstruct the main residual (gradient reaches dead latents only)."""
+        if self.auxk_coeff <= 0 or self.n_dead == 0:
+            return {"auxk_loss": torch.zeros((), device=x.device)}  # the same keys every step, for the log means
+        residual = (x - recon).detach()
+        top, indices = pre.masked_fill(~self.dead_mask(), float("-inf")).topk(min(self.k_aux, self.n_dead), dim=1)
+        aux = F.embedding_bag(indices, self.W_dec, per_sample_weights=F.relu(top), mode="sum")
+        auxk = (aux - residual).pow(2).sum(1).mean() / (residual - residual.mean(0)).pow(2).sum(1).mean().clamp_min(
+            1e-8
+        )
+        return {"auxk_loss": auxk.detach(), "auxk_term": self.auxk_coeff * auxk}
+
+
+class ReLUSAE(SAE):
+    """ReLU codes with an L1 penalty (weighted by decoder norms), its coefficient warmed up linearly from 0."""
+
+    def __init__(self, l1_coeff: float = 5.0, l1_warmup: str = "100st", **kwargs) -> None:
+        super().__init__(**kwargs)
+        warmup = parse_duration(l1_warmup)
+        if warmup.unit != "st":
+            raise ConfigError(f"model.l1_warmup={l1_warmup}: give it in optimizer steps (st)")
+        self.l1_coeff, self.l1_warmup = l1_coeff, warmup.value
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def after_optimizer_step(self) -> None:
+        """Also count steps for the L1 warmup."""
+        super().after_optimizer_step()
+        self.steps += 1
+
+    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Dense ReLU codes."""
+        return F.relu(pre), None
+
+    def aux_loss(
+        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, recon: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """L1 of the codes times decoder row norms, normalised by the input variance like the reconstruction."""
+        l1 = (values * torch.linalg.vector_norm(self.W_dec, dim=1)).sum(1).mean() / x.shape[1] ** 0.5
+        ramp = (self.steps.float() / self.l1_warmup).clamp(max=1.0) if self.l1_warmup > 0 else 1.0
+        return {"l1_loss": l1.detach(), "l1_term": self.l1_coeff * ramp * l1}
+
+
+class BatchTopKSAE(SAE):
+    """Keeps the k x batch largest activations across the batch; inference uses a learned global threshold."""
+
+    def __init__(
+        self,
+        k: int = 5,
+        auxk_coeff: float = 1 / 32,
+        k_aux: int | None = None,
+        threshold_momentum: float = 0.99,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.k, self.momentum = k, threshold_momentum
+        self.auxk_coeff, self.k_aux = auxk_coeff, k_aux or self.d_in // 2
+        self.register_buffer("threshold", torch.full((), -1.0))
+
+    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Training: batch top-k (and update the threshold); eval: everything above the threshold."""
+        pre = F.relu(pre)
+        if not self.training:
+            return pre * (pre > self.threshold), None
+        flat = pre.flatten()
+        top, idx = flat.topk(min(self.k * pre.shape[0], flat.numel()), sorted=False)
+        with torch.no_grad():
+            smallest = top.detach().min()
+            new = torch.where(
+                self.threshold < 0, smallest, self.momentum * self.threshold + (1 - self.momentum) * smallest
+            )
+            self.threshold.copy_(new)
+        return torch.zeros_like(flat).scatter(0, idx, top).view_as(pre), None
+
+    aux_loss = TopKSAE.aux_loss  # the same AuxK on dead latents
