@@ -48,10 +48,10 @@ def main(cfg: DictConfig) -> float | None:
         _fail(error, 2)
     if run.distributed.is_main:
         write_json(run_dir / "run.json", run_metadata(str(run.device), run.world_size))
-    for logger in run.loggers:
-        logger.start(run_info(run, cfg))
     started, summary = time.perf_counter(), None
     try:
+        for logger in run.loggers:
+            logger.start(run_info(run, cfg))
         fit(run)
         summary = summarize(run, time.perf_counter() - started)
     except ConfigError as error:

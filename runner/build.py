@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from torch import nn
 from runner import ConfigError
 from runner.callbacks import Best
 from runner.loop import Run, check_monitors
-from runner.progress import TrainingProgress
+from runner.progress import Duration, TrainingProgress
 
 
 def seed_everything(seed: int) -> None:
@@ -53,6 +54,13 @@ def _named(group: DictConfig | None, what: str) -> list[Any]:
     return components
 
 
+def _interval(progress: TrainingProgress, text: str, name: str) -> Duration:
+    interval = progress.resolve(text)
+    if interval.value <= 0:
+        raise ConfigError(f"{name}={text} must be longer than zero")
+    return interval
+
+
 def build(cfg: DictConfig) -> Run:
     """Instantiate every component of the run described by `cfg`; a ConfigError from a component is re-raised bare."""
     try:
@@ -81,12 +89,16 @@ def _build(cfg: DictConfig) -> Run:
     if trainer.max_nonfinite_steps < 1:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
     task = instantiate(cfg.model).to(dist.device)
+    if not hasattr(task, "validation_step"):
+        val_loader = None  # validation_step is optional: a task without one is never validated
     optimizer = instantiate(cfg.optimizer)(param_groups(task))
+    # drop_last: an epoch is whole batches only; otherwise every sample of the (rank-padded) sampler
+    per_rank = len(train_loader) * data.batch_size if train_loader.drop_last else len(train_loader.sampler)
     progress = TrainingProgress(
         trainer.max_duration,
         batch_size=data.batch_size,
         batches_per_epoch=len(train_loader),
-        samples_per_epoch=len(train_loader.sampler) * dist.world_size,
+        samples_per_epoch=per_rank * dist.world_size,
         accumulate=trainer.accumulate_grad_batches,
         world_size=dist.world_size,
         tokens_per_sample=data.tokens_per_sample,
@@ -100,8 +112,8 @@ def _build(cfg: DictConfig) -> Run:
         train_loader=train_loader,
         val_loader=val_loader,
         device=dist.device,
-        val_interval=progress.resolve(trainer.val_interval),
-        log_interval=progress.resolve(trainer.log_interval),
+        val_interval=_interval(progress, trainer.val_interval, "trainer.val_interval"),
+        log_interval=_interval(progress, trainer.log_interval, "trainer.log_interval"),
         gradient_clip_val=trainer.gradient_clip_val,
         max_nonfinite_steps=trainer.max_nonfinite_steps,
         callbacks=_named(cfg.get("callbacks"), "callbacks"),
@@ -131,3 +143,31 @@ def run_info(run: Run, cfg: DictConfig) -> dict[str, Any]:
         "run_dir": cfg.get("run_dir"),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+
+
+def load_trained(checkpoint: str | Path) -> tuple[nn.Module, DictConfig]:
+    """A model trained by runner, frozen in eval mode: `checkpoint` is a run folder or its model.safetensors."""
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint)
+    run_dir = path if path.is_dir() else path.parent
+    weights = run_dir / "model.safetensors" if path.is_dir() else path
+    config = run_dir / ".hydra" / "config.yaml"
+    for needed in (weights, config):
+        if not needed.is_file():
+            raise ConfigError(
+                f"{needed} does not exist: give the folder of a finished runner run (or its "
+                "model.safetensors), e.g. source.checkpoint=outputs/2026-01-01/12-00-00"
+            )
+    cfg = OmegaConf.load(config)
+    model = instantiate(cfg.model)
+    try:
+        model.load_state_dict(load_file(str(weights)))
+    except (RuntimeError, OSError) as error:  # a truncated file or weights of another architecture
+        raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
+    return model.eval().requires_grad_(False), cfg
+
+
+def build_data(cfg: DictConfig) -> Any:
+    """The data component of a (possibly other run's) config."""
+    return instantiate(cfg.data)

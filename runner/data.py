@@ -62,8 +62,8 @@ class DataModule:
     ) -> None:
         if "train" not in splits:
             raise ConfigError(f"data.splits must have a 'train' split, got {sorted(splits)}")
-        if batch_size < 1:
-            raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ConfigError(f"data.batch_size must be a whole number >= 1, got {batch_size!r}")
         self.splits, self.batch_size = splits, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.shuffle, self.drop_last, self.seed = num_workers, shuffle, drop_last, seed

@@ -5,12 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runner import ConfigError
+
 
 def pick_device(device: str = "auto") -> torch.device:
     """'auto' means CUDA when there is one, else CPU; anything else is passed to torch.device."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    chosen = torch.device(device)
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"distributed.device={device} but this torch sees no CUDA device; use auto or cpu")
+    return chosen
 
 
 class Single:

@@ -121,12 +121,12 @@ class ConsoleLogger(Logger):
 
 
 class JsonlLogger(Logger):
-    """Appends one JSON object per logged step to `path`, flushed at once so a crash loses nothing logged."""
+    """Writes one JSON object per logged step to `path`, flushed at once so a crash loses nothing logged."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("a", encoding="utf-8")
+        self.file = self.path.open("w", encoding="utf-8")  # a new run in an existing folder starts a new log
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Write {'step': step, **metrics} as one line."""
@@ -162,9 +162,17 @@ class WandbLogger(Logger):
         """Open the wandb run with the resolved config."""
         import wandb
 
+        from runner import ConfigError
+
         if self.kwargs["dir"]:
             Path(self.kwargs["dir"]).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(config=info.get("config"), **self.kwargs)
+        try:
+            self.run = wandb.init(config=info.get("config"), **self.kwargs)
+        except (wandb.errors.UsageError, wandb.errors.CommError) as error:
+            raise ConfigError(
+                f"wandb could not start: {error}. Log in with `wandb login`, or run offline with "
+                "WANDB_MODE=offline (or logger.wandb.mode=offline)"
+            ) from None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Log at the optimizer step."""

@@ -101,12 +101,12 @@ def validate(run: Run) -> dict[str, float]:
     for cb in run.callbacks:
         cb.on_validation_start(run)
     metrics = evaluate(run)
-    for name in {run.schedule.monitor, *(cb.monitor for cb in run.callbacks)} - {None}:
+    for name in {run.monitor, run.schedule.monitor, *(cb.monitor for cb in run.callbacks)} - {None}:
         if name not in metrics:
             raise ConfigError(
                 f"monitored metric {name!r} is not produced by validation_step; it returns {sorted(metrics)}"
             )
-    if run.monitor in metrics:
+    if run.monitor is not None:
         run.best.update(metrics[run.monitor], run.progress.step)
     run.schedule.on_validation(metrics)
     for cb in reversed(run.callbacks):  # unwinds on_validation_start: EMA swaps its weights back after the others
@@ -158,32 +158,41 @@ def fit(run: Run) -> Run:
                 if bad_in_a_row >= run.max_nonfinite_steps:
                     run.request_stop("nonfinite")
             opt.zero_grad(set_to_none=True)
-            run.schedule.on_optimizer_step()
+            meter.add_step(norm, opt.param_groups[0]["lr"])  # the LR this step used, before the schedule moves it
             p.count_optimizer_step()
             if last:
                 p.end_epoch()
-            meter.add_step(norm)
+            run.schedule.on_optimizer_step()
             window_loss = 0.0
             for cb in run.callbacks:
                 cb.on_optimizer_step(run)
 
-            metrics = meter.read(run, params) if p.ticked(run.log_interval) else {}
-            # The last step always validates, so the summary holds validation metrics of the final weights.
-            due = p.ticked(run.val_interval) or p.finished or run.stop_reason is not None
-            if run.val_loader is not None and due and run.stop_reason != "nonfinite":
-                metrics.update(validate(run))  # may ask to stop (early stopping)
+            # The last step always validates and logs, so the summary describes the final weights and steps.
+            metrics = {}
+            if (
+                run.val_loader is not None
+                and run.stop_reason != "nonfinite"
+                and (p.ticked(run.val_interval) or p.finished or run.stop_reason is not None)
+            ):
+                started = time.perf_counter()
+                metrics = validate(run)  # may ask to stop (early stopping)
+                meter.clock += time.perf_counter() - started  # throughput is training time only
+            done = p.finished or run.stop_reason is not None
+            if p.ticked(run.log_interval) or (done and meter.micro):
+                metrics = {**meter.read(run, params), **metrics}
             if metrics:
                 _log(run, metrics)
-            if p.finished or run.stop_reason is not None:
+            if done:
                 break
     if run.stop_reason is None:
         run.stop_reason = "max_duration"
         p.check_total()
-    versions = [t._version for t in task.state_dict(keep_vars=True).values()]
     for cb in run.callbacks:
         cb.on_fit_end(run)
-    if run.val_loader is not None and versions != [t._version for t in task.state_dict(keep_vars=True).values()]:
-        run.metrics.update(evaluate(run))  # restore_best or EMA changed the weights: summary.json describes these
+    if run.val_loader is not None and run.stop_reason != "nonfinite":
+        # restore_best, EMA and the like may leave other weights than the last validation saw: summary.json
+        # describes the weights the run ends with (model.safetensors).
+        run.metrics.update(evaluate(run))
     return run
 
 
@@ -195,19 +204,21 @@ class _Meter:
 
     def _reset(self, progress: TrainingProgress) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.micro, self.steps, self.norm = 0, 0, 0.0
+        self.micro, self.steps, self.norm, self.lr = 0, 0, 0.0, float("nan")
         self.clock, self.samples, self.tokens = time.perf_counter(), progress.samples, progress.tokens
 
     def add(self, out: dict[str, torch.Tensor]) -> None:
-        """Add one micro-batch's training_step outputs."""
+        """Add one micro-batch's training_step outputs (tensors or numbers)."""
         for key, value in out.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value.detach()
+            value = value.detach() if isinstance(value, torch.Tensor) else float(value)
+            self.sums[key] = self.sums.get(key, 0.0) + value
         self.micro += 1
 
-    def add_step(self, grad_norm: torch.Tensor) -> None:
-        """Add one optimizer step's global gradient norm."""
+    def add_step(self, grad_norm: torch.Tensor, lr: float) -> None:
+        """Add one optimizer step's global gradient norm and the learning rate it used."""
         self.norm = self.norm + grad_norm
         self.steps += 1
+        self.lr = lr
 
     def read(self, run: Run, params: list[torch.Tensor]) -> dict[str, float]:
         """Means since the last read, norms, LR, throughput and memory, with one device sync; then start over."""
@@ -221,7 +232,7 @@ class _Meter:
             {
                 "train/grad_norm": values[-2],
                 "train/param_norm": values[-1],
-                "train/lr": run.optimizer.param_groups[0]["lr"],
+                "train/lr": self.lr,
                 "train/nonfinite_steps": run.nonfinite_steps,
                 "train/samples_per_s": (p.samples - self.samples) / elapsed,
                 "sys/peak_memory_mb": _peak_memory_mb(run.device),

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from runner import ConfigError
+
 
 class FP32:
     """Full precision: autocast is a no-op and the optimizer steps as usual."""
@@ -53,6 +55,9 @@ class Autocast(FP32):
         self, dtype: str = "bfloat16", device: torch.device | str = "cpu", flush_denormal: bool = True
     ) -> None:
         super().__init__(device, flush_denormal)
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+        if dtype not in ("bfloat16", "float16"):
+            raise ConfigError(f"precision.dtype must be bfloat16 or float16 (bf16/fp16), got {dtype!r}")
         self.dtype = getattr(torch, dtype)
         self.name = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 

@@ -68,8 +68,8 @@ class TrainingProgress:
         world_size: int = 1,
         tokens_per_sample: float | None = None,
     ) -> None:
-        if accumulate < 1:
-            raise DurationError(f"trainer.accumulate_grad_batches must be >= 1, got {accumulate}")
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise DurationError(f"trainer.accumulate_grad_batches must be a whole number >= 1, got {accumulate!r}")
         if batches_per_epoch is not None and accumulate > batches_per_epoch:
             raise DurationError(
                 f"trainer.accumulate_grad_batches={accumulate} does not fit: an epoch has only "
@@ -116,6 +116,11 @@ class TrainingProgress:
         """Record one optimizer step (also a skipped one: time moves on even when the weights do not)."""
         self.step += 1
         self._prev, self._last = self._last, self._snapshot()
+        if self.step == 1 and self.max_duration.unit == "tok" and self.tokens == 0:
+            raise DurationError(
+                f"trainer.max_duration={self.max_duration} counts tokens, but the batches carry none "
+                "(a batch reports its tokens as an integer 'num_tokens' entry): the run would never end"
+            )
 
     def end_epoch(self) -> None:
         """Close the epoch; warn once if the loader yielded a different number of batches than its len() said."""

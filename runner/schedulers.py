@@ -106,14 +106,37 @@ def wsd(
     return PerStep(LambdaLR(optimizer, factor))
 
 
+class Ticks(PerStep):
+    """Multiplies the learning rate by `gamma` each time `every` ticks on TrainingProgress (not a separate count)."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, progress: TrainingProgress, every: Duration, gamma: float
+    ) -> None:
+        self.progress, self.every, self.drops = progress, every, 0
+        super().__init__(LambdaLR(optimizer, lambda _: gamma**self.drops))
+
+    def on_optimizer_step(self) -> None:
+        """Drop the LR if the step just counted crossed a multiple of `every`."""
+        self.drops += self.progress.ticked(self.every)
+        self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state and the number of drops so far."""
+        return {**self.scheduler.state_dict(), "drops": self.drops}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        self.drops = state.pop("drops", 0)
+        self.scheduler.load_state_dict(state)
+
+
 def step(
     optimizer: torch.optim.Optimizer, progress: TrainingProgress, every: str = "1ep", gamma: float = 0.1
 ) -> PerStep:
     """Multiply the learning rate by `gamma` every `every` (a duration)."""
-    size = _steps(progress, every, "scheduler.every")
-    if size < 1:
+    if _steps(progress, every, "scheduler.every") < 1:
         raise ConfigError(f"scheduler.every={every} is shorter than one optimizer step")
-    return PerStep(torch.optim.lr_scheduler.StepLR(optimizer, step_size=size, gamma=gamma))
+    return Ticks(optimizer, progress, progress.resolve(every), gamma)
 
 
 def plateau(

@@ -1,4 +1,4 @@
-"""Every option of every config group composes with the digits experiment and builds into sensible objects.
+"""Every option of every config group composes in the experiment that uses it (else digits) and builds.
 
 Options are discovered from the YAML files under conf/, so a newly added file is tested without editing this module.
 """
@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -20,7 +21,8 @@ from torch import nn
 from runner import ConfigError
 from runner.build import build
 from runner.callbacks import Callback
-from runner.loggers import JsonlLogger, Logger, WandbLogger
+from runner.data import batch_size_of, to_device
+from runner.loggers import JsonlLogger, Logger, WandbLogger, save_weights
 from runner.loop import Run, fit
 from runner.precision import FP32
 from runner.progress import Duration, parse_duration
@@ -42,8 +44,58 @@ GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob(
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF_DIR / group).glob("*.yaml"))]
 EXPERIMENTS = [option for group, option in OPTIONS if group == "experiment"]
 
+
+def _host(group: str, option: str) -> str:
+    """The experiment an option is tested in: the first that selects it, else the first that selects an option
+    of the same family (the name before '_': sae_relu ~ sae_topk), else digits."""
+    family = None
+    for experiment in EXPERIMENTS:
+        for entry in OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml").get("defaults", []):
+            chosen = entry.get(f"override /{group}") if isinstance(entry, DictConfig) else None
+            if chosen == option:
+                return experiment
+            if chosen and family is None and chosen.split("_")[0] == option.split("_")[0]:
+                family = experiment
+    return family or "digits"
+
+
 def _with_digits_params() -> list:
     return [pytest.param(group, option, id=f"{group}={option}") for group, option in OPTIONS]
+
+
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """What some options need from outside: an activation file, and a finished digits run to hook into."""
+    root = tmp_path_factory.mktemp("inputs")
+    acts = root / "acts.npy"
+    np.save(acts, np.random.default_rng(0).standard_normal((4096, 256)).astype(np.float32))
+    source = root / "digits_run"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=["+experiment=digits", "trainer.max_duration=20st", f"hydra.run.dir={source}"],
+            return_hydra_config=True,
+        )
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    run = build(cfg)
+    run.loggers = []  # a source run for other tests: no log files needed
+    fit(run)
+    (source / ".hydra").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, source / ".hydra" / "config.yaml")
+    save_weights(run.task, source / "model.safetensors")
+    return {"acts": str(acts), "source": str(source)}
+
+
+def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str]:
+    host = option if group == "experiment" else _host(group, option)
+    overrides = [f"+experiment={host}"] + ([] if group == "experiment" else [f"{group}={option}"])
+    if (group, option) == ("data", "activations_file"):
+        overrides.append(f"data.train_path={inputs['acts']}")
+    if host == "sae_digits":
+        overrides.append(f"source.checkpoint={inputs['source']}")
+    return overrides
 
 
 @pytest.fixture(autouse=True)
@@ -91,12 +143,6 @@ def built(compose_cfg: Callable[..., DictConfig]) -> Iterator[Callable[..., tupl
             logger.close(None)
 
 
-def _overrides_for(group: str, option: str) -> list[str]:
-    if group == "experiment":
-        return [f"+experiment={option}"]
-    return ["+experiment=digits", f"{group}={option}"]
-
-
 def _components(node: DictConfig | None) -> dict[str, DictConfig]:
     # entries without _target_ are an experiment's tuning of a component the command line deselected: not built
     return {name: c for name, c in (node or {}).items() if c is not None and "_target_" in c}
@@ -137,14 +183,15 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     # precision: autocast() is a context manager under which the forward pass runs in the configured dtype
     assert isinstance(run.precision, FP32)
     assert type(run.precision) is get_object(cfg.precision._target_)
-    x, y = next(iter(run.train_loader))
-    assert x.shape[0] == y.shape[0] == cfg.data.batch_size
+    batch = to_device(next(iter(run.train_loader)), run.device)
+    assert batch_size_of(batch) == min(cfg.data.batch_size, len(run.train_loader.dataset))
     with torch.no_grad(), run.precision.autocast():
-        logits = run.task(x.to(run.device))
-        out = run.task.training_step((x.to(run.device), y.to(run.device)))
-    expected_dtype = getattr(torch, cfg.precision.dtype) if "dtype" in cfg.precision else torch.float32
-    assert logits.dtype == expected_dtype
-    assert run.precision.name == {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[expected_dtype]
+        out = run.task.training_step(batch)
+        if hasattr(run.task, "net"):  # the digits MLP: its logits come out in the autocast dtype
+            expected_dtype = getattr(torch, cfg.precision.dtype) if "dtype" in cfg.precision else torch.float32
+            assert run.task(batch[0]).dtype == expected_dtype
+    dtype = cfg.precision.get("dtype", "float32")
+    assert run.precision.name == {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     assert torch.isfinite(out["loss"])
 
     # distributed and data
@@ -207,17 +254,18 @@ def test_base_config_composes_without_experiment(compose_cfg: Callable[..., Dict
 
 
 @pytest.mark.parametrize(("group", "option"), _with_digits_params())
-def test_option_builds_with_digits(
-    group: str, option: str, built: Callable[..., tuple[DictConfig, Run]], tmp_path: Path
+def test_option_builds_in_its_experiment(
+    group: str, option: str, built: Callable[..., tuple[DictConfig, Run]], tmp_path: Path, inputs: dict[str, str]
 ) -> None:
-    cfg, run = built(*_overrides_for(group, option))
+    cfg, run = built(*_host_overrides(group, option, inputs))
     assert HydraConfig.get().runtime.choices[group] == option
     assert cfg.run_dir == str(tmp_path / "run")
     check_run(cfg, run, tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("group", "option"), [pytest.param(g, o, id=f"{g}={o}") for g, o in OPTIONS if g != "experiment"]
+    ("group", "option"),
+    [pytest.param(g, o, id=f"{g}={o}") for g, o in OPTIONS if g != "experiment" and _host(g, o) == "digits"],
 )
 def test_option_builds_on_base_config(
     group: str, option: str, built: Callable[..., tuple[DictConfig, Run]], tmp_path: Path
@@ -242,8 +290,10 @@ def test_digits_experiment_applies_its_settings(built: Callable[..., tuple[DictC
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_experiment_fits_tiny_budget(experiment: str, built: Callable[..., tuple[DictConfig, Run]]) -> None:
-    cfg, run = built(f"+experiment={experiment}", "trainer.max_duration=5st")
+def test_experiment_fits_tiny_budget(
+    experiment: str, built: Callable[..., tuple[DictConfig, Run]], inputs: dict[str, str]
+) -> None:
+    cfg, run = built(*_host_overrides("experiment", experiment, inputs), "trainer.max_duration=5st")
     before = [p.detach().clone() for p in run.task.parameters()]
     fit(run)
     assert run.stop_reason == "max_duration"
@@ -269,13 +319,21 @@ def test_deselecting_a_callback_the_experiment_tunes_warns_and_builds(
         ("trainer.gradient_clip_val=-1", "gradient_clip_val must be > 0 or null"),
         ("trainer.max_nonfinite_steps=0", "max_nonfinite_steps must be >= 1"),
         ("trainer.val_interval=2epochs", "cannot read duration"),
-        ("data.batch_size=0", "batch_size must be >= 1"),
+        ("data.batch_size=0", "batch_size must be a whole number >= 1"),
+        ("trainer.accumulate_grad_batches=2.5", "accumulate_grad_batches must be a whole number"),
+        ("trainer.log_interval=0st", "log_interval=0st must be longer than zero"),
+        ("precision=bf16 precision.dtype=int8", "precision.dtype must be bfloat16 or float16"),
+        pytest.param(
+            "distributed.device=cuda",
+            "sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there"),
+        ),
     ],
 )
 def test_bad_trainer_values_are_refused_before_any_file_is_written(
     override: str, message: str, compose_cfg: Callable[..., DictConfig], tmp_path: Path
 ) -> None:
-    cfg = compose_cfg("+experiment=digits", override)
+    cfg = compose_cfg("+experiment=digits", *override.split())
     with pytest.raises(ConfigError, match=message):
         build(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -228,3 +228,49 @@ def test_early_stopping_keeps_the_ema_weights_it_validated():
     assert stopper.best.step == best_step
     torch.testing.assert_close(run.task.state_dict()["linear.weight"], stopper.best_weights["linear.weight"])
     assert math.isclose(run.metrics["val/loss"], vals[best_step], rel_tol=1e-6)
+
+
+def test_logged_lr_is_the_lr_each_step_used_and_the_last_partial_window_is_logged():
+    from runner.schedulers import constant as warm
+
+    logger = ListLogger()
+    run = make_run(max_duration="7st", schedule=lambda **kw: warm(warmup="4st", **kw), lr=1.0, val_interval="100st")
+    used = []
+    run.optimizer.register_step_pre_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
+    run.log_interval = run.progress.resolve("3st")
+    run.loggers.append(logger)
+    fit(run)
+    rows = {s: m for s, m in logger.rows}
+    assert sorted(rows) == [3, 6, 7]  # the 7th step closes a partial window and still gets a row
+    assert [rows[s]["train/lr"] for s in (3, 6, 7)] == pytest.approx([used[2], used[5], used[6]])
+    assert used[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+
+
+def test_token_duration_without_tokens_stops_at_once():
+    run = make_run(max_duration="1e4tok")
+    with pytest.raises(ConfigError, match="carry none"):
+        fit(run)
+    assert run.progress.step == 1
+
+
+def test_task_without_validation_step_is_never_validated():
+    class TrainOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 1)
+
+        def training_step(self, batch):
+            return Regression.training_step(self, batch)
+
+    task = TrainOnly()
+    task.poison_from, task.calls = None, 0
+    run = make_run(task, max_duration="3st")
+    run.val_loader = None  # what build does for a task without validation_step
+    fit(run)
+    assert run.stop_reason == "max_duration" and not any(k.startswith("val/") for k in run.metrics)
+
+
+def test_ema_listed_after_early_stopping_with_restore_best_is_refused():
+    run = make_run(callbacks=[EarlyStopping(restore_best=True), EMA()])
+    with pytest.raises(ConfigError, match="list ema before early_stopping"):
+        fit(run)

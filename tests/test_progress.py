@@ -353,7 +353,7 @@ def test_duration_error_is_a_config_error():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_duration": "1ep", "batch_size": 4, "batches_per_epoch": 10, "accumulate": 0}, "must be >= 1"),
+        ({"max_duration": "1ep", "batch_size": 4, "batches_per_epoch": 10, "accumulate": 0}, "a whole number >= 1"),
         ({"max_duration": "1ep", "batch_size": 4, "batches_per_epoch": 10, "accumulate": 11}, "only 10 micro-batches"),
         ({"max_duration": "0.01ep", "batch_size": 4, "batches_per_epoch": 45}, "shorter than one optimizer step"),
         ({"max_duration": "10sa", "batch_size": 32, "batches_per_epoch": 100}, "shorter than one optimizer step"),

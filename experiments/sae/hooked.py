@@ -1,0 +1,147 @@
+"""Live activations from a named module of a frozen model trained by runner, served through a shuffling ring buffer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from runner import ConfigError
+from runner.build import build_data, load_trained
+from runner.callbacks import Callback
+from runner.data import DataModule, TensorData, to_device
+
+
+class SourceModel:
+    """A frozen runner-trained model, the data it was trained on, and a forward hook on one of its modules."""
+
+    def __init__(self, checkpoint: str, module: str, device: torch.device | str = "cpu") -> None:
+        self.model, cfg = load_trained(checkpoint)
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        modules = dict(self.model.named_modules())
+        if module not in modules:
+            names = ", ".join(name for name in modules if name)
+            raise ConfigError(f"source.module={module!r} is not a module of {type(self.model).__name__}: {names}")
+        self.module = modules[module]
+        self.data: DataModule = build_data(cfg)
+
+    @contextlib.contextmanager
+    def _hook(self, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+        handle = self.module.register_forward_hook(lambda _m, _i, out: fn(out))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    @torch.no_grad()
+    def activations(self, batch: Any) -> torch.Tensor:
+        """The module's output for one input batch, as [rows, d]."""
+        captured = []
+        with self._hook(lambda out: captured.append(out.detach().flatten(0, -2))):
+            self.model.validation_step(to_device(batch, self.device))
+        return captured[0]
+
+    @torch.no_grad()
+    def loss(self, replace: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+        """Mean validation loss of the source model, with the module's output passed through `replace`."""
+        total, count = 0.0, 0
+        hook = (lambda out: replace(out.flatten(0, -2)).view_as(out)) if replace else (lambda out: None)
+        with self._hook(hook):
+            for batch in self.data.val_loader():
+                batch = to_device(batch, self.device)
+                size = next(t for t in batch if torch.is_tensor(t)).shape[0]
+                total += float(self.model.validation_step(batch)["loss"]) * size
+                count += size
+        return total / count
+
+
+class ActivationBuffer:
+    """A ring of `capacity` activations served in shuffled order; once half is served, that half is refilled
+    with fresh activations from the source and the whole ring is reshuffled (so consecutive batches mix inputs)."""
+
+    def __init__(self, source: SourceModel, capacity: int = 16384, seed: int = 0) -> None:
+        self.source, self.capacity = source, capacity
+        self.generator = torch.Generator().manual_seed(seed)
+        self.loader, self.epoch = source.data.train_loader(), 0
+        self.inputs = self._inputs()
+        self.ring = torch.cat([a for a in self._fill(capacity)])
+        self.order, self.pos = torch.randperm(capacity, generator=self.generator), 0
+
+    def _inputs(self) -> Iterator[Any]:
+        while True:  # loops over the source's training inputs, epoch after epoch
+            self.loader.sampler.set_epoch(self.epoch)
+            yield from self.loader
+            self.epoch += 1
+
+    def _fill(self, n: int) -> Iterator[torch.Tensor]:
+        while n > 0:
+            acts = self.source.activations(next(self.inputs)).cpu()[:n]
+            n -= len(acts)
+            yield acts
+
+    def take(self, n: int) -> torch.Tensor:
+        """The next `n` activations."""
+        if self.pos + n > self.capacity // 2:
+            served = self.order[: self.pos]
+            self.ring[served] = torch.cat(list(self._fill(len(served))))
+            self.order, self.pos = torch.randperm(self.capacity, generator=self.generator), 0
+        rows = self.order[self.pos : self.pos + n]
+        self.pos += n
+        return self.ring[rows]
+
+
+class HookedActivations(Dataset):
+    """`size` activations per epoch drawn from an ActivationBuffer (stateful: the loader must have num_workers=0)."""
+
+    def __init__(self, buffer: ActivationBuffer, size: int) -> None:
+        self.buffer, self.size = buffer, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
+        return (self.buffer.take(len(indices)),)
+
+
+class HookedData(DataModule):
+    """Train on live activations of `module` in the model of run `checkpoint`; validate on its validation inputs."""
+
+    def __init__(self, checkpoint: str, module: str, buffer_size: int = 16384, samples_per_epoch: int = 65536,
+                 d: int | None = None, **loader) -> None:
+        if loader.get("num_workers", 0) != 0:
+            raise ConfigError("activations_hooked keeps its buffer in this process: set data.num_workers=0")
+        source = SourceModel(checkpoint, module)
+        val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
+        if d is not None and val.shape[1] != d:
+            raise ConfigError(f"{module} outputs {val.shape[1]} features but model.d_in={d}")
+        buffer = ActivationBuffer(source, buffer_size, loader.get("seed", 0))
+        super().__init__({"train": HookedActivations(buffer, samples_per_epoch), "val": TensorData(val)}, **loader)
+
+
+class SpliceEval(Callback):
+    """Callback: the source model's validation loss with the SAE's reconstruction spliced into `module`, and the
+    fraction of loss recovered relative to zero-ablating the module: (L_zero - L_sae) / (L_zero - L_clean)."""
+
+    def __init__(self, checkpoint: str, module: str) -> None:
+        self.checkpoint, self.module = checkpoint, module
+        self.source: SourceModel | None = None
+
+    def on_validation_end(self, run, metrics: dict[str, float]) -> None:
+        """Add val/ce_clean, val/ce_zero_ablated, val/ce_spliced and val/loss_recovered."""
+        if self.source is None:
+            self.source = SourceModel(self.checkpoint, self.module, run.device)
+            self.clean, self.zero = self.source.loss(), self.source.loss(torch.zeros_like)
+        sae: nn.Module = run.task
+        sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
+        spliced = self.source.loss(lambda acts: sae(acts.float()).to(acts.dtype))
+        sae.train()
+        metrics.update({"val/ce_clean": self.clean, "val/ce_zero_ablated": self.zero, "val/ce_spliced": spliced,
+                        "val/loss_recovered": (self.zero - spliced) / (self.zero - self.clean)})
