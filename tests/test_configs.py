@@ -73,14 +73,13 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
             "config",
-            overrides=["+experiment=digits", "trainer.max_duration=20st", f"hydra.run.dir={source}"],
+            overrides=["+experiment=digits", "trainer.max_duration=20st", "logger=none", f"hydra.run.dir={source}"],
             return_hydra_config=True,
         )
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]
     run = build(cfg)
-    run.loggers = []  # a source run for other tests: no log files needed
     fit(run)
     (source / ".hydra").mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, source / ".hydra" / "config.yaml")

@@ -118,6 +118,9 @@ class HookedData(DataModule):
                  d: int | None = None, **loader) -> None:
         if loader.get("num_workers", 0) != 0:
             raise ConfigError("activations_hooked keeps its buffer in this process: set data.num_workers=0")
+        if buffer_size < 2 * loader.get("batch_size", 1):
+            raise ConfigError(f"data.buffer_size={buffer_size} must hold at least two batches "
+                              f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time")
         source = SourceModel(checkpoint, module)
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
         if d is not None and val.shape[1] != d:

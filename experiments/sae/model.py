@@ -61,7 +61,7 @@ class SAE(nn.Module):
         # Per latent: steps (or samples) since it last fired, and the running counters that measure it.
         self.register_buffer("since_fired", torch.zeros(n_latents))
         self.register_buffer("fired", torch.zeros(n_latents, dtype=torch.bool))  # within the current step
-        self.n_dead = 0  # dead latents as of the last optimizer step
+        self.n_dead, self.dead_idx = 0, torch.zeros(0, dtype=torch.long)  # dead latents as of the last step
         if unit_norm_decoder:
             self.W_dec.register_hook(self._remove_parallel_grad)
 
@@ -90,7 +90,8 @@ class SAE(nn.Module):
             self.since_fired.add_(1).masked_fill_(self.fired, 0)
             self.fired.zero_()
         # Read once per step (the loop syncs once per step anyway), not once per micro-batch.
-        self.n_dead = int(self.dead_mask().sum())
+        self.dead_idx = self.dead_mask().nonzero().flatten()
+        self.n_dead = len(self.dead_idx)
 
     def _track(self, codes_fired: torch.Tensor, batch: int) -> None:
         # codes_fired: [n_latents] bool, latents that fired anywhere in this micro-batch
@@ -204,8 +205,11 @@ class TopKSAE(SAE):
         if self.auxk_coeff <= 0 or self.n_dead == 0:
             return {"auxk_loss": torch.zeros((), device=x.device)}  # the same keys every step, for the log means
         residual = (x - recon).detach()
-        top, indices = pre.masked_fill(~self.dead_mask(), float("-inf")).topk(min(self.k_aux, self.n_dead), dim=1)
-        aux = F.embedding_bag(indices, self.W_dec, per_sample_weights=F.relu(top), mode="sum")
+        # Top-k among the dead columns only, decoded densely over them: with k_aux ~ d/2 codes per row a dense
+        # [B, n_dead] x [n_dead, d] product is faster on CPU than an embedding_bag (measured 33 vs 50 ms per step).
+        dead_pre = pre[:, self.dead_idx]
+        top, picked = dead_pre.topk(min(self.k_aux, self.n_dead), dim=1)
+        aux = torch.zeros_like(dead_pre).scatter(1, picked, F.relu(top)) @ self.W_dec[self.dead_idx]
         auxk = (aux - residual).pow(2).sum(1).mean() / (residual - residual.mean(0)).pow(2).sum(1).mean().clamp_min(
             1e-8
         )
@@ -253,6 +257,8 @@ class BatchTopKSAE(SAE):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
+        if not 0 < k <= self.n_latents:
+            raise ConfigError(f"model.k={k} must be in [1, n_latents={self.n_latents}]")
         self.k, self.momentum = k, threshold_momentum
         self.auxk_coeff, self.k_aux = auxk_coeff, k_aux or self.d_in // 2
         self.register_buffer("threshold", torch.full((), -1.0))

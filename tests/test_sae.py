@@ -1,0 +1,633 @@
+"""The sparse-autoencoder experiment: the SAE variants and their recipe, the synthetic and file data, feature-recovery
+scores, a real training run that must recover known features, and SAEs on live activations of a trained digits MLP.
+
+Everything runs on one CPU thread; the whole module takes well under a minute.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from experiments.sae.data import (
+    ActivationFiles,
+    RowData,
+    SyntheticActivations,
+    SyntheticFeatures,
+    file_splits,
+    synthetic_splits,
+)
+from experiments.sae.hooked import HookedData
+from experiments.sae.metrics import feature_recovery
+from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, geometric_median
+from runner import ConfigError
+from runner.build import build
+from runner.loggers import save_weights
+from runner.loop import Run, fit
+
+CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def compose_job(run_dir: Path, *overrides: str) -> DictConfig:
+    """The job config as the CLI would see it (logger=none: no files), ${hydra:runtime.output_dir} -> run_dir."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=["logger=none", *overrides, f"hydra.run.dir={run_dir}"],
+            return_hydra_config=True,
+        )
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+@pytest.fixture
+def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
+    yield lambda *overrides: compose_job(tmp_path / "run", *overrides)
+    HydraConfig.instance().cfg = None
+
+
+def _topk(**kwargs) -> TopKSAE:
+    torch.manual_seed(kwargs.pop("seed", 0))
+    return TopKSAE(**{"d_in": 16, "n_latents": 64, "k": 4, **kwargs})
+
+
+# ---- 1. TopK: shapes, sparsity, sparse vs dense decoding ----------------------------------------------------------
+
+
+def test_topk_shapes_sparsity_and_sparse_decode_matches_dense() -> None:
+    sae = _topk()
+    assert sae.W_dec.shape == (64, 16) and sae.W_enc.shape == (16, 64)
+    assert sae.b_enc.shape == (64,) and sae.b_dec.shape == (16,)
+    x = torch.randn(32, 16)
+    codes = sae.encode(x)
+    assert codes.shape == (32, 64)
+    assert int((codes != 0).sum(1).max()) <= 4
+    assert (codes >= 0).all()
+    with torch.no_grad():
+        sae.b_enc.fill_(10.0)  # every pre-activation positive: exactly k survive per row
+    codes = sae.encode(x)
+    assert (codes != 0).sum(1).tolist() == [4] * 32
+    # the survivors are the k largest pre-activations
+    pre = sae.pre_activations(x)
+    assert torch.equal((codes != 0), torch.zeros_like(pre, dtype=torch.bool).scatter(1, pre.topk(4, 1).indices, True))
+
+    with torch.no_grad():
+        sae.b_enc.normal_()
+        sae.b_dec.normal_()
+        sae.input_scale.fill_(0.7)
+    sparse = sae(x)
+    sae.sparse_decode = False
+    dense = sae(x)
+    assert sparse.shape == dense.shape == (32, 16)
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(sparse, torch.zeros_like(sparse))
+
+
+def test_topk_rejects_k_outside_range() -> None:
+    with pytest.raises(ConfigError, match=r"model.k=0"):
+        TopKSAE(d_in=4, n_latents=8, k=0)
+    with pytest.raises(ConfigError, match=r"model.k=9"):
+        TopKSAE(d_in=4, n_latents=8, k=9)
+
+
+# ---- 2. Unit-norm decoder and the parallel-gradient removal --------------------------------------------------------
+
+
+def _parallel_fraction(sae: TopKSAE) -> float:
+    grad, w = sae.W_dec.grad, sae.W_dec.detach()
+    parallel = (grad * w).sum(1).abs()
+    return float((parallel / (grad.norm(dim=1) * w.norm(dim=1)).clamp_min(1e-30)).max())
+
+
+def test_decoder_rows_stay_unit_norm_and_gradient_has_no_parallel_part() -> None:
+    sae = _topk(k_aux=8)
+    opt = torch.optim.Adam(sae.parameters(), lr=1e-2)
+    for _ in range(6):
+        out = sae.training_step(torch.randn(64, 16) * 3 + 1)
+        opt.zero_grad()
+        out["loss"].backward()
+        assert sae.W_dec.grad.abs().max() > 0
+        assert _parallel_fraction(sae) < 1e-6
+        opt.step()
+        # Adam moved the rows off the sphere; after_optimizer_step puts them back
+        assert (sae.W_dec.detach().norm(dim=1) - 1).abs().max() > 1e-4
+        sae.after_optimizer_step()
+        assert float((sae.W_dec.detach().norm(dim=1) - 1).abs().max()) < 1e-5
+
+    # without the recipe the gradient does have a parallel part (so the check above can fail)
+    plain = _topk(unit_norm_decoder=False)
+    plain.training_step(torch.randn(64, 16) * 3 + 1)["loss"].backward()
+    assert _parallel_fraction(plain) > 1e-3
+
+
+# ---- 3. AuxK reaches dead latents only -----------------------------------------------------------------------------
+
+
+def test_auxk_gradient_reaches_dead_latents_only() -> None:
+    sae = _topk(k_aux=6, dead_window="5st")
+    dead = torch.tensor([1, 5, 9, 17, 30, 41, 42, 60])
+    with torch.no_grad():
+        sae.since_fired[dead] = 10
+    sae.after_optimizer_step()  # advances the clock (live latents now at 1) and counts the dead
+    assert sae.n_dead == len(dead)
+    assert torch.equal(sae.dead_mask().nonzero().flatten(), dead)
+    live = ~sae.dead_mask()
+
+    x = torch.randn(64, 16)
+    pre = sae.pre_activations(x)
+    values, indices = sae.activate(pre)
+    recon = sae.decode(values, indices).detach()
+    terms = sae.aux_loss(x, pre, values, recon)
+    assert set(terms) == {"auxk_loss", "auxk_term"}
+    assert float(terms["auxk_loss"]) > 0
+    torch.testing.assert_close(terms["auxk_term"].detach(), sae.auxk_coeff * terms["auxk_loss"])
+    terms["auxk_term"].backward()
+
+    assert torch.count_nonzero(sae.W_dec.grad[live]) == 0
+    assert torch.count_nonzero(sae.W_enc.grad[:, live]) == 0
+    assert torch.count_nonzero(sae.b_enc.grad[live]) == 0
+    assert int((sae.W_dec.grad[dead].abs().sum(1) > 0).sum()) >= 2
+    assert int((sae.W_enc.grad[:, dead].abs().sum(0) > 0).sum()) >= 2
+
+
+def test_auxk_is_absent_without_dead_latents() -> None:
+    sae = _topk()
+    sae.after_optimizer_step()
+    assert sae.n_dead == 0
+    x = torch.randn(8, 16)
+    pre = sae.pre_activations(x)
+    values, indices = sae.activate(pre)
+    terms = sae.aux_loss(x, pre, values, sae.decode(values, indices).detach())
+    assert list(terms) == ["auxk_loss"] and float(terms["auxk_loss"]) == 0.0
+    out = sae.training_step(x)
+    assert float(out["auxk_loss"]) == 0.0
+    torch.testing.assert_close(out["loss"], out["recon_loss"])
+
+
+def test_latents_die_after_dead_window_steps_without_firing() -> None:
+    sae = _topk(dead_window="3st")
+    with torch.no_grad():
+        sae.b_enc[:4] = 100.0  # latents 0-3 win every row: all others never fire
+    for step in range(1, 5):
+        sae.training_step(torch.randn(16, 16))
+        sae.after_optimizer_step()
+        assert sae.n_dead == (60 if step >= 3 else 0), step
+    assert not sae.dead_mask()[:4].any()
+
+
+# ---- 4. Geometric median -------------------------------------------------------------------------------------------
+
+
+def _sum_of_distances(points: torch.Tensor, center: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(points - center, dim=1).sum())
+
+
+def test_geometric_median_resists_outliers() -> None:
+    g = torch.Generator().manual_seed(0)
+    cluster = torch.randn(50, 3, generator=g) * 0.1 + torch.tensor([1.0, 2.0, 3.0])
+    points = torch.cat([cluster, torch.tensor([[1000.0, -1000.0, 1000.0]])])
+    median, mean = geometric_median(points), points.mean(0)
+    center = torch.tensor([1.0, 2.0, 3.0])
+    assert float(torch.linalg.vector_norm(median - center)) < 0.1
+    assert float(torch.linalg.vector_norm(mean - center)) > 20
+    assert _sum_of_distances(points, median) <= _sum_of_distances(points, mean)
+
+
+def test_geometric_median_of_three_collinear_points_is_the_middle_one() -> None:
+    points = torch.tensor([[0.0], [1.0], [10.0]])
+    median = geometric_median(points)
+    assert median.shape == (1,)
+    assert float(median) == pytest.approx(1.0, abs=1e-3)
+    assert _sum_of_distances(points, median) <= _sum_of_distances(points, points.mean(0))
+    assert _sum_of_distances(points, median) == pytest.approx(10.0, abs=1e-3)
+
+
+# ---- 5. Input normalisation ----------------------------------------------------------------------------------------
+
+
+def test_initialize_from_scales_inputs_to_root_d() -> None:
+    sae = _topk()
+    x = torch.randn(256, 16) * 5 + 3
+    sae.initialize_from(x)
+    assert bool(sae.initialized)
+    mean_norm = float(torch.linalg.vector_norm(x * sae.input_scale, dim=1).mean())
+    assert mean_norm == pytest.approx(16**0.5, rel=1e-5)
+    assert float(sae.input_scale) < 0.5
+    # the decoder bias starts at the geometric median of the scaled batch
+    torch.testing.assert_close(sae.b_dec.detach(), geometric_median(x * sae.input_scale))
+
+
+def test_identity_sae_reconstructs_in_original_units() -> None:
+    d = 8
+    sae = TopKSAE(d_in=d, n_latents=d, k=d, geometric_median_init=False)
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.eye(d))
+        sae.W_dec.copy_(torch.eye(d))
+        sae.b_enc.zero_()
+        sae.b_dec.zero_()
+    x = torch.rand(64, d) * 7
+    sae.initialize_from(x)
+    assert abs(float(sae.input_scale) - 1) > 0.1
+    assert float(sae.b_dec.detach().abs().max()) == 0.0  # geometric_median_init=False leaves it alone
+    torch.testing.assert_close(sae(x), x, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        out = sae.validation_step(x)
+    assert float(out["mse"]) < 1e-10 and float(out["fve"]) == pytest.approx(1.0, abs=1e-6)
+
+
+# ---- 6. ReLU + L1 warmup, BatchTopK --------------------------------------------------------------------------------
+
+
+def test_relu_l1_coefficient_ramps_linearly() -> None:
+    torch.manual_seed(0)
+    sae = ReLUSAE(d_in=16, n_latents=64, l1_coeff=2.0, l1_warmup="10st")
+    x = torch.randn(32, 16)
+    seen = {}
+    for step in range(21):
+        if step in (0, 5, 10, 20):
+            with torch.no_grad():
+                out = sae.training_step(x)
+            assert float(out["l1_loss"]) > 0
+            seen[step] = float(out["loss"] - out["recon_loss"]) / float(out["l1_loss"])
+        sae.after_optimizer_step()
+    assert seen[0] == pytest.approx(0.0, abs=1e-6)
+    assert seen[5] == pytest.approx(1.0, rel=1e-4)  # half of l1_coeff
+    assert seen[10] == pytest.approx(2.0, rel=1e-4)
+    assert seen[20] == pytest.approx(2.0, rel=1e-4)  # capped
+
+
+def test_batchtopk_keeps_k_times_batch_in_training_and_thresholds_in_eval() -> None:
+    torch.manual_seed(0)
+    sae = BatchTopKSAE(d_in=16, n_latents=64, k=3)
+    with torch.no_grad():
+        sae.b_enc.fill_(10.0)
+    x = torch.randn(8, 16)
+    codes = sae.encode(x).detach()
+    assert int((codes != 0).sum()) == 3 * 8
+    pre = F.relu(sae.pre_activations(x)).detach()
+    kept = codes[codes != 0]
+    assert float(kept.min()) >= float(pre.flatten().topk(24).values.min()) - 1e-6
+    # the first step sets the threshold to the smallest kept activation
+    assert float(sae.threshold) == pytest.approx(float(kept.min()), rel=1e-6)
+
+    sae.eval()
+    with torch.no_grad():
+        sae.threshold.fill_(float(pre.median()))
+    eval_codes = sae.encode(x)
+    torch.testing.assert_close(eval_codes, pre * (pre > sae.threshold))
+    n = int((eval_codes != 0).sum())
+    assert 0 < n < pre.numel() and n != 24
+    threshold_before = float(sae.threshold)
+    sae.encode(x)
+    assert float(sae.threshold) == threshold_before  # eval never moves it
+
+
+# ---- 7. Feature recovery scores ------------------------------------------------------------------------------------
+
+
+def test_feature_recovery_is_perfect_for_the_true_features() -> None:
+    g = torch.Generator().manual_seed(0)
+    truth = F.normalize(torch.randn(32, 16, generator=g), dim=1)
+    decoder = torch.cat([truth[torch.randperm(32, generator=g)] * 3.0, torch.randn(20, 16, generator=g)])
+    scores = feature_recovery(decoder, truth)
+    assert set(scores) == {"mmcs", "recovered_0.5", "recovered_0.8", "recovered_0.9", "recovered_0.95"}
+    assert scores["mmcs"] == pytest.approx(1.0, abs=1e-5)
+    assert all(scores[f"recovered_{t}"] == 1.0 for t in (0.5, 0.8, 0.9, 0.95))
+    # half the features missing: recovered fractions say so
+    half = feature_recovery(truth[:16], truth, thresholds=(0.99,))
+    assert half["recovered_0.99"] == 0.5
+
+
+def test_feature_recovery_of_a_random_decoder_is_poor() -> None:
+    g = torch.Generator().manual_seed(1)
+    scores = feature_recovery(torch.randn(128, 64, generator=g), torch.randn(128, 64, generator=g))
+    assert scores["mmcs"] < 0.6
+    assert scores["recovered_0.9"] == 0.0
+
+
+# ---- 8. Synthetic data ---------------------------------------------------------------------------------------------
+
+
+def _activity(source: SyntheticFeatures, x: torch.Tensor) -> torch.Tensor:
+    """Recover the 0/1 activity of each feature from samples built with magnitude (1, 1) and n_features <= d."""
+    coefficients = torch.linalg.lstsq(source.features.double().t(), x.double().t()).solution.t()
+    assert float((coefficients - coefficients.round()).abs().max()) < 1e-3  # every sample is a 0/1 sum of features
+    return coefficients.round()
+
+
+def test_synthetic_probabilities_sum_to_mean_active() -> None:
+    source = SyntheticFeatures(d=16, n_features=64, mean_active=3.0)
+    assert float(source.probs.sum()) == pytest.approx(3.0, rel=1e-5)
+    assert bool((source.probs[:-1] >= source.probs[1:]).all())  # decaying
+    capped = SyntheticFeatures(d=16, n_features=20, mean_active=8.0, decay=0.7)
+    assert float(capped.probs.max()) == 1.0 and float(capped.probs.min()) > 0
+    assert float(capped.probs.sum()) == pytest.approx(8.0, rel=1e-5)
+    with pytest.raises(ConfigError, match="mean_active"):
+        SyntheticFeatures(d=4, n_features=4, mean_active=5.0)
+
+
+def test_synthetic_samples_are_sums_of_active_features() -> None:
+    source = SyntheticFeatures(d=32, n_features=16, mean_active=3.0, magnitude=(1.0, 1.0), seed=3)
+    x = source.sample(4000, torch.Generator().manual_seed(0))
+    assert x.shape == (4000, 32)
+    active = _activity(source, x)
+    assert set(active.unique().tolist()) <= {0.0, 1.0}
+    assert float(active.sum(1).mean()) == pytest.approx(3.0, abs=0.15)
+    assert float((active.mean(0) - source.probs.double()).abs().max()) < 0.05
+    # with random magnitudes the samples still lie in the span of the features
+    x = SyntheticFeatures(d=32, n_features=16, seed=3).sample(256, torch.Generator().manual_seed(1))
+    q, _ = torch.linalg.qr(source.features.t())
+    residual = x - (x @ q) @ q.t()
+    assert float(residual.norm() / x.norm()) < 1e-5
+
+
+def test_synthetic_activations_are_reproducible_by_position() -> None:
+    source = SyntheticFeatures(d=16, n_features=32, mean_active=3.0)
+    data = SyntheticActivations(source, size=10_000, seed=0)
+    (a,) = data.__getitems__(list(range(0, 256)))
+    (b,) = data.__getitems__(list(range(0, 256)))
+    (c,) = data.__getitems__(list(range(256, 512)))
+    (other_seed,) = SyntheticActivations(source, 10_000, seed=1).__getitems__(list(range(256)))
+    assert a.shape == (256, 16)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c) and not torch.allclose(a, other_seed)
+    assert data.true_features is source.features
+    splits = synthetic_splits(d=16, n_features=32, n_train=1000, n_val=300)
+    assert len(splits["train"]) == 1000 and len(splits["val"]) == 300
+    assert torch.equal(splits["val"].true_features, splits["train"].true_features)
+
+
+def test_true_features_are_not_the_models_initialisation() -> None:
+    # A generator seeded with `seed` would reproduce torch.manual_seed(seed); torch.randn(...): the SAE's init.
+    for seed in (0, 1):
+        source = SyntheticFeatures(d=32, n_features=64, seed=seed)
+        torch.manual_seed(seed)
+        leaked = F.normalize(torch.randn(64, 32), dim=1)
+        assert not torch.allclose(source.features, leaked)
+        assert feature_recovery(leaked, source.features)["recovered_0.9"] == 0.0
+        torch.manual_seed(seed)
+        sae = TopKSAE(d_in=32, n_latents=64, k=3)
+        assert feature_recovery(sae.W_dec.detach(), source.features)["recovered_0.9"] == 0.0
+    # but the same seed gives the same features, and another seed other ones
+    assert torch.equal(SyntheticFeatures(d=32, n_features=64, seed=0).features, SyntheticFeatures(32, 64).features)
+    other = SyntheticFeatures(d=32, n_features=64, seed=1).features
+    assert not torch.allclose(other, SyntheticFeatures(32, 64).features)
+
+
+def test_correlation_keeps_marginals_and_makes_groups_co_occur() -> None:
+    n, kwargs = 20_000, {"d": 64, "n_features": 32, "mean_active": 4.0, "decay": 0.97, "magnitude": (1.0, 1.0)}
+    independent = SyntheticFeatures(**kwargs)
+    correlated = SyntheticFeatures(**kwargs, correlation=0.8, group_size=8)
+    a0 = _activity(independent, independent.sample(n, torch.Generator().manual_seed(0)))
+    a1 = _activity(correlated, correlated.sample(n, torch.Generator().manual_seed(0)))
+    probs = correlated.probs.double()
+    assert float((a0.mean(0) - probs).abs().max()) < 0.02
+    assert float((a1.mean(0) - probs).abs().max()) < 0.02
+
+    def co_occurrence(active: torch.Tensor) -> tuple[float, float]:
+        joint = active.t() @ active / len(active)
+        groups = torch.arange(32) // 8
+        same = (groups[:, None] == groups[None, :]) & ~torch.eye(32, dtype=torch.bool)
+        lift = joint / (probs[:, None] * probs[None, :])
+        other = groups[:, None] != groups[None, :]
+        return float(lift[same].mean()), float(lift[other].mean())
+
+    same0, other0 = co_occurrence(a0)
+    same1, other1 = co_occurrence(a1)
+    assert same0 == pytest.approx(1.0, abs=0.1) and other0 == pytest.approx(1.0, abs=0.1)
+    assert same1 > 2.0 and same1 > same0 + 1.0
+    assert other1 == pytest.approx(1.0, abs=0.1)  # across groups still independent
+
+
+# ---- 9. Quality: a real run recovers the true features -------------------------------------------------------------
+
+QUALITY_OVERRIDES = (
+    "+experiment=sae",
+    "model.d_in=32",
+    "model.n_latents=128",
+    "model.k=3",
+    "model.dead_window=50st",
+    "data.splits.n_features=64",
+    "data.splits.mean_active=2",
+    "data.batch_size=512",
+    "data.val_batch_size=2048",
+    "data.splits.n_val=2048",
+    "optimizer.lr=3e-3",
+    "trainer.max_duration=600st",
+)
+
+
+def test_topk_sae_recovers_synthetic_features(compose_cfg: Callable[..., DictConfig]) -> None:
+    run = build(compose_cfg(*QUALITY_OVERRIDES))
+    assert isinstance(run.task, TopKSAE) and run.task.W_dec.shape == (128, 32)
+    truth = run.val_loader.dataset.true_features
+    assert truth.shape == (64, 32)
+    assert feature_recovery(run.task.W_dec.detach(), truth)["recovered_0.9"] < 0.2  # not there at the start
+    fit(run)
+    assert run.stop_reason == "max_duration" and run.progress.step == 600
+    assert run.nonfinite_steps == 0
+    m = run.metrics
+    assert m["val/recovered_0.9"] >= 0.95, m
+    assert m["val/mmcs"] >= 0.95
+    assert m["val/fve"] > 0.8
+    assert m["val/l0"] <= 3.0
+    assert float((run.task.W_dec.detach().norm(dim=1) - 1).abs().max()) < 1e-5
+
+
+# ---- 10. Activation files ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def matrix() -> torch.Tensor:
+    return torch.randn(200, 8, generator=torch.Generator().manual_seed(0))
+
+
+def _rows(dataset: RowData, indices: list[int]) -> torch.Tensor:
+    return dataset.__getitems__(indices)[0]
+
+
+def test_activation_files_load_in_every_format(tmp_path: Path, matrix: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    np.save(tmp_path / "acts.npy", matrix.numpy())
+    torch.save(matrix, tmp_path / "acts.pt")
+    save_file({"acts": matrix}, str(tmp_path / "acts.safetensors"))
+    for name in ("acts.npy", "acts.pt", "acts.safetensors"):
+        splits = file_splits(str(tmp_path / name), val_fraction=0.1, d=8)
+        assert (len(splits["train"]), len(splits["val"])) == (180, 20), name
+        assert torch.equal(_rows(splits["train"], [0, 1, 179]), matrix[[0, 1, 179]]), name
+        assert torch.equal(_rows(splits["val"], [0, 19]), matrix[[180, 199]]), name
+        assert _rows(splits["train"], [3]).dtype == torch.float32
+    npy = file_splits(str(tmp_path / "acts.npy"))
+    assert isinstance(npy["train"].array, np.memmap)
+    assert (len(npy["train"]), len(npy["val"])) == (190, 10)  # default val_fraction 0.05
+    assert set(file_splits(str(tmp_path / "acts.npy"), val_fraction=0.0)) == {"train"}
+
+    np.save(tmp_path / "val.npy", matrix[:30].numpy())
+    separate = file_splits(str(tmp_path / "acts.pt"), val_path=str(tmp_path / "val.npy"))
+    assert (len(separate["train"]), len(separate["val"])) == (200, 30)
+    assert torch.equal(_rows(separate["val"], [29]), matrix[[29]])
+
+    module = ActivationFiles(str(tmp_path / "acts.safetensors"), val_fraction=0.25, batch_size=32)
+    (batch,) = next(iter(module.train_loader()))
+    assert batch.shape == (32, 8)
+    assert len(module.val_loader().dataset) == 50
+
+
+def test_activation_files_config_builds(compose_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    np.save(tmp_path / "acts.npy", np.random.default_rng(0).standard_normal((300, 8), dtype=np.float32))
+    cfg = compose_cfg(
+        "+experiment=sae",
+        "data=activations_file",
+        f"data.train_path={tmp_path / 'acts.npy'}",
+        "model.d_in=8",
+        "model.n_latents=32",
+        "model.k=2",
+        "data.batch_size=64",
+        "callbacks=none",
+        "trainer.max_duration=3st",
+    )
+    run = fit(build(cfg))
+    assert run.progress.step == 3 and 0 < run.metrics["val/fve"] <= 1
+    with pytest.raises(ConfigError, match=r"shape \[300, 8\].*\[N, 16\]"):
+        build(
+            compose_cfg(
+                "+experiment=sae", "data=activations_file", f"data.train_path={tmp_path / 'acts.npy'}", "model.d_in=16"
+            )
+        )
+
+
+def test_activation_files_refuse_bad_contents(tmp_path: Path, matrix: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    np.save(tmp_path / "flat.npy", matrix.flatten().numpy())
+    with pytest.raises(ConfigError, match=r"shape \[1600\]"):
+        file_splits(str(tmp_path / "flat.npy"))
+    np.save(tmp_path / "acts.npy", matrix.numpy())
+    with pytest.raises(ConfigError, match=r"shape \[200, 8\]; expected a floating-point \[N, 9\]"):
+        file_splits(str(tmp_path / "acts.npy"), d=9)
+    np.save(tmp_path / "val9.npy", np.zeros((10, 9), dtype=np.float32))
+    with pytest.raises(ConfigError, match=r"shape \[10, 9\]"):
+        file_splits(str(tmp_path / "acts.npy"), val_path=str(tmp_path / "val9.npy"))
+    np.save(tmp_path / "ints.npy", np.arange(80).reshape(10, 8))
+    with pytest.raises(ConfigError, match=r"int64"):
+        file_splits(str(tmp_path / "ints.npy"))
+    torch.save(torch.arange(80).reshape(10, 8), tmp_path / "ints.pt")
+    with pytest.raises(ConfigError, match=r"torch.int64"):
+        file_splits(str(tmp_path / "ints.pt"))
+    save_file({"acts": torch.ones(10, 8, dtype=torch.int32)}, str(tmp_path / "ints.safetensors"))
+    with pytest.raises(ConfigError, match=r"torch.int32"):
+        file_splits(str(tmp_path / "ints.safetensors"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        file_splits(str(tmp_path / "missing.npy"))
+    (tmp_path / "acts.csv").write_text("1,2\n")
+    with pytest.raises(ConfigError, match="unknown format"):
+        file_splits(str(tmp_path / "acts.csv"))
+
+    torch.save({"resid": matrix, "mlp": matrix * 2}, tmp_path / "two.pt")
+    with pytest.raises(ConfigError, match=r"\['mlp', 'resid'\].*data.splits.key"):
+        file_splits(str(tmp_path / "two.pt"))
+    with pytest.raises(ConfigError, match=r"no tensor 'attn'"):
+        file_splits(str(tmp_path / "two.pt"), key="attn")
+    chosen = file_splits(str(tmp_path / "two.pt"), key="mlp", val_fraction=0.0)
+    assert torch.equal(_rows(chosen["train"], [5]), matrix[[5]] * 2)
+    save_file({"a": matrix, "b": matrix.clone()}, str(tmp_path / "two.safetensors"))
+    with pytest.raises(ConfigError, match=r"data.splits.key"):
+        file_splits(str(tmp_path / "two.safetensors"))
+
+
+# ---- 11. SAEs on live activations of a trained digits MLP ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A finished (2-epoch) digits run folder, as load_trained reads it: model.safetensors and .hydra/config.yaml."""
+    directory = tmp_path_factory.mktemp("digits")
+    torch.set_num_threads(1)
+    cfg = compose_job(directory, "+experiment=digits", "trainer.max_duration=2ep")
+    run = fit(build(cfg))
+    HydraConfig.instance().cfg = None
+    assert run.progress.epoch == 2
+    (directory / ".hydra").mkdir()
+    save_weights(run.task, directory / "model.safetensors")
+    OmegaConf.save(cfg, directory / ".hydra" / "config.yaml")
+    yield directory
+
+
+SAE_DIGITS_SMALL = (
+    "trainer.max_duration=40st",
+    "data.samples_per_epoch=2560",
+    "data.buffer_size=2048",
+    "model.n_latents=1024",
+)
+
+
+def test_sae_digits_end_to_end(compose_cfg: Callable[..., DictConfig], digits_run: Path) -> None:
+    run: Run = build(compose_cfg("+experiment=sae_digits", f"source.checkpoint={digits_run}", *SAE_DIGITS_SMALL))
+    assert isinstance(run.task, TopKSAE) and run.task.d_in == 512
+    (batch,) = next(iter(run.train_loader))
+    assert batch.shape == (256, 512) and bool((batch >= 0).all())  # after the ReLU
+    fit(run)
+    assert run.progress.step == 40 and run.nonfinite_steps == 0
+    m = run.metrics
+    assert "val/loss_recovered" in m, sorted(m)
+    assert 0.0 <= m["val/loss_recovered"] <= 1.0
+    assert m["val/ce_zero_ablated"] > m["val/ce_clean"]
+    assert m["val/ce_clean"] <= m["val/ce_spliced"] < m["val/ce_zero_ablated"]
+    assert m["val/fve"] > 0
+    # loss_recovered is what its definition says
+    expected = (m["val/ce_zero_ablated"] - m["val/ce_spliced"]) / (m["val/ce_zero_ablated"] - m["val/ce_clean"])
+    assert m["val/loss_recovered"] == pytest.approx(expected)
+
+
+def test_sae_digits_wrong_module_lists_the_modules(compose_cfg: Callable[..., DictConfig], digits_run: Path) -> None:
+    cfg = compose_cfg("+experiment=sae_digits", f"source.checkpoint={digits_run}", "source.module=net.99")
+    with pytest.raises(ConfigError, match=r"source.module='net.99'.*net\.0, net\.1"):
+        build(cfg)
+
+
+def test_sae_digits_wrong_width_is_refused(compose_cfg: Callable[..., DictConfig], digits_run: Path) -> None:
+    cfg = compose_cfg("+experiment=sae_digits", f"source.checkpoint={digits_run}", "model.d_in=64")
+    with pytest.raises(ConfigError, match=r"512 features but model.d_in=64"):
+        build(cfg)
+
+
+def test_sae_digits_missing_checkpoint(compose_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    cfg = compose_cfg("+experiment=sae_digits", f"source.checkpoint={tmp_path / 'nowhere'}")
+    with pytest.raises(ConfigError, match="does not exist"):
+        build(cfg)
+    (tmp_path / "empty").mkdir()
+    cfg = compose_cfg("+experiment=sae_digits", f"source.checkpoint={tmp_path / 'empty'}")
+    with pytest.raises(ConfigError, match=r"model.safetensors does not exist"):
+        build(cfg)
+
+
+def test_hooked_buffer_smaller_than_two_batches_is_refused(digits_run: Path) -> None:
+    with pytest.raises(ConfigError, match="must hold at least two batches"):
+        HookedData(str(digits_run), "net.1", buffer_size=256, samples_per_epoch=1024, batch_size=256)
+    data = HookedData(str(digits_run), "net.1", buffer_size=512, samples_per_epoch=1024, batch_size=256)
+    batches = [b for (b,) in data.train_loader()]
+    assert [tuple(b.shape) for b in batches] == [(256, 512)] * 4  # refills as it goes
