@@ -631,3 +631,42 @@ def test_hooked_buffer_smaller_than_two_batches_is_refused(digits_run: Path) -> 
     data = HookedData(str(digits_run), "net.1", buffer_size=512, samples_per_epoch=1024, batch_size=256)
     batches = [b for (b,) in data.train_loader()]
     assert [tuple(b.shape) for b in batches] == [(256, 512)] * 4  # refills as it goes
+
+
+def test_resampling_points_dead_latents_at_badly_reconstructed_inputs() -> None:
+    from types import SimpleNamespace
+
+    from experiments.sae.callbacks import ResampleDead
+    from runner.data import DataModule, TensorData
+    from runner.progress import TrainingProgress
+
+    torch.manual_seed(0)
+    sae = ReLUSAE(d_in=16, n_latents=32, dead_window="5st", geometric_median_init=False)
+    x = torch.randn(256, 16)
+    opt = torch.optim.Adam(sae.parameters(), lr=1e-3)
+    sae.training_step((x,))["loss"].backward()
+    opt.step()
+    dead = torch.tensor([3, 7, 11])
+    sae.since_fired[dead] = 10
+    before = sae.W_dec.detach().clone()
+    loader = DataModule({"train": TensorData(x)}, batch_size=64, shuffle=False).train_loader()
+    progress = TrainingProgress("100st", batch_size=64, batches_per_epoch=4, samples_per_epoch=256)
+    progress.count_micro_batch(64)
+    progress.count_optimizer_step()  # step 1: '1st' ticks
+    run = SimpleNamespace(task=sae, progress=progress, train_loader=loader, optimizer=opt)
+    callback = ResampleDead(every="1st", until="1.0dur", samples=256)
+    callback.on_optimizer_step(run)
+    assert callback.resampled == 3
+    live = torch.ones(32, dtype=torch.bool)
+    live[dead] = False
+    assert torch.equal(sae.W_dec[live], before[live])  # live latents untouched
+    assert not torch.allclose(sae.W_dec[dead], before[dead])
+    torch.testing.assert_close(sae.W_dec[dead].norm(dim=1), torch.ones(3))
+    assert torch.all(sae.b_enc[dead] == 0) and torch.all(sae.since_fired[dead] == 0)
+    for name in ("exp_avg", "exp_avg_sq"):  # Adam forgets what it knew about the resampled latents only
+        assert torch.all(opt.state[sae.W_dec][name][dead] == 0)
+        assert torch.any(opt.state[sae.W_dec][name][live] != 0)
+    # each new direction is one of the inputs (minus b_dec), normalised
+    xn = x * sae.input_scale
+    cos = F.normalize(sae.W_dec[dead], dim=1) @ F.normalize(xn - sae.b_dec, dim=1).t()
+    assert torch.all(cos.max(dim=1).values > 0.9999)
