@@ -72,9 +72,10 @@ def main() -> None:
     torch.set_flush_denormal(True)
     rates: dict[str, list[float]] = {"hand": [], "runner": []}
     diffs = []
-    for _ in range(args.reps):
+    loops = [("hand", hand_written), ("runner", runner_fit)]
+    for rep in range(args.reps):
         decoders = {}
-        for name, fn in (("hand", hand_written), ("runner", runner_fit)):
+        for name, fn in loops if rep % 2 == 0 else loops[::-1]:  # alternate who goes first
             rate, decoders[name] = fn(args.steps, args.batch)
             rates[name].append(rate)
         diffs.append((decoders["hand"] - decoders["runner"]).abs().max().item())

@@ -219,7 +219,7 @@ class TopKSAE(SAE):
 class ReLUSAE(SAE):
     """ReLU codes with an L1 penalty (weighted by decoder norms), its coefficient warmed up linearly from 0."""
 
-    def __init__(self, l1_coeff: float = 5.0, l1_warmup: str = "100st", **kwargs) -> None:
+    def __init__(self, l1_coeff: float = 0.1, l1_warmup: str = "100st", **kwargs) -> None:
         super().__init__(**kwargs)
         warmup = parse_duration(l1_warmup)
         if warmup.unit != "st":
