@@ -42,6 +42,7 @@ class SAE(nn.Module):
         tied_init: bool = True,
         geometric_median_init: bool = True,
         sparse_decode: bool = True,
+        b_enc_init: float = 0.0,
     ) -> None:
         super().__init__()
         self.d_in, self.n_latents = d_in, n_latents
@@ -54,7 +55,7 @@ class SAE(nn.Module):
         W_dec = F.normalize(torch.randn(n_latents, d_in), dim=1)
         self.W_dec = nn.Parameter(W_dec)
         self.W_enc = nn.Parameter(W_dec.t().clone() if tied_init else F.normalize(torch.randn(d_in, n_latents), dim=0))
-        self.b_enc = nn.Parameter(torch.zeros(n_latents))
+        self.b_enc = nn.Parameter(torch.full((n_latents,), float(b_enc_init)))  # < 0: ReLU codes start sparse
         self.b_dec = nn.Parameter(torch.zeros(d_in))
         self.register_buffer("input_scale", torch.ones(()))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
