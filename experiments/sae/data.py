@@ -105,20 +105,9 @@ class SyntheticActivations(Dataset):
         return (self.source.sample(len(indices), generator),)
 
 
-def synthetic_splits(
-    d: int = 256,
-    n_features: int = 512,
-    mean_active: float = 5.0,
-    decay: float = 0.99,
-    magnitude: tuple[float, float] = (0.0, 1.0),
-    correlation: float = 0.0,
-    group_size: int = 8,
-    n_train: int = 4_194_304,
-    n_val: int = 16_384,
-    seed: int = 0,
-) -> dict[str, Dataset]:
+def synthetic_splits(n_train: int = 4_194_304, n_val: int = 16_384, seed: int = 0, **features) -> dict[str, Dataset]:
     """Train (generated on the fly) and validation (fixed, in memory) splits of synthetic activations."""
-    source = SyntheticFeatures(d, n_features, mean_active, decay, tuple(magnitude), correlation, group_size, seed)
+    source = SyntheticFeatures(seed=seed, **features)  # d, n_features, mean_active, decay, magnitude, ...
     val = TensorData(source.sample(n_val, _generator(seed, "val")))
     val.true_features = source.features
     return {"train": SyntheticActivations(source, n_train, seed), "val": val}
