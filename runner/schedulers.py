@@ -62,10 +62,15 @@ def _steps(progress: TrainingProgress, duration: str | Duration, what: str) -> i
     return steps
 
 
+def _warmup(t: int, warm: int) -> float:
+    # The LR factor during a linear warmup of `warm` steps: never 0 (the first step learns), 1 from step `warm` on.
+    return min(1.0, (t + 1) / (warm + 1))
+
+
 def constant(optimizer: torch.optim.Optimizer, progress: TrainingProgress, warmup: str = "0st") -> PerStep:
     """Constant learning rate after an optional linear warmup."""
     warm = _steps(progress, warmup, "scheduler.warmup")
-    return PerStep(LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / (warm + 1))))
+    return PerStep(LambdaLR(optimizer, lambda t: _warmup(t, warm)))
 
 
 def cosine(
@@ -77,7 +82,7 @@ def cosine(
 
     def factor(t: int) -> float:
         if t < warm:
-            return (t + 1) / (warm + 1)
+            return _warmup(t, warm)
         done = min(1.0, (t - warm) / max(1, total - warm))
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
 
@@ -98,7 +103,7 @@ def wsd(
 
     def factor(t: int) -> float:
         if t < warm:
-            return (t + 1) / (warm + 1)
+            return _warmup(t, warm)
         if t < total - cool:
             return 1.0
         return 1.0 - (1.0 - min_lr_ratio) * min(1.0, (t - (total - cool)) / max(1, cool))
