@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from dataclasses import dataclass, field
@@ -120,9 +121,10 @@ def fit(run: Run) -> Run:
     params = [q for q in task.parameters() if q.requires_grad]
     for cb in run.callbacks:
         cb.on_fit_start(run)
-    meter, window_loss, bad_in_a_row = _Meter(p), 0.0, 0
+    meter, window_loss, bad_in_a_row = _Meter(p), None, 0
     # A task may keep a constraint after each applied step (an SAE renormalises its decoder rows).
     after_step = getattr(task, "after_optimizer_step", lambda: None)
+    clip = run.gradient_clip_val
     task.train()
     while run.stop_reason is None and not p.finished:
         if hasattr(run.train_loader.sampler, "set_epoch"):
@@ -133,21 +135,23 @@ def fit(run: Run) -> Run:
             batch = to_device(batch, run.device)
             with precision.autocast():
                 out = task.training_step(batch)
-            loss = out["loss"]
-            precision.backward(loss / window)  # / real window size: a short epoch-end window still averages
-            window_loss = window_loss + loss.detach()
+            loss = out["loss"].detach()
+            # / real window size: a short epoch-end window still averages (no division op when there is nothing to do)
+            precision.backward(out["loss"] / window if window > 1 else out["loss"])
+            window_loss = loss if window_loss is None else window_loss + loss
             meter.add(out)
             if not p.window_done(last):
                 continue
 
             precision.unscale_(opt)
-            if run.gradient_clip_val is not None:
-                norm = torch.nn.utils.clip_grad_norm_(params, run.gradient_clip_val, foreach=True)
-            else:
-                norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None], foreach=True)
+            norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None], foreach=True)
+            # The one host sync per optimizer step reads the window's loss and the global grad norm together.
+            loss_sum, norm_value = torch.stack([window_loss.float(), norm.float()]).tolist()
             # fp16 loss scaling skips overflowed grads itself; a non-finite loss is always ours to skip.
-            check = window_loss if precision.handles_overflow else window_loss + norm
-            if bool(torch.isfinite(check)):  # the one host sync per optimizer step
+            if math.isfinite(loss_sum) and (precision.handles_overflow or math.isfinite(norm_value)):
+                if clip is not None and math.isfinite(norm_value) and norm_value > clip:
+                    # clip_grad_norm_'s own arithmetic; below the threshold it would multiply by exactly 1.
+                    torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
                 precision.step(opt)
                 after_step()
                 bad_in_a_row = 0
@@ -158,12 +162,12 @@ def fit(run: Run) -> Run:
                 if bad_in_a_row >= run.max_nonfinite_steps:
                     run.request_stop("nonfinite")
             opt.zero_grad(set_to_none=True)
-            meter.add_step(norm, opt.param_groups[0]["lr"])  # the LR this step used, before the schedule moves it
+            meter.add_step(loss_sum, norm_value, opt.param_groups[0]["lr"])  # the LR this step used
             p.count_optimizer_step()
             if last:
                 p.end_epoch()
             run.schedule.on_optimizer_step()
-            window_loss = 0.0
+            window_loss = None
             for cb in run.callbacks:
                 cb.on_optimizer_step(run)
 
@@ -204,19 +208,22 @@ class _Meter:
 
     def _reset(self, progress: TrainingProgress) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.micro, self.steps, self.norm, self.lr = 0, 0, 0.0, float("nan")
+        self.micro, self.steps, self.loss, self.norm, self.lr = 0, 0, 0.0, 0.0, float("nan")
         self.clock, self.samples, self.tokens = time.perf_counter(), progress.samples, progress.tokens
 
     def add(self, out: dict[str, torch.Tensor]) -> None:
-        """Add one micro-batch's training_step outputs (tensors or numbers)."""
+        """Add one micro-batch's training_step outputs (tensors or numbers) but the loss (see add_step)."""
         for key, value in out.items():
+            if key == "loss":
+                continue
             value = value.detach() if isinstance(value, torch.Tensor) else float(value)
             self.sums[key] = self.sums.get(key, 0.0) + value
         self.micro += 1
 
-    def add_step(self, grad_norm: torch.Tensor, lr: float) -> None:
-        """Add one optimizer step's global gradient norm and the learning rate it used."""
-        self.norm = self.norm + grad_norm
+    def add_step(self, loss_sum: float, grad_norm: float, lr: float) -> None:
+        """Add one optimizer step's summed micro-batch losses, global gradient norm and the learning rate it used."""
+        self.loss += loss_sum
+        self.norm += grad_norm
         self.steps += 1
         self.lr = lr
 
@@ -225,13 +232,13 @@ class _Meter:
         p, keys = run.progress, list(self.sums)
         param_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([q.detach() for q in params])))
         means = [torch.as_tensor(self.sums[k]).float() / self.micro for k in keys]
-        values = torch.stack([*means, torch.as_tensor(self.norm).float() / self.steps, param_norm.float()]).tolist()
+        *values, param_norm = torch.stack([*means, param_norm.float()]).tolist()
         elapsed = time.perf_counter() - self.clock
-        metrics = {f"train/{k}": v for k, v in zip(keys, values, strict=False)}
+        metrics = {"train/loss": self.loss / self.micro, **{f"train/{k}": v for k, v in zip(keys, values, strict=True)}}
         metrics.update(
             {
-                "train/grad_norm": values[-2],
-                "train/param_norm": values[-1],
+                "train/grad_norm": self.norm / self.steps,
+                "train/param_norm": param_norm,
                 "train/lr": self.lr,
                 "train/nonfinite_steps": run.nonfinite_steps,
                 "train/samples_per_s": (p.samples - self.samples) / elapsed,

@@ -47,21 +47,50 @@ def _data(n: int = 64, seed: int = 0) -> dict[str, TensorData]:
     return {"train": TensorData(x, y), "val": TensorData(x[:16], y[:16])}
 
 
-def make_run(task: nn.Module | None = None, *, max_duration: str = "20st", batch_size: int = 8, accumulate: int = 1,
-             lr: float = 0.05, val_interval: str = "1ep", shuffle: bool = True, callbacks=(), schedule=None,
-             max_nonfinite_steps: int = 10, splits=None, clip: float | None = None) -> Run:
+def make_run(
+    task: nn.Module | None = None,
+    *,
+    max_duration: str = "20st",
+    batch_size: int = 8,
+    accumulate: int = 1,
+    lr: float = 0.05,
+    val_interval: str = "1ep",
+    shuffle: bool = True,
+    callbacks=(),
+    schedule=None,
+    max_nonfinite_steps: int = 10,
+    splits=None,
+    clip: float | None = None,
+) -> Run:
     torch.manual_seed(0)
     task = task or Regression()
     data = DataModule(splits or _data(), batch_size=batch_size, shuffle=shuffle, seed=0)
     train, val = data.train_loader(), data.val_loader()
     opt = torch.optim.SGD(task.parameters(), lr=lr)
-    progress = TrainingProgress(max_duration, batch_size=batch_size, batches_per_epoch=len(train),
-                                samples_per_epoch=len(train.sampler), accumulate=accumulate)
+    progress = TrainingProgress(
+        max_duration,
+        batch_size=batch_size,
+        batches_per_epoch=len(train),
+        samples_per_epoch=len(train.sampler),
+        accumulate=accumulate,
+    )
     schedule = (schedule or constant)(optimizer=opt, progress=progress)
-    return Run(task=task, optimizer=opt, schedule=schedule, progress=progress, precision=FP32(), train_loader=train,
-               val_loader=val, device=torch.device("cpu"), val_interval=progress.resolve(val_interval),
-               log_interval=progress.resolve("1st"), gradient_clip_val=clip, max_nonfinite_steps=max_nonfinite_steps,
-               callbacks=list(callbacks), distributed=Single("cpu"))
+    return Run(
+        task=task,
+        optimizer=opt,
+        schedule=schedule,
+        progress=progress,
+        precision=FP32(),
+        train_loader=train,
+        val_loader=val,
+        device=torch.device("cpu"),
+        val_interval=progress.resolve(val_interval),
+        log_interval=progress.resolve("1st"),
+        gradient_clip_val=clip,
+        max_nonfinite_steps=max_nonfinite_steps,
+        callbacks=list(callbacks),
+        distributed=Single("cpu"),
+    )
 
 
 class Recorder(Callback):
@@ -274,3 +303,77 @@ def test_ema_listed_after_early_stopping_with_restore_best_is_refused():
     run = make_run(callbacks=[EarlyStopping(restore_best=True), EMA()])
     with pytest.raises(ConfigError, match="list ema before early_stopping"):
         fit(run)
+
+
+def _hand_loop(steps: int, clip: float, accumulate: int = 1) -> tuple[torch.Tensor, list[float], list[float]]:
+    """The same training as make_run(), written by hand with clip_grad_norm_: weights, losses and grad norms."""
+    torch.manual_seed(0)
+    task = Regression()
+    train = DataModule(_data(), batch_size=8, seed=0).train_loader()
+    opt = torch.optim.SGD(task.parameters(), lr=0.05)
+    losses, norms, step, epoch, window = [], [], 0, 0, []
+    while step < steps:
+        train.sampler.set_epoch(epoch)
+        for batch in train:
+            loss = task.training_step(batch)["loss"]
+            (loss / accumulate).backward()
+            window.append(loss.item())
+            if len(window) < accumulate:
+                continue
+            norms.append(torch.nn.utils.clip_grad_norm_(task.parameters(), clip, foreach=True).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(sum(window) / accumulate)
+            window, step = [], step + 1
+            if step == steps:
+                break
+        epoch += 1
+    return torch.cat([p.detach().flatten() for p in task.parameters()]), losses, norms
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clipping_and_logged_norms_match_clip_grad_norm_exactly(accumulate):
+    # clip=6.0 is crossed by the early steps only: both the clipped and the unclipped path must equal torch's
+    # clip_grad_norm_ bit for bit, and the logged loss and grad norm are the per-step values (log every step).
+    weights, losses, norms = _hand_loop(24, clip=6.0, accumulate=accumulate)
+    assert min(norms) < 6.0 < max(norms)
+    logger = ListLogger()
+    run = make_run(max_duration="24st", clip=6.0, accumulate=accumulate, val_interval="100st")
+    run.loggers.append(logger)
+    fit(run)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in run.task.parameters()]), weights)
+    rows = [m for _, m in logger.rows if "train/loss" in m]
+    assert [r["train/loss"] for r in rows] == pytest.approx(losses, rel=1e-6)
+    assert [r["train/grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-6)
+
+
+def test_profiler_writes_a_trace_and_the_top_ops(tmp_path, capsys):
+    import json
+
+    from runner.callbacks import Profiler
+
+    fit(make_run(max_duration="10st", callbacks=[Profiler(dir=str(tmp_path), start="2st", length="3st")]))
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == 3
+    table = (tmp_path / "top_ops.txt").read_text()
+    assert table.startswith(
+        "steps 4-6\n"
+    )  # step 3 is the profiler's warm-up and "Self CPU" in table and "aten::" in table
+    assert len([line for line in table.splitlines() if "aten::" in line or "#" in line]) <= 10
+    assert "steps 4-6" in capsys.readouterr().err
+
+
+def test_profiler_window_cut_short_by_the_end_is_still_written(tmp_path):
+    from runner.callbacks import Profiler
+
+    fit(make_run(max_duration="6st", callbacks=[Profiler(dir=str(tmp_path), start="4st", length="10st")]))
+    assert (tmp_path / "trace.json").stat().st_size > 0
+    assert (tmp_path / "top_ops.txt").read_text().startswith("steps 6-6\n")
+
+
+def test_profiler_window_shorter_than_a_step_is_refused(tmp_path):
+    from runner.callbacks import Profiler
+
+    with pytest.raises(ConfigError, match="at least one optimizer step"):
+        fit(make_run(callbacks=[Profiler(dir=str(tmp_path), length="0st")]))
