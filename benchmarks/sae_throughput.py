@@ -33,8 +33,9 @@ def setup(steps: int, batch: int):
     torch.manual_seed(1)
     model = TopKSAE(d_in=256, n_latents=1024, k=5, dead_window="10st")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    progress = TrainingProgress(f"{steps}st", batch_size=batch, batches_per_epoch=len(loader),
-                                samples_per_epoch=len(loader.sampler))
+    progress = TrainingProgress(
+        f"{steps}st", batch_size=batch, batches_per_epoch=len(loader), samples_per_epoch=len(loader.sampler)
+    )
     return model, opt, loader, progress
 
 
@@ -54,9 +55,19 @@ def hand_written(steps: int, batch: int) -> tuple[float, torch.Tensor]:
 
 def runner_fit(steps: int, batch: int) -> tuple[float, torch.Tensor]:
     model, opt, loader, progress = setup(steps, batch)
-    run = Run(task=model, optimizer=opt, schedule=wsd(optimizer=opt, progress=progress), progress=progress,
-              precision=FP32(), train_loader=loader, val_loader=None, device=torch.device("cpu"),
-              val_interval=progress.resolve("1ep"), log_interval=progress.resolve("50st"), distributed=Single("cpu"))
+    run = Run(
+        task=model,
+        optimizer=opt,
+        schedule=wsd(optimizer=opt, progress=progress),
+        progress=progress,
+        precision=FP32(),
+        train_loader=loader,
+        val_loader=None,
+        device=torch.device("cpu"),
+        val_interval=progress.resolve("1ep"),
+        log_interval=progress.resolve("50st"),
+        distributed=Single("cpu"),
+    )
     start = time.perf_counter()
     fit(run)
     return steps * batch / (time.perf_counter() - start), model.W_dec.detach().clone()
@@ -80,9 +91,17 @@ def main() -> None:
             rates[name].append(rate)
         diffs.append((decoders["hand"] - decoders["runner"]).abs().max().item())
     hand, ours = statistics.median(rates["hand"]), statistics.median(rates["runner"])
-    result = {"steps": args.steps, "batch": args.batch, "reps": args.reps, "hand_samples_per_s": hand,
-              "runner_samples_per_s": ours, "ratio": ours / hand, "max_decoder_diff": max(diffs),
-              "hand_all": rates["hand"], "runner_all": rates["runner"]}
+    result = {
+        "steps": args.steps,
+        "batch": args.batch,
+        "reps": args.reps,
+        "hand_samples_per_s": hand,
+        "runner_samples_per_s": ours,
+        "ratio": ours / hand,
+        "max_decoder_diff": max(diffs),
+        "hand_all": rates["hand"],
+        "runner_all": rates["runner"],
+    }
     print(f"{'loop':<8} {'samples/s (median)':>19} {'min':>9} {'max':>9}")
     for name in ("hand", "runner"):
         print(f"{name:<8} {statistics.median(rates[name]):>19.0f} {min(rates[name]):>9.0f} {max(rates[name]):>9.0f}")

@@ -1,0 +1,174 @@
+"""What the benchmarks share: the models and data every contender trains, fresh worker processes, and the tables.
+
+Every contender (hand-written loop, runner, Lightning) trains the same `Net` on the same `splits()` through the same
+DataLoader with AdamW (matrices decayed, biases not), a per-step cosine schedule (`cosine_factor`) and clipping at 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+# name: (layer widths, batch size, samples in the dataset, learning rate)
+SIZES = {"tiny": ([32, 64, 10], 32, 32 * 64, 1e-3), "mlp": ([256, 1024, 1024, 10], 256, 256 * 32, 1e-3)}
+WEIGHT_DECAY, CLIP, MIN_LR_RATIO = 0.01, 1.0, 0.1
+
+
+class Net(nn.Module):
+    """An MLP classifier with runner's task interface; initialised from its own seed, whatever the global RNG."""
+
+    def __init__(self, size: str = "tiny") -> None:
+        super().__init__()
+        widths = SIZES[size][0]
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(1)
+        layers: list[nn.Module] = []
+        for a, b in zip(widths[:-1], widths[1:], strict=True):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*layers[:-1])
+        torch.random.set_rng_state(generator_state)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Cross-entropy of the batch."""
+        x, y = batch
+        return {"loss": nn.functional.cross_entropy(self.net(x), y)}
+
+
+def splits(size: str = "tiny") -> dict[str, Any]:
+    """A seeded random classification set of SIZES[size] samples (a 'train' split only)."""
+    from runner.data import TensorData
+
+    widths, _, n, _ = SIZES[size]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, widths[0], generator=generator)
+    y = torch.randint(0, widths[-1], (n,), generator=generator)
+    return {"train": TensorData(x, y)}
+
+
+def loader(size: str) -> torch.utils.data.DataLoader:
+    """The training loader, built exactly as runner builds it from benchmarks/conf/data/bench.yaml."""
+    from runner.data import DataModule
+
+    return DataModule(splits(size), batch_size=SIZES[size][1], seed=0).train_loader()
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """AdamW groups as runner makes them: weight decay on matrices, none on biases."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def cosine_factor(t: int, total: int) -> float:
+    """The LR factor of runner's cosine schedule without warmup (the same float arithmetic)."""
+    done = min(1.0, t / max(1, total))
+    return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+@torch.no_grad()
+def final_loss(model: nn.Module, size: str) -> float:
+    """Mean loss of the trained model over the whole dataset: the contenders must agree on it."""
+    x, y = splits(size)["train"].tensors
+    return float(nn.functional.cross_entropy(model.net(x), y))
+
+
+class Stamps:
+    """Wall-clock stamps a worker takes: first optimizer step, end of warm-up, end of training."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.times = warmup, {}
+
+    def step(self, step: int, last: bool) -> None:
+        """Call after optimizer step `step` (1-based)."""
+        if step == 1:
+            self.times["first_step"] = time.time()
+        if step == self.warmup:
+            self.times["warm"] = time.perf_counter()
+        if last:
+            self.times["end"] = time.perf_counter()
+            self.times["timed_steps"] = step - self.warmup
+
+    def write(self, path: str | Path, **extra: Any) -> None:
+        """Write the stamps and the steady-state time per step to `path` as JSON."""
+        t = self.times
+        per_step = (t["end"] - t["warm"]) / t["timed_steps"] if "warm" in t and t["timed_steps"] > 0 else None
+        Path(path).write_text(json.dumps({"first_step": t.get("first_step"), "per_step_s": per_step, **extra}))
+
+
+def spawn(command: list[str], out: Path, env: dict[str, str] | None = None, log: Path | None = None) -> dict[str, Any]:
+    """Run one worker process; return what it wrote to `out` plus launch time, wall time and peak RSS (MiB)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    out.unlink(missing_ok=True)
+    sink = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    launched = time.time()
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT if log else sink)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.time() - launched
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if log:
+        sink.close()
+    if proc.returncode != 0 or not out.exists():
+        tail = log.read_text()[-3000:] if log else ""
+        raise RuntimeError(f"{' '.join(command)} failed with exit code {proc.returncode}\n{tail}")
+    result = json.loads(out.read_text())
+    result.update(launched=launched, wall_s=wall, peak_rss_mb=usage.ru_maxrss / 1024)
+    if result.get("first_step") is not None:
+        result["to_first_step_s"] = result["first_step"] - launched
+    return result
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median and half the min-max spread."""
+    return {"median": statistics.median(values), "spread": (max(values) - min(values)) / 2}
+
+
+def runner_command(size: str, steps: int, warmup: int, out: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """`python -m runner` on the benchmark experiment, with a StepTimer callback writing to `out`."""
+    return [
+        sys.executable,
+        "-m",
+        "runner",
+        "--config-dir",
+        str(ROOT / "benchmarks" / "conf"),
+        "+experiment=bench",
+        f"bench.size={size}",
+        f"data.batch_size={SIZES[size][1]}",
+        f"optimizer.lr={SIZES[size][3]}",
+        f"optimizer.weight_decay={WEIGHT_DECAY}",
+        f"trainer.gradient_clip_val={CLIP}",
+        f"scheduler.min_lr_ratio={MIN_LR_RATIO}",
+        f"trainer.max_duration={steps}st",
+        f"bench.warmup={warmup}",
+        f"bench.out={out}",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
+
+
+def machine() -> str:
+    """One line about where the figures come from."""
+    import platform
+
+    return (
+        f"{platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
+
+
+def write_json(path: str | None, data: dict[str, Any]) -> None:
+    """Write the results as JSON when --json was given."""
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")

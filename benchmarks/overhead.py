@@ -1,0 +1,234 @@
+"""Per-step overhead: a hand-written loop, runner and PyTorch Lightning training the same model the same way.
+
+    python benchmarks/overhead.py [--reps 5] [--steps 2000] [--sizes tiny mlp] [--json out.json]
+
+Contenders, each in a fresh process (one thread), repetitions interleaved so that machine noise hits all alike:
+  hand             a minimal hand-written loop
+  runner           python -m runner, no loggers or callbacks
+  lightning        a minimal Lightning Trainer (no logger, checkpointing, progress bar or model summary)
+  runner_usual     runner with its usual loggers: the live console bar and metrics.jsonl
+  lightning_usual  Lightning with its usual ones: progress bar, a logger, per-step self.log, model summary
+All train benchmarks.common.Net with AdamW, a per-step cosine schedule and clipping at 1.0 on the same batches.
+Reports the steady-state time per step (after --warmup steps), ratios to `hand` (median of the per-repetition
+ratios), peak RSS, and the final losses, which hand, runner and lightning must agree on to 5 decimal places.
+Lightning is optional (pip install -e ".[bench]"); without it the Lightning contenders are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    CLIP,
+    SIZES,
+    WEIGHT_DECAY,
+    Net,
+    Stamps,
+    cosine_factor,
+    final_loss,
+    loader,
+    machine,
+    param_groups,
+    runner_command,
+    spawn,
+    summary,
+    write_json,
+)
+
+CONTENDERS = ("hand", "runner", "lightning", "runner_usual", "lightning_usual")
+
+
+def hand(size: str, steps: int, warmup: int, out: str) -> None:
+    """The loop a researcher writes by hand."""
+    model, data = Net(size), loader(size)
+    opt = torch.optim.AdamW(param_groups(model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: cosine_factor(t, steps))
+    stamps, step, epoch = Stamps(warmup), 0, 0
+    while step < steps:
+        data.sampler.set_epoch(epoch)
+        for batch in data:
+            loss = model.training_step(batch)["loss"]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            step += 1
+            stamps.step(step, step == steps)
+            if step == steps:
+                break
+        epoch += 1
+    stamps.write(out, final_loss=final_loss(model, size))
+
+
+def lightning(size: str, steps: int, warmup: int, out: str, usual: bool, run_dir: str) -> None:
+    """The same training as a LightningModule: a bare Trainer, or one with its usual bar, logger and summary."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Net(size)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model.training_step(batch)["loss"]
+            if usual:
+                self.log("train/loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(param_groups(self.model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: cosine_factor(t, steps))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    stamps = Stamps(warmup)
+
+    class Timer(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            stamps.step(trainer.global_step, trainer.global_step == steps)
+
+    bare = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+    # Checkpointing stays off in both: runner's usual contender has no checkpoint callback yet (issue 5).
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        gradient_clip_val=CLIP,
+        callbacks=[Timer()],
+        default_root_dir=run_dir,
+        num_sanity_val_steps=0,
+        **({"enable_checkpointing": False} if usual else bare),
+    )
+    module = Module()
+    trainer.fit(module, train_dataloaders=loader(size))
+    stamps.write(out, final_loss=final_loss(module.model, size))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Run one contender in this process (the parent starts one process per measurement)."""
+    if args.worker == "hand":
+        hand(args.size, args.steps, args.warmup, args.out)
+    else:
+        lightning(args.size, args.steps, args.warmup, args.out, args.worker == "lightning_usual", args.run_dir)
+
+
+def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> dict:
+    """One fresh process of `contender`; returns its figures."""
+    out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
+    if contender.startswith("runner"):
+        extra = ["logger=default"] if contender == "runner_usual" else []
+        command = runner_command(size, steps, warmup, out, run_dir, *extra)
+    else:
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            contender,
+            "--size",
+            size,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--out",
+            str(out),
+            "--run-dir",
+            str(run_dir),
+        ]
+    # TTY_COMPATIBLE: rich draws its live bar as in a terminal, so runner_usual pays for it like a user does.
+    return spawn(command, out, env={"TTY_COMPATIBLE": "1"}, log=tmp / f"{contender}.log")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps on tiny (mlp: a tenth, at least 60)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before the clock starts (default: a tenth)")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    parser.add_argument("--json")
+    parser.add_argument("--worker", choices=["hand", "lightning", "lightning_usual"], help=argparse.SUPPRESS)
+    parser.add_argument("--size", "--out", "--run-dir", help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args()
+    if args.worker:
+        worker_args = argparse.ArgumentParser()
+        for name in ("--worker", "--size", "--out", "--run-dir"):
+            worker_args.add_argument(name)
+        worker_args.add_argument("--steps", type=int)
+        worker_args.add_argument("--warmup", type=int)
+        return worker(worker_args.parse_args())
+
+    contenders = list(args.contenders)
+    if importlib.util.find_spec("lightning") is None:
+        print("lightning is not installed (pip install -e '.[bench]'): skipping its contenders", file=sys.stderr)
+        contenders = [c for c in contenders if not c.startswith("lightning")]
+    results = {"machine": machine(), "sizes": {}}
+    for size in args.sizes:
+        steps = args.steps if size == "tiny" else max(60, args.steps // 10)
+        warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
+        runs: dict[str, list[dict]] = {c: [] for c in contenders}
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(args.reps):
+                # Rotate the order each repetition so no contender always runs first (or just after another).
+                for contender in contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]:
+                    runs[contender].append(measure(contender, size, steps, warmup, Path(tmp)))
+                    print(
+                        f"{size} rep {rep + 1}/{args.reps} {contender}: "
+                        f"{runs[contender][-1]['per_step_s'] * 1e6:.1f} us/step",
+                        file=sys.stderr,
+                    )
+        results["sizes"][size] = table(runs, steps, warmup)
+    report(results)
+    write_json(args.json, results)
+
+
+def table(runs: dict[str, list[dict]], steps: int, warmup: int) -> dict:
+    """Per contender: per-step time, ratio to hand (paired by repetition), peak RSS, final loss."""
+    rows = {}
+    for contender, reps in runs.items():
+        ratios = [r["per_step_s"] / h["per_step_s"] for r, h in zip(reps, runs["hand"], strict=True)]
+        rows[contender] = {
+            "us_per_step": summary([r["per_step_s"] * 1e6 for r in reps]),
+            "ratio_to_hand": summary(ratios),
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in reps),
+            "final_loss": reps[-1]["final_loss"],
+        }
+    exact = [c for c in ("hand", "runner", "lightning") if c in rows]
+    losses = [rows[c]["final_loss"] for c in exact]
+    return {
+        "steps": steps,
+        "warmup": warmup,
+        "reps": len(runs["hand"]),
+        "contenders": rows,
+        "final_loss_max_diff": max(losses) - min(losses),
+        "losses_agree": max(losses) - min(losses) < 1e-5,
+    }
+
+
+def report(results: dict) -> None:
+    """Print the tables."""
+    print(f"# overhead ({results['machine']})")
+    for size, r in results["sizes"].items():
+        print(f"\n{size}: {r['steps']} steps ({r['warmup']} warm-up), {r['reps']} fresh processes each")
+        print(f"{'contender':<16} {'us/step':>16} {'x hand':>14} {'peak RSS MiB':>13} {'final loss':>11}")
+        for name, row in r["contenders"].items():
+            t, x = row["us_per_step"], row["ratio_to_hand"]
+            print(
+                f"{name:<16} {t['median']:>9.1f} ±{t['spread']:<5.0f} {x['median']:>7.3f} ±{x['spread']:<5.3f}"
+                f" {row['peak_rss_mb']:>13.0f} {row['final_loss']:>11.6f}"
+            )
+        verdict = "agree" if r["losses_agree"] else "DISAGREE"
+        print(f"final losses of hand/runner/lightning {verdict} (max difference {r['final_loss_max_diff']:.2e})")
+
+
+if __name__ == "__main__":
+    main()

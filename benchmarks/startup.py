@@ -1,0 +1,140 @@
+"""Startup: launch to the end of the first optimizer step, and the whole process, runner against a hand-written script.
+
+    python benchmarks/startup.py [--reps 5] [--steps 20] [--json out.json]
+
+Contenders, each a fresh process, repetitions interleaved (the order rotates):
+  hand          overhead.py's hand-written loop as a script: import torch, build data, model and AdamW, train
+  runner        python -m runner on the same model and data (no loggers)
+  runner_usual  the same with its usual loggers (console and metrics.jsonl)
+  imports       what runner imports beyond torch (hydra, omegaconf, rich, safetensors, runner), timed alone
+  compose       Hydra composing runner's config in memory (compose API), timed alone
+Reports launch -> end of step 1, whole-process wall time and peak RSS, medians with half the spread; `imports` and
+`compose` show what Hydra itself adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, machine, runner_command, spawn, summary, write_json  # noqa: E402
+
+CONTENDERS = ("hand", "runner", "runner_usual", "imports", "compose")
+
+
+def imports(out: str) -> None:
+    """Time the modules runner adds to a torch script (torch itself is imported first, untimed)."""
+    import torch  # noqa: F401
+
+    started = time.perf_counter()
+    import hydra  # noqa: F401
+    import omegaconf  # noqa: F401
+
+    hydra_done = time.perf_counter()
+    import rich.console  # noqa: F401
+    import safetensors.torch  # noqa: F401
+
+    import runner.build  # noqa: F401
+    import runner.loggers  # noqa: F401
+
+    Path(out).write_text(json.dumps({"hydra_s": hydra_done - started, "all_s": time.perf_counter() - started}))
+
+
+def compose(out: str) -> None:
+    """Time Hydra's composition of the benchmark run's config (what @hydra.main does before calling main)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    started = time.perf_counter()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        hydra_compose(
+            "config", [f"hydra.searchpath=[file://{ROOT / 'benchmarks' / 'conf'}]", "+experiment=bench", "bench.out=x"]
+        )
+    Path(out).write_text(json.dumps({"compose_s": time.perf_counter() - started}))
+
+
+def measure(contender: str, steps: int, tmp: Path) -> dict:
+    """One fresh process of `contender`."""
+    out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
+    if contender.startswith("runner"):
+        extra = ["logger=default"] if contender == "runner_usual" else []
+        command = runner_command("tiny", steps, 1, out, run_dir, *extra)
+    elif contender == "hand":
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "overhead.py"),
+            "--worker",
+            "hand",
+            "--size",
+            "tiny",
+            "--steps",
+            str(steps),
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    else:
+        command = [sys.executable, __file__, "--worker", contender, "--out", str(out)]
+    return spawn(command, out, log=tmp / f"{contender}.log")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json")
+    parser.add_argument("--worker", choices=["imports", "compose"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return {"imports": imports, "compose": compose}[args.worker](args.out)
+
+    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            for contender in CONTENDERS[rep % len(CONTENDERS) :] + CONTENDERS[: rep % len(CONTENDERS)]:
+                runs[contender].append(measure(contender, args.steps, Path(tmp)))
+    results = {"machine": machine(), "steps": args.steps, "reps": args.reps, "contenders": {}}
+    for contender in ("hand", "runner", "runner_usual"):
+        reps = runs[contender]
+        results["contenders"][contender] = {
+            "to_first_step_s": summary([r["to_first_step_s"] for r in reps]),
+            "wall_s": summary([r["wall_s"] for r in reps]),
+            "peak_rss_mb": summary([r["peak_rss_mb"] for r in reps]),
+            # paired with the hand-written script of the same repetition
+            "first_step_minus_hand_s": summary(
+                [r["to_first_step_s"] - h["to_first_step_s"] for r, h in zip(reps, runs["hand"], strict=True)]
+            ),
+        }
+    for key, contender in (("hydra_s", "imports"), ("all_s", "imports"), ("compose_s", "compose")):
+        results[f"{contender}_{key}"] = summary([r[key] for r in runs[contender]])
+    report(results)
+    write_json(args.json, results)
+
+
+def report(results: dict) -> None:
+    """Print the table."""
+    print(f"# startup ({results['machine']}), {results['reps']} fresh processes each, {results['steps']} steps")
+    print(f"{'contender':<13} {'to 1st step s':>15} {'- hand s':>15} {'process s':>14} {'peak RSS MiB':>13}")
+    for name, row in results["contenders"].items():
+        t, d, w = row["to_first_step_s"], row["first_step_minus_hand_s"], row["wall_s"]
+        print(
+            f"{name:<13} {t['median']:>8.3f} ±{t['spread']:<5.3f} {d['median']:>+8.3f} ±{d['spread']:<5.3f}"
+            f" {w['median']:>7.3f} ±{w['spread']:<5.3f} {row['peak_rss_mb']['median']:>13.0f}"
+        )
+    print(
+        f"importing hydra + omegaconf after torch: {results['imports_hydra_s']['median']:.3f} s; with rich, "
+        f"safetensors and runner: {results['imports_all_s']['median']:.3f} s; composing the config: "
+        f"{results['compose_compose_s']['median']:.3f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
