@@ -86,26 +86,40 @@ def final_loss(model: nn.Module, size: str) -> float:
 
 
 class Stamps:
-    """Wall-clock stamps a worker takes: first optimizer step, end of warm-up, end of training."""
+    """Clock readings a worker takes: first optimizer step, then every step after the warm-up."""
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.times = warmup, {}
+    def __init__(self, warmup: int, segments: int = 10) -> None:
+        self.warmup, self.segments = warmup, segments
+        self.first_step: float | None = None
+        self.clock: list[float] = []  # perf_counter after steps warmup, warmup + 1, ..., last
+        self.cpu: list[float] = []  # process CPU time after the warm-up and after the last step
 
     def step(self, step: int, last: bool) -> None:
         """Call after optimizer step `step` (1-based)."""
         if step == 1:
-            self.times["first_step"] = time.time()
-        if step == self.warmup:
-            self.times["warm"] = time.perf_counter()
-        if last:
-            self.times["end"] = time.perf_counter()
-            self.times["timed_steps"] = step - self.warmup
+            self.first_step = time.time()
+        if step >= self.warmup:
+            self.clock.append(time.perf_counter())
+            if step == self.warmup or last:
+                self.cpu.append(time.process_time())
 
     def write(self, path: str | Path, **extra: Any) -> None:
-        """Write the stamps and the steady-state time per step to `path` as JSON."""
-        t = self.times
-        per_step = (t["end"] - t["warm"]) / t["timed_steps"] if "warm" in t and t["timed_steps"] > 0 else None
-        Path(path).write_text(json.dumps({"first_step": t.get("first_step"), "per_step_s": per_step, **extra}))
+        """Write the figures to `path` as JSON.
+
+        per_step_s is the median over `segments` equal stretches of the steady state, so that a burst of machine
+        noise in one stretch does not move it; mean_step_s and cpu_step_s are over the whole steady state.
+        """
+        clock, steps = self.clock, len(self.clock) - 1
+        figures: dict[str, Any] = {"first_step": self.first_step, "per_step_s": None}
+        if steps > 0:
+            cut = [round(i * steps / self.segments) for i in range(self.segments + 1)]
+            stretches = [(clock[b] - clock[a]) / (b - a) for a, b in zip(cut, cut[1:], strict=False) if b > a]
+            figures.update(
+                per_step_s=statistics.median(stretches),
+                mean_step_s=(clock[-1] - clock[0]) / steps,
+                cpu_step_s=(self.cpu[-1] - self.cpu[0]) / steps,
+            )
+        Path(path).write_text(json.dumps({**figures, **extra}))
 
 
 def spawn(command: list[str], out: Path, env: dict[str, str] | None = None, log: Path | None = None) -> dict[str, Any]:

@@ -150,7 +150,7 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps on tiny (mlp: a tenth, at least 60)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the clock starts (default: a tenth)")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
