@@ -1,21 +1,41 @@
-"""`python -m runner`: compose the config, build the run, fit, write the summary, tear down."""
+"""`python -m runner`: compose the config, build the run, resume, fit, write the summary, tear down."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.build import build, run_info
-from runner.loggers import run_metadata, save_weights, write_json
-from runner.loop import Run, fit
+from runner.callbacks import Callback
+from runner.checkpoint import Checkpoint, load_checkpoint, newest_valid, save_weights
+from runner.loggers import run_metadata, write_json
+from runner.loop import RESUMABLE, Run, fit
+from runner.state import FINISHED, restore
+
+# Exit codes: 2 configuration error, 3 stopped by non-finite losses, 75 stopped to be resumed (preempted by
+# SIGTERM/SIGUSR1, or trainer.max_time), 130 interrupted (Ctrl-C).
+EXIT_CODES = {"nonfinite": 3, "preempted": 75, "max_time": 75, "interrupted": 130}
+
+
+def _hydra_subdir(output_dir: str, resume: Any) -> str:
+    # A launch that resumes into an existing run folder keeps that folder's .hydra/ and stores its own beside it.
+    if resume is not None and (Path(output_dir) / ".hydra" / "config.yaml").is_file():
+        return f".hydra/resume-{time.strftime('%Y%m%d-%H%M%S')}"
+    return ".hydra"
+
+
+OmegaConf.register_new_resolver("runner_hydra_subdir", _hydra_subdir, replace=True)
 
 
 def summarize(run: Run, wall_time_s: float) -> dict[str, Any]:
@@ -33,29 +53,66 @@ def summarize(run: Run, wall_time_s: float) -> dict[str, Any]:
     }
 
 
-def _fail(error: Exception, code: int) -> None:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(code)
+def resume(run: Run, cfg: DictConfig) -> dict[str, Any] | None:
+    """Restore the checkpoint that `cfg.resume` names ('auto': the newest valid one of this run); its manifest."""
+    where = cfg.get("resume")
+    if where is None:
+        return None
+    if where == "auto":
+        saver = next((cb for cb in run.callbacks if isinstance(cb, Checkpoint)), None)
+        directory = saver.dir if saver is not None else Path(cfg.run_dir) / "checkpoints"
+        found = newest_valid(directory)
+        if found is None:
+            print(f"resume=auto: no checkpoint in {directory}; starting from scratch", file=sys.stderr)
+            return None
+        folder, contents = found
+    else:
+        folder, contents = Path(where), load_checkpoint(where)
+    manifest = restore(run, contents, allow_changes=cfg.get("resume_allow_changes", False))
+    print(f"resuming from {folder} (step {manifest['step']})", file=sys.stderr)
+    return manifest
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> float | None:
-    """Train one run; return the best value of `monitor` so that sweepers can optimize it."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+@contextlib.contextmanager
+def _preemptible(run: Run) -> Iterator[None]:
+    # SIGTERM and SIGUSR1 (what SLURM sends before a time limit): finish the current optimizer step, save a
+    # checkpoint (the checkpoint callback saves whenever a run stops), write the summary, exit 75.
+    def handler(signum: int, frame: Any) -> None:
+        print(f"received {signal.Signals(signum).name}: stopping after this step", file=sys.stderr)
+        run.request_stop("preempted")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        run = build(cfg)
-    except ConfigError as error:
-        _fail(error, 2)
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> Run:
+    """Build the run, resume it if asked, fit, and write model.safetensors and summary.json (rank 0)."""
+    run_dir = Path(cfg.run_dir)
+    run = build(cfg)
+    run.callbacks += list(extra_callbacks)
+    manifest = resume(run, cfg)
+    if manifest is not None and manifest["stop_reason"] in FINISHED:
+        print(
+            f"resume: this run already finished at step {manifest['step']} ({manifest['stop_reason']}); nothing to do",
+            file=sys.stderr,
+        )
+        run.stop_reason = manifest["stop_reason"]
+        return run
     if run.distributed.is_main:
-        write_json(run_dir / "run.json", run_metadata(str(run.device), run.world_size))
+        run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless train() is called from Python
+        name = "run.json" if manifest is None else f"run-resumed-at-{manifest['step']}.json"
+        write_json(run_dir / name, run_metadata(str(run.device), run.world_size))
     started, summary = time.perf_counter(), None
     try:
-        for logger in run.loggers:
-            logger.start(run_info(run, cfg))
-        fit(run)
+        with _preemptible(run):
+            for logger in run.loggers:
+                logger.start(run_info(run, cfg))
+            fit(run)
         summary = summarize(run, time.perf_counter() - started)
-    except ConfigError as error:
-        _fail(error, 2)
     except KeyboardInterrupt:
         run.stop_reason = "interrupted"
         summary = summarize(run, time.perf_counter() - started)
@@ -66,8 +123,21 @@ def main(cfg: DictConfig) -> float | None:
         for logger in run.loggers:
             logger.close(summary)
         run.distributed.close()
-    if run.stop_reason == "interrupted":
-        sys.exit(130)
+    return run
+
+
+def _fail(error: Exception, code: int) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(code)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    """Train one run; return the best value of `monitor` so that sweepers can optimize it."""
+    try:
+        run = train(cfg)
+    except ConfigError as error:
+        _fail(error, 2)
     if run.stop_reason == "nonfinite":
         message = RuntimeError(
             f"stopped after {run.max_nonfinite_steps} optimizer steps in a row with a non-finite loss "
@@ -75,9 +145,17 @@ def main(cfg: DictConfig) -> float | None:
             "trainer.gradient_clip_val, or check the data for NaN/inf."
         )
         if HydraConfig.get().mode != RunMode.MULTIRUN:  # in a sweep, one diverged trial must not end the others
-            _fail(message, 3)
+            _fail(message, EXIT_CODES["nonfinite"])
         print(f"error: {message}", file=sys.stderr)
         return float("nan")
+    if run.stop_reason in (*RESUMABLE, "interrupted"):
+        if run.stop_reason in RESUMABLE:
+            print(
+                f"stopped ({run.stop_reason}) at step {run.progress.step}: continue with resume=auto "
+                f"hydra.run.dir={cfg.run_dir}",
+                file=sys.stderr,
+            )
+        sys.exit(EXIT_CODES[run.stop_reason])
     return run.best.value
 
 

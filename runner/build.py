@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import warnings
 from pathlib import Path
@@ -15,9 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from runner import ConfigError
-from runner.callbacks import Best
+from runner.callbacks import Best, TimeLimit
 from runner.loop import Run, check_monitors
 from runner.progress import Duration, TrainingProgress
+from runner.state import init_from
 
 
 def seed_everything(seed: int) -> None:
@@ -89,6 +91,8 @@ def _build(cfg: DictConfig) -> Run:
     if trainer.max_nonfinite_steps < 1:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
     task = instantiate(cfg.model).to(dist.device)
+    if cfg.get("init_from"):
+        init_from(task, cfg.init_from, strict=cfg.get("init_strict", True))
     if not hasattr(task, "validation_step"):
         val_loader = None  # validation_step is optional: a task without one is never validated
     optimizer = instantiate(cfg.optimizer)(param_groups(task))
@@ -116,10 +120,12 @@ def _build(cfg: DictConfig) -> Run:
         log_interval=_interval(progress, trainer.log_interval, "trainer.log_interval"),
         gradient_clip_val=trainer.gradient_clip_val,
         max_nonfinite_steps=trainer.max_nonfinite_steps,
-        callbacks=_named(cfg.get("callbacks"), "callbacks"),
+        callbacks=_named(cfg.get("callbacks"), "callbacks")
+        + ([TimeLimit(trainer.max_time)] if trainer.get("max_time") else []),
         monitor=cfg.get("monitor"),
         best=Best(cfg.get("mode", "min")),
         distributed=dist,
+        config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
     )
     check_monitors(run)
     # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.

@@ -1,10 +1,10 @@
-"""Callbacks: small objects with named hooks the loop calls. Early stopping, EMA of the weights, the profiler."""
+"""Callbacks: small objects with named hooks the loop calls. Early stopping, EMA of the weights, a time limit."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
+import re
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +36,9 @@ class Callback:
 
     def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
         """After a validation pass with its metrics (keys like 'val/loss')."""
+
+    def on_step_end(self, run: Run) -> None:
+        """At the very end of an optimizer step, after its validation and log: the state is complete (checkpoints)."""
 
     def on_fit_end(self, run: Run) -> None:
         """After the last step, whatever stopped the run."""
@@ -126,6 +129,43 @@ class EarlyStopping(Callback):
         self.best_weights = state.get("best_weights")
 
 
+def parse_time(text: str | float) -> float:
+    """Seconds in a wall-clock duration: '23h50m', '90m', '1d', '45s', '1h30m15s', or a number of seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = re.fullmatch(
+        r"\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*"
+        r"(?:(\d+(?:\.\d+)?)s)?\s*",
+        str(text),
+    )
+    if not match or not any(match.groups()):
+        raise ConfigError(f"cannot read the time {text!r}: write e.g. '23h50m', '90m', '1d', '45s'")
+    days, hours, minutes, seconds = (float(g or 0) for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+class TimeLimit(Callback):
+    """Stops the run (stop_reason 'max_time', resumable) once `max_time` of wall-clock time has passed since fit began.
+
+    Set through trainer.max_time, a little under a cluster's time limit: the checkpoint callback saves at the stop.
+    """
+
+    def __init__(self, max_time: str | float) -> None:
+        self.seconds = parse_time(max_time)
+        if self.seconds <= 0:
+            raise ConfigError(f"trainer.max_time={max_time} must be longer than zero")
+        self.deadline = float("inf")
+
+    def on_fit_start(self, run: Run) -> None:
+        """Start the clock."""
+        self.deadline = time.monotonic() + self.seconds
+
+    def on_optimizer_step(self, run: Run) -> None:
+        """Ask to stop once the time is up."""
+        if time.monotonic() >= self.deadline:
+            run.request_stop("max_time")
+
+
 class EMA(Callback):
     """Exponential moving average of the weights, updated every `every` (a duration, e.g. '1st').
 
@@ -196,86 +236,3 @@ class EMA(Callback):
         """Restore state_dict()."""
         self.names = list(state["shadow"])
         self.shadow = list(state["shadow"].values())
-
-
-class Profiler(Callback):
-    """torch.profiler over a window of optimizer steps: a Chrome/Perfetto trace in `dir` and a top-ops table.
-
-    The window opens once `start` (a duration) has elapsed and, after one step of profiler warm-up, records `length`
-    (a duration, converted to steps). The
-    table of the `row_limit` most expensive ops (by self time on the device that trains) is printed at the end of fit
-    and written to `dir`/top_ops.txt; the trace goes to `dir`/trace.json (one per rank when several train).
-    """
-
-    def __init__(
-        self,
-        dir: str,
-        start: str = "10st",
-        length: str = "5st",
-        row_limit: int = 10,
-        record_shapes: bool = False,
-        profile_memory: bool = False,
-        with_stack: bool = False,
-    ) -> None:
-        self.dir, self.start, self.length = Path(dir), parse_duration(start), parse_duration(length)
-        self.row_limit = row_limit
-        self.options = {"record_shapes": record_shapes, "profile_memory": profile_memory, "with_stack": with_stack}
-        self.profile: torch.profiler.profile | None = None
-        self.steps, self.window, self.done = 0, 0, False
-
-    def on_fit_start(self, run: Run) -> None:
-        """Resolve the window in steps; open it now if it starts at once."""
-        self.window = run.progress.steps_for(self.length) or 0
-        if self.window < 1:
-            raise ConfigError(f"callbacks.profiler.length={self.length} must be at least one optimizer step")
-        self._maybe_open(run)
-
-    def _maybe_open(self, run: Run) -> None:
-        if self.profile is None and not self.done and run.progress.elapsed(self.start):
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if run.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            # One step of profiler warm-up (its own start-up cost stays out of the figures), then the window; the
-            # schedule also marks each step in the trace (ProfilerStep#N).
-            schedule = torch.profiler.schedule(wait=0, warmup=1, active=self.window, repeat=1)
-            self.profile = torch.profiler.profile(activities=activities, schedule=schedule, **self.options)
-            self.profile.start()
-            self.first_step = run.progress.step + 2
-
-    def on_optimizer_step(self, run: Run) -> None:
-        """Advance the profiler's schedule; close the window after warm-up and `length` steps, or open it."""
-        if self.profile is None:
-            self._maybe_open(run)
-            return
-        self.profile.step()
-        self.steps += 1
-        if self.steps > self.window:
-            self._close(run)
-
-    def on_fit_end(self, run: Run) -> None:
-        """Close a window that the end of training cut short."""
-        if self.profile is not None:
-            self._close(run)
-
-    def _close(self, run: Run) -> None:
-        self.profile.stop()
-        self.done = True
-        recorded = self.steps - 1  # the first step after opening was the profiler's warm-up
-        if recorded < 1:
-            print(
-                "profiler: training ended before a step could be recorded; lower callbacks.profiler.start",
-                file=sys.stderr,
-            )
-            self.profile = None
-            return
-        rank, world = run.distributed.rank, run.world_size
-        self.dir.mkdir(parents=True, exist_ok=True)
-        trace = self.dir / ("trace.json" if world == 1 else f"trace_rank{rank}.json")
-        self.profile.export_chrome_trace(str(trace))
-        sort_by = "self_cuda_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
-        table = self.profile.key_averages().table(sort_by=sort_by, row_limit=self.row_limit)
-        steps = f"steps {self.first_step}-{self.first_step + recorded - 1}"
-        if rank == 0:
-            (self.dir / "top_ops.txt").write_text(f"{steps}\n{table}\n", encoding="utf-8")
-            print(f"profiler: {steps}, trace in {trace}\n{table}", file=sys.stderr)
-        self.profile = None

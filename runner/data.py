@@ -32,6 +32,20 @@ class TensorData(Dataset):
         return tuple(t[index] for t in self.tensors)
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can begin its next epoch part-way: `skip` indices are left out once (exact resume)."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())[self.skip :]
+        self.skip = 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
 def _collate(batch: Any) -> Any:
     # TensorData.__getitems__ already returns a batch; other datasets get the default collate.
     if isinstance(batch, tuple):
@@ -73,7 +87,7 @@ class DataModule:
         self, dataset: Dataset, batch_size: int, train: bool, rank: int, world_size: int, device: torch.device
     ) -> DataLoader:
         # DistributedSampler also serves one process: seeded, epoch-aware shuffling that resumes exactly.
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             dataset,
             num_replicas=world_size,
             rank=rank,

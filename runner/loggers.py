@@ -27,6 +27,13 @@ class Logger:
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """Flush and release; `summary` is what summary.json holds (None if the run failed)."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run continues this log (e.g. a wandb run id)."""
+        return {}
+
+    def resume(self, step: int, state: dict[str, Any]) -> None:
+        """Before start(): the run resumes after `step` from a checkpoint that held state_dict()."""
+
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
@@ -121,21 +128,47 @@ class ConsoleLogger(Logger):
 
 
 class JsonlLogger(Logger):
-    """Writes one JSON object per logged step to `path`, flushed at once so a crash loses nothing logged."""
+    """Writes one JSON object per logged step to `path`, flushed at once so a crash loses nothing logged.
+
+    A new run starts a new file; a resumed run keeps the rows up to the checkpoint's step and appends after them.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
+        self.file = None
+        self.resumed_at: int | None = None
+
+    def resume(self, step: int, state: dict[str, Any]) -> None:
+        """Keep rows up to `step`; later ones belong to the interrupted attempt and are written again."""
+        self.resumed_at = step
+
+    def start(self, info: dict[str, Any]) -> None:
+        """Open the file (truncated after the resume step when resuming)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("w", encoding="utf-8")  # a new run in an existing folder starts a new log
+        if self.resumed_at is not None and self.path.exists():
+            kept = []
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line)["step"] <= self.resumed_at:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError):  # a row cut in half by the crash
+                    continue
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+        self.file = self.path.open("a" if self.resumed_at is not None else "w", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Write {'step': step, **metrics} as one line."""
+        if self.file is None:
+            self.start({})
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """Close the file."""
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class WandbLogger(Logger):
@@ -157,6 +190,15 @@ class WandbLogger(Logger):
             "tags": list(tags or []),
         }
         self.run = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run id, so that a resumed run continues the same wandb run."""
+        return {"id": self.run.id} if self.run is not None else {}
+
+    def resume(self, step: int, state: dict[str, Any]) -> None:
+        """Continue the checkpointed wandb run."""
+        if state.get("id"):
+            self.kwargs.update(id=state["id"], resume="allow")
 
     def start(self, info: dict[str, Any]) -> None:
         """Open the wandb run with the resolved config."""
@@ -195,17 +237,6 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def save_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """The model's state_dict as safetensors (loadable without unpickling), written atomically."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    # clone: safetensors refuses tensors that share storage (tied weights); each key gets its own copy
-    save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))
-    os.replace(tmp, path)
-
-
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, check=True)
@@ -217,7 +248,6 @@ def _git(*args: str) -> str | None:
 def run_metadata(device: str, world_size: int) -> dict[str, Any]:
     """What run.json records: command line, git state, versions, host, device, world size."""
     import hydra
-    import torch
 
     commit = _git("rev-parse", "HEAD")
     return {

@@ -44,6 +44,10 @@ class Run:
     stop_reason: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged value of every metric
     nonfinite_steps: int = 0
+    config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
+
+    def __post_init__(self) -> None:
+        self.meter = _Meter(self.progress)  # training sums between two logs; part of a checkpoint
 
     @property
     def world_size(self) -> int:
@@ -53,6 +57,11 @@ class Run:
     def request_stop(self, reason: str) -> None:
         """Ask the loop to stop after the current step; the first reason given wins."""
         self.stop_reason = self.stop_reason or reason
+
+
+# Stops after which the run goes on when resumed: no extra validation or log row at the stop, so that the resumed
+# run's validations, schedules and metrics.jsonl rows are exactly those of a run that was never stopped.
+RESUMABLE = ("preempted", "max_time")
 
 
 def check_monitors(run: Run) -> None:
@@ -121,7 +130,8 @@ def fit(run: Run) -> Run:
     params = [q for q in task.parameters() if q.requires_grad]
     for cb in run.callbacks:
         cb.on_fit_start(run)
-    meter, window_loss, bad_in_a_row = _Meter(p), None, 0
+    meter, window_loss, bad_in_a_row = run.meter, None, 0
+    meter.start(p)
     # A task may keep a constraint after each applied step (an SAE renormalises its decoder rows).
     after_step = getattr(task, "after_optimizer_step", lambda: None)
     clip = run.gradient_clip_val
@@ -176,16 +186,18 @@ def fit(run: Run) -> Run:
             if (
                 run.val_loader is not None
                 and run.stop_reason != "nonfinite"
-                and (p.ticked(run.val_interval) or p.finished or run.stop_reason is not None)
+                and (p.ticked(run.val_interval) or p.finished)
             ):
                 started = time.perf_counter()
                 metrics = validate(run)  # may ask to stop (early stopping)
                 meter.clock += time.perf_counter() - started  # throughput is training time only
             done = p.finished or run.stop_reason is not None
-            if p.ticked(run.log_interval) or (done and meter.micro):
+            if p.ticked(run.log_interval) or (done and meter.micro and run.stop_reason not in RESUMABLE):
                 metrics = {**meter.read(run, params), **metrics}
             if metrics:
                 _log(run, metrics)
+            for cb in run.callbacks:
+                cb.on_step_end(run)
             if done:
                 break
     if run.stop_reason is None:
@@ -193,7 +205,7 @@ def fit(run: Run) -> Run:
         p.check_total()
     for cb in run.callbacks:
         cb.on_fit_end(run)
-    if run.val_loader is not None and run.stop_reason != "nonfinite":
+    if run.val_loader is not None and run.stop_reason not in ("nonfinite", *RESUMABLE):
         # restore_best, EMA and the like may leave other weights than the last validation saw: summary.json
         # describes the weights the run ends with (model.safetensors).
         run.metrics.update(evaluate(run))
@@ -209,7 +221,29 @@ class _Meter:
     def _reset(self, progress: TrainingProgress) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.micro, self.steps, self.loss, self.norm, self.lr = 0, 0, 0.0, 0.0, float("nan")
+        self.start(progress)
+
+    def start(self, progress: TrainingProgress) -> None:
+        """Start the throughput clock (at the start of fit, and after each read)."""
         self.clock, self.samples, self.tokens = time.perf_counter(), progress.samples, progress.tokens
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sums since the last log, so a resumed run's next row averages the same steps."""
+        return {
+            "sums": dict(self.sums),
+            "micro": self.micro,
+            "steps": self.steps,
+            "loss": self.loss,
+            "norm": self.norm,
+            "lr": self.lr,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        self.sums = dict(state["sums"])
+        self.micro, self.steps, self.loss, self.norm, self.lr = (
+            state[k] for k in ("micro", "steps", "loss", "norm", "lr")
+        )
 
     def add(self, out: dict[str, torch.Tensor]) -> None:
         """Add one micro-batch's training_step outputs (tensors or numbers) but the loss (see add_step)."""

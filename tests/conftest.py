@@ -5,11 +5,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
 
+from runner.build import build
+from runner.loop import Run
+
+CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
 CLI_TIMEOUT_S = 300  # generous: the machine may be shared; a healthy run takes a few seconds
 
 
@@ -62,3 +69,44 @@ def run_cli_in() -> Callable[..., subprocess.CompletedProcess]:
         return cli(*overrides, cwd=directory, run_dir=directory / "run", timeout=timeout)
 
     return _run
+
+
+@pytest.fixture
+def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
+    """`compose_cfg(*overrides, run_dir=None)`: the job config as the CLI would see it, with
+    ${hydra:runtime.output_dir} resolving to `run_dir` (default <tmp_path>/run). Hydra's choices stay available
+    through HydraConfig.get().runtime.choices."""
+
+    def _compose(*overrides: str, run_dir: Path | None = None) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(
+                config_name="config",
+                overrides=[*overrides, f"hydra.run.dir={run_dir or tmp_path / 'run'}"],
+                return_hydra_config=True,
+            )
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]  # the job config of a real run has no hydra node
+        return cfg
+
+    yield _compose
+    HydraConfig.instance().cfg = None
+
+
+@pytest.fixture
+def built(compose_cfg: Callable[..., DictConfig]) -> Iterator[Callable[..., tuple[DictConfig, Run]]]:
+    """`built(*overrides)`: compose and build a run; its loggers are closed when the test ends."""
+    runs: list[Run] = []
+
+    def _build(*overrides: str) -> tuple[DictConfig, Run]:
+        cfg = compose_cfg(*overrides)
+        run = build(cfg)
+        runs.append(run)
+        return cfg, run
+
+    yield _build
+    for run in runs:
+        for logger in run.loggers:
+            logger.close(None)

@@ -53,3 +53,11 @@ def test_sae_throughput_smoke(tmp_path: Path) -> None:
     result = _run("sae_throughput.py", "--steps", "4", "--reps", "1", "--batch", "256", tmp_path=tmp_path)
     assert result["max_decoder_diff"] == 0.0
     assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0
+
+
+def test_checkpoint_smoke(tmp_path: Path) -> None:
+    result = _run("checkpoint.py", "--sizes", "5", "--reps", "2", "--dir", str(tmp_path), tmp_path=tmp_path)
+    row = result["sizes"]["5.0"]
+    assert 3 < row["state_mb"] < 8
+    assert 0 < row["blocked_ms"] and 0 < row["sync_ms"] and row["written_ms"] >= row["blocked_ms"]
+    assert row["resume_ms"] > 0

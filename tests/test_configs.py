@@ -6,7 +6,7 @@ Options are discovered from the YAML files under conf/, so a newly added file is
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +21,9 @@ from torch import nn
 from runner import ConfigError
 from runner.build import build
 from runner.callbacks import Callback
+from runner.checkpoint import save_weights
 from runner.data import batch_size_of, to_device
-from runner.loggers import JsonlLogger, Logger, WandbLogger, save_weights
+from runner.loggers import JsonlLogger, Logger, WandbLogger
 from runner.loop import Run, fit
 from runner.precision import FP32
 from runner.progress import Duration, parse_duration
@@ -52,10 +53,11 @@ def _host(group: str, option: str) -> str:
     for experiment in EXPERIMENTS:
         for entry in OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml").get("defaults", []):
             chosen = entry.get(f"override /{group}") if isinstance(entry, DictConfig) else None
-            if chosen == option:
-                return experiment
-            if chosen and family is None and chosen.split("_")[0] == option.split("_")[0]:
-                family = experiment
+            for name in [chosen] if isinstance(chosen, str) else list(chosen or []):  # one option or a list
+                if name == option:
+                    return experiment
+                if family is None and name.split("_")[0] == option.split("_")[0]:
+                    family = experiment
     return family or "digits"
 
 
@@ -100,46 +102,6 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
 @pytest.fixture(autouse=True)
 def _offline_wandb(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
-
-
-@pytest.fixture
-def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
-    """`compose_cfg(*overrides)`: the job config as the CLI would see it, with ${hydra:runtime.output_dir} resolving to
-    <tmp_path>/run. Hydra's choices stay available through HydraConfig.get().runtime.choices."""
-
-    def _compose(*overrides: str) -> DictConfig:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(
-                config_name="config",
-                overrides=[*overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-                return_hydra_config=True,
-            )
-        with open_dict(cfg):
-            cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
-        HydraConfig.instance().set_config(cfg)
-        with open_dict(cfg):
-            del cfg["hydra"]  # the job config of a real run has no hydra node
-        return cfg
-
-    yield _compose
-    HydraConfig.instance().cfg = None
-
-
-@pytest.fixture
-def built(compose_cfg: Callable[..., DictConfig]) -> Iterator[Callable[..., tuple[DictConfig, Run]]]:
-    """`built(*overrides)`: compose and build a run; its loggers are closed when the test ends."""
-    runs: list[Run] = []
-
-    def _build(*overrides: str) -> tuple[DictConfig, Run]:
-        cfg = compose_cfg(*overrides)
-        run = build(cfg)
-        runs.append(run)
-        return cfg, run
-
-    yield _build
-    for run in runs:
-        for logger in run.loggers:
-            logger.close(None)
 
 
 def _components(node: DictConfig | None) -> dict[str, DictConfig]:
@@ -278,8 +240,9 @@ def test_digits_experiment_applies_its_settings(built: Callable[..., tuple[DictC
     cfg, run = built("+experiment=digits")
     assert cfg.model.hidden == [512, 512] and cfg.model.dropout == 0.3
     assert isinstance(run.schedule, OnMetric) and run.schedule.monitor == "val/loss"
-    (stopper,) = run.callbacks
+    stopper, saver = run.callbacks
     assert type(stopper).__name__ == "EarlyStopping" and stopper.patience == 8 and stopper.restore_best
+    assert type(saver).__name__ == "Checkpoint" and saver.dir == Path(cfg.run_dir) / "checkpoints"
     linears = [m for m in run.task.modules() if isinstance(m, nn.Linear)]
     assert [m.out_features for m in linears] == [512, 512, 10]
     # 1797 digits; the stratified split rounds each class's 20% share: 359 val, 1438 train (45 micro-batches of 32)

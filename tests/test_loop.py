@@ -350,7 +350,7 @@ def test_clipping_and_logged_norms_match_clip_grad_norm_exactly(accumulate):
 def test_profiler_writes_a_trace_and_the_top_ops(tmp_path, capsys):
     import json
 
-    from runner.callbacks import Profiler
+    from runner.profiler import Profiler
 
     fit(make_run(max_duration="10st", callbacks=[Profiler(dir=str(tmp_path), start="2st", length="3st")]))
     trace = json.loads((tmp_path / "trace.json").read_text())
@@ -365,7 +365,7 @@ def test_profiler_writes_a_trace_and_the_top_ops(tmp_path, capsys):
 
 
 def test_profiler_window_cut_short_by_the_end_is_still_written(tmp_path):
-    from runner.callbacks import Profiler
+    from runner.profiler import Profiler
 
     fit(make_run(max_duration="6st", callbacks=[Profiler(dir=str(tmp_path), start="4st", length="10st")]))
     assert (tmp_path / "trace.json").stat().st_size > 0
@@ -373,7 +373,36 @@ def test_profiler_window_cut_short_by_the_end_is_still_written(tmp_path):
 
 
 def test_profiler_window_shorter_than_a_step_is_refused(tmp_path):
-    from runner.callbacks import Profiler
+    from runner.profiler import Profiler
 
     with pytest.raises(ConfigError, match="at least one optimizer step"):
         fit(make_run(callbacks=[Profiler(dir=str(tmp_path), length="0st")]))
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("23h50m", 85800), ("90m", 5400), ("1d", 86400), ("45s", 45), ("1h30m15s", 5415), (12.5, 12.5)],
+)
+def test_parse_time(text, seconds):
+    from runner.callbacks import parse_time
+
+    assert parse_time(text) == seconds
+
+
+def test_parse_time_rejects_nonsense():
+    from runner.callbacks import parse_time
+
+    with pytest.raises(ConfigError, match="23h50m"):
+        parse_time("soon")
+
+
+def test_max_time_stops_after_the_step_without_an_extra_validation_or_log():
+    from runner.callbacks import TimeLimit
+
+    logger = ListLogger()
+    run = make_run(max_duration="20st", val_interval="1st", callbacks=[TimeLimit(1e-9)])
+    run.log_interval = run.progress.resolve("2st")
+    run.loggers.append(logger)
+    fit(run)
+    assert run.stop_reason == "max_time" and run.progress.step == 1
+    assert logger.rows == [(1, logger.rows[0][1])] and "train/loss" not in logger.rows[0][1]  # validation only

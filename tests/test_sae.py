@@ -33,7 +33,7 @@ from experiments.sae.metrics import feature_recovery
 from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, geometric_median
 from runner import ConfigError
 from runner.build import build
-from runner.loggers import save_weights
+from runner.checkpoint import save_weights
 from runner.loop import Run, fit
 
 CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()

@@ -114,13 +114,22 @@ class HookedActivations(Dataset):
 class HookedData(DataModule):
     """Train on live activations of `module` in the model of run `checkpoint`; validate on its validation inputs."""
 
-    def __init__(self, checkpoint: str, module: str, buffer_size: int = 16384, samples_per_epoch: int = 65536,
-                 d: int | None = None, **loader) -> None:
+    def __init__(
+        self,
+        checkpoint: str,
+        module: str,
+        buffer_size: int = 16384,
+        samples_per_epoch: int = 65536,
+        d: int | None = None,
+        **loader,
+    ) -> None:
         if loader.get("num_workers", 0) != 0:
             raise ConfigError("activations_hooked keeps its buffer in this process: set data.num_workers=0")
         if buffer_size < 2 * loader.get("batch_size", 1):
-            raise ConfigError(f"data.buffer_size={buffer_size} must hold at least two batches "
-                              f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time")
+            raise ConfigError(
+                f"data.buffer_size={buffer_size} must hold at least two batches "
+                f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
+            )
         source = SourceModel(checkpoint, module)
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
         if d is not None and val.shape[1] != d:
@@ -146,5 +155,11 @@ class SpliceEval(Callback):
         sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
         spliced = self.source.loss(lambda acts: sae(acts.float()).to(acts.dtype))
         sae.train()
-        metrics.update({"val/ce_clean": self.clean, "val/ce_zero_ablated": self.zero, "val/ce_spliced": spliced,
-                        "val/loss_recovered": (self.zero - spliced) / (self.zero - self.clean)})
+        metrics.update(
+            {
+                "val/ce_clean": self.clean,
+                "val/ce_zero_ablated": self.zero,
+                "val/ce_spliced": spliced,
+                "val/loss_recovered": (self.zero - spliced) / (self.zero - self.clean),
+            }
+        )
