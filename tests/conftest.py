@@ -71,27 +71,25 @@ def run_cli_in() -> Callable[..., subprocess.CompletedProcess]:
     return _run
 
 
+def compose_job(run_dir: Path, *overrides: str) -> DictConfig:
+    """The job config as the CLI would see it, with ${hydra:runtime.output_dir} resolving to `run_dir`. Hydra's
+    choices stay available through HydraConfig.get().runtime.choices."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True
+        )
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # the job config of a real run has no hydra node
+    return cfg
+
+
 @pytest.fixture
 def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
-    """`compose_cfg(*overrides, run_dir=None)`: the job config as the CLI would see it, with
-    ${hydra:runtime.output_dir} resolving to `run_dir` (default <tmp_path>/run). Hydra's choices stay available
-    through HydraConfig.get().runtime.choices."""
-
-    def _compose(*overrides: str, run_dir: Path | None = None) -> DictConfig:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(
-                config_name="config",
-                overrides=[*overrides, f"hydra.run.dir={run_dir or tmp_path / 'run'}"],
-                return_hydra_config=True,
-            )
-        with open_dict(cfg):
-            cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
-        HydraConfig.instance().set_config(cfg)
-        with open_dict(cfg):
-            del cfg["hydra"]  # the job config of a real run has no hydra node
-        return cfg
-
-    yield _compose
+    """`compose_cfg(*overrides, run_dir=None)`: compose_job() in `run_dir` (default <tmp_path>/run)."""
+    yield lambda *overrides, run_dir=None: compose_job(run_dir or tmp_path / "run", *overrides)
     HydraConfig.instance().cfg = None
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from conftest import compose_job
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from runner import ConfigError
@@ -72,15 +72,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     acts = root / "acts.npy"
     np.save(acts, np.random.default_rng(0).standard_normal((4096, 256)).astype(np.float32))
     source = root / "digits_run"
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            "config",
-            overrides=["+experiment=digits", "trainer.max_duration=20st", "logger=none", f"hydra.run.dir={source}"],
-            return_hydra_config=True,
-        )
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
+    cfg = compose_job(source, "+experiment=digits", "trainer.max_duration=20st", "logger=none", "callbacks=none")
     run = build(cfg)
     fit(run)
     (source / ".hydra").mkdir(parents=True, exist_ok=True)

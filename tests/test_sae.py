@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
+from conftest import compose_job
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.sae.data import (
     ActivationFiles,
@@ -47,25 +47,9 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def compose_job(run_dir: Path, *overrides: str) -> DictConfig:
-    """The job config as the CLI would see it (logger=none: no files), ${hydra:runtime.output_dir} -> run_dir."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name="config",
-            overrides=["logger=none", *overrides, f"hydra.run.dir={run_dir}"],
-            return_hydra_config=True,
-        )
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg
-
-
 @pytest.fixture
 def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
-    yield lambda *overrides: compose_job(tmp_path / "run", *overrides)
+    yield lambda *overrides: compose_job(tmp_path / "run", "logger=none", *overrides)
     HydraConfig.instance().cfg = None
 
 
@@ -567,7 +551,7 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A finished (2-epoch) digits run folder, as load_trained reads it: model.safetensors and .hydra/config.yaml."""
     directory = tmp_path_factory.mktemp("digits")
     torch.set_num_threads(1)
-    cfg = compose_job(directory, "+experiment=digits", "trainer.max_duration=2ep")
+    cfg = compose_job(directory, "logger=none", "+experiment=digits", "trainer.max_duration=2ep")
     run = fit(build(cfg))
     HydraConfig.instance().cfg = None
     assert run.progress.epoch == 2
