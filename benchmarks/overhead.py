@@ -6,8 +6,10 @@ Contenders, each in a fresh process (one thread), repetitions interleaved so tha
   hand             a minimal hand-written loop
   runner           python -m runner, no loggers or callbacks
   lightning        a minimal Lightning Trainer (no logger, checkpointing, progress bar or model summary)
-  runner_usual     runner with its usual loggers: the live console bar and metrics.jsonl
-  lightning_usual  Lightning with its usual ones: progress bar, a logger, per-step self.log, model summary
+  runner_usual     runner with its usual loggers and callbacks: the live console bar, metrics.jsonl, and the
+                   checkpoint callback every quarter of the run
+  lightning_usual  Lightning with its usual ones: progress bar, a logger, per-step self.log, model summary, and a
+                   ModelCheckpoint every quarter of the run
 All train benchmarks.common.Net with AdamW, a per-step cosine schedule and clipping at 1.0 on the same batches.
 Reports the steady-state time per step (after --warmup steps), ratios to `hand` (median of the per-repetition
 ratios), peak RSS, and the final losses, which hand, runner and lightning must agree on to 5 decimal places.
@@ -97,16 +99,16 @@ def lightning(size: str, steps: int, warmup: int, out: str, usual: bool, run_dir
             stamps.step(trainer.global_step, trainer.global_step == steps)
 
     bare = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
-    # Checkpointing stays off in both: runner's usual contender has no checkpoint callback yet (issue 5).
+    saver = pl.callbacks.ModelCheckpoint(dirpath=f"{run_dir}/checkpoints", every_n_train_steps=steps // 4)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=steps,
         gradient_clip_val=CLIP,
-        callbacks=[Timer()],
+        callbacks=[Timer(), saver] if usual else [Timer()],
         default_root_dir=run_dir,
         num_sanity_val_steps=0,
-        **({"enable_checkpointing": False} if usual else bare),
+        **({} if usual else bare),
     )
     module = Module()
     trainer.fit(module, train_dataloaders=loader(size))
@@ -125,7 +127,8 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> di
     """One fresh process of `contender`; returns its figures."""
     out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
     if contender.startswith("runner"):
-        extra = ["logger=default"] if contender == "runner_usual" else []
+        usual = ["logger=default", "callbacks=checkpoint", f"callbacks.checkpoint.interval={steps // 4}st"]
+        extra = usual if contender == "runner_usual" else []
         command = runner_command(size, steps, warmup, out, run_dir, *extra)
     else:
         command = [
