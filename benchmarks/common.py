@@ -63,6 +63,27 @@ def loader(size: str) -> torch.utils.data.DataLoader:
     return DataModule(splits(size), batch_size=SIZES[size][1], seed=0).train_loader()
 
 
+def cpu_run(model: nn.Module, optimizer: Any, loader: Any, progress: Any, schedule: Any, log_interval: str) -> Any:
+    """A runner Run on the CPU without validation, for benchmarks that call fit() or a save directly."""
+    from runner.distributed import Single
+    from runner.loop import Run
+    from runner.precision import FP32
+
+    return Run(
+        task=model,
+        optimizer=optimizer,
+        schedule=schedule,
+        progress=progress,
+        precision=FP32(),
+        train_loader=loader,
+        val_loader=None,
+        device=torch.device("cpu"),
+        val_interval=progress.resolve("1ep"),
+        log_interval=progress.resolve(log_interval),
+        distributed=Single("cpu"),
+    )
+
+
 def param_groups(model: nn.Module) -> list[dict[str, Any]]:
     """AdamW groups as runner makes them: weight decay on matrices, none on biases."""
     params = list(model.parameters())

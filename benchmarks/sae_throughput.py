@@ -12,18 +12,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.sae.data import synthetic_splits
-from experiments.sae.model import TopKSAE
-from runner.data import DataModule
-from runner.distributed import Single
-from runner.loop import Run, fit
-from runner.precision import FP32
-from runner.progress import TrainingProgress
-from runner.schedulers import wsd
+import torch  # noqa: E402
+
+from benchmarks.common import cpu_run  # noqa: E402
+from experiments.sae.data import synthetic_splits  # noqa: E402
+from experiments.sae.model import TopKSAE  # noqa: E402
+from runner.data import DataModule  # noqa: E402
+from runner.loop import fit  # noqa: E402
+from runner.progress import TrainingProgress  # noqa: E402
+from runner.schedulers import wsd  # noqa: E402
 
 
 def setup(steps: int, batch: int):
@@ -55,19 +58,7 @@ def hand_written(steps: int, batch: int) -> tuple[float, torch.Tensor]:
 
 def runner_fit(steps: int, batch: int) -> tuple[float, torch.Tensor]:
     model, opt, loader, progress = setup(steps, batch)
-    run = Run(
-        task=model,
-        optimizer=opt,
-        schedule=wsd(optimizer=opt, progress=progress),
-        progress=progress,
-        precision=FP32(),
-        train_loader=loader,
-        val_loader=None,
-        device=torch.device("cpu"),
-        val_interval=progress.resolve("1ep"),
-        log_interval=progress.resolve("50st"),
-        distributed=Single("cpu"),
-    )
+    run = cpu_run(model, opt, loader, progress, wsd(optimizer=opt, progress=progress), "50st")
     start = time.perf_counter()
     fit(run)
     return steps * batch / (time.perf_counter() - start), model.W_dec.detach().clone()

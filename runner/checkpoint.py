@@ -33,21 +33,25 @@ if TYPE_CHECKING:
 PREFIX = "step-"
 
 
-def _snapshot(value: Any, buffers: dict[str, torch.Tensor], path: str = "") -> Any:
-    """A copy of `value` whose tensors live in reusable CPU buffers: the only part of a save the loop waits for."""
+def _snapshot(value: Any, buffers: dict[str, torch.Tensor], path: str = "", copy: bool = True) -> Any:
+    """A copy of `value` whose tensors live in reusable CPU buffers: the only part of a save the loop waits for.
+
+    With copy=False only make sure the buffers exist, with their pages touched (prepare() does it off the loop).
+    """
     if isinstance(value, torch.Tensor):
         buffer = buffers.get(path)
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
             buffer = buffers[path] = torch.empty_like(value, device="cpu", pin_memory=value.is_cuda)
-        return buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+            if not copy:
+                buffer.zero_()
+        return buffer.copy_(value.detach(), non_blocking=value.is_cuda) if copy else buffer
     if isinstance(value, dict):
-        return {k: _snapshot(v, buffers, f"{path}/{k}") for k, v in value.items()}
+        return {k: _snapshot(v, buffers, f"{path}/{k}", copy) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_snapshot(v, buffers, f"{path}/{i}") for i, v in enumerate(value))
+        return type(value)(_snapshot(v, buffers, f"{path}/{i}", copy) for i, v in enumerate(value))
     return value
 
 
-# ---- writing --------------------------------------------------------------------------------------------------------
 def _write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -206,6 +210,8 @@ class Checkpoint(Callback):
     def on_step_end(self, run: Run) -> None:
         """Save when the interval ticks, when training ends, or when this step's validation is among the best."""
         self.check()
+        if not self.buffers and self.thread is None:
+            self.prepare(run)
         p, fresh, self.fresh = run.progress, self.fresh, None
         ends = p.finished or run.stop_reason is not None
         if p.ticked(self.interval) or ends or (fresh is not None and self._among_best(fresh)):
@@ -215,6 +221,18 @@ class Checkpoint(Callback):
         """Wait for the last save and surface its error, if any."""
         self.wait()
         self.check()
+
+    def prepare(self, run: Run) -> None:
+        """Allocate the snapshot buffers in the background (after the first step, when the optimizer state exists),
+        so that the first save only copies (allocating and faulting in hundreds of MB would stall the loop)."""
+        model, state = bare_state_dict(run.task), training_state(run)
+
+        def allocate() -> None:
+            _snapshot(model, self.buffers, "model", copy=False)
+            _snapshot(state, self.buffers, "state", copy=False)
+
+        self.thread = threading.Thread(target=allocate, daemon=True)
+        self.thread.start()
 
     def _among_best(self, value: float) -> bool:
         kept = [m["monitor_value"] for m in self._manifests() if m.get("monitor_value") is not None]

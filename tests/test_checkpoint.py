@@ -99,6 +99,27 @@ def test_stop_and_resume_equals_the_uninterrupted_run(
     assert _rows(tmp_path / "split") == _rows(tmp_path / "whole")  # no duplicate or orphaned rows either
 
 
+def test_sae_resume_is_exact(compose_cfg: Callable, tmp_path: Path) -> None:
+    # AuxK with a 2-step dead window: the dead latents the first resumed step uses are restored from the buffers.
+    overrides = [
+        "+experiment=sae",
+        "trainer.max_duration=12st",
+        "trainer.val_interval=4st",
+        "trainer.log_interval=2st",
+        "data.batch_size=256",
+        "data.splits.n_val=512",
+        "model.dead_window=2st",
+        "logger=jsonl",
+        "callbacks.checkpoint.interval=1000st",
+    ]
+    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
+    assert whole.task.n_dead > 0
+    train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(5)])
+    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"))
+    _same_state(whole, second)
+    assert _rows(tmp_path / "split") == _rows(tmp_path / "whole")
+
+
 def _trained(compose_cfg: Callable, run_dir: Path, *overrides: str) -> Run:
     return train(
         compose_cfg(
@@ -114,26 +135,29 @@ def _trained(compose_cfg: Callable, run_dir: Path, *overrides: str) -> Run:
 
 
 def test_rotation_keeps_the_last_k_and_the_best_k(compose_cfg: Callable, tmp_path: Path) -> None:
+    # Validation every 3 steps (4 validations), interval saves every 2: 12 steps make up to 9 checkpoints.
     run = _trained(
         compose_cfg,
         tmp_path,
+        "logger=jsonl",
         "callbacks.checkpoint.interval=2st",
         "callbacks.checkpoint.keep_last=2",
         "callbacks.checkpoint.keep_best=2",
         "monitor=val/acc",
         "mode=max",
     )
-    folder = tmp_path / "checkpoints"
-    manifests = [read_manifest(p) for p in checkpoints(folder)]
-    steps = [m["step"] for m in manifests]
-    assert steps[:2] == [12, 10]  # the newest two
-    scored = {m["step"]: m["monitor_value"] for m in manifests if m["monitor_value"] is not None}
-    best_two = sorted(scored.values(), reverse=True)[:2]
-    assert len(steps) <= 4 and sorted(scored.values(), reverse=True)[:2] == best_two
-    # The best two by val/acc over every validation of the run survived rotation.
-    assert sorted(v for s, v in scored.items() if s not in (10, 12))[-2:] <= best_two
-    assert run.best.value == max(scored.values())
-    assert (folder / "last").resolve().name == "step-00000012"
+    validations = {r["step"]: r["val/acc"] for r in _rows(tmp_path) if "val/acc" in r}
+    assert sorted(validations) == [3, 6, 9, 12]
+    # ties broken towards the later step, as a rotation that sorts by value and keeps the newest first would
+    best_two = sorted(validations, key=lambda s: (validations[s], s), reverse=True)[:2]
+    kept = {read_manifest(p)["step"] for p in checkpoints(tmp_path / "checkpoints")}
+    assert kept == {12, 10} | set(best_two)
+    for folder in checkpoints(tmp_path / "checkpoints"):
+        manifest = read_manifest(folder)
+        if manifest["step"] in validations:  # a validation step's checkpoint records its fresh monitored value
+            assert manifest["monitor_value"] == validations[manifest["step"]]
+    assert run.best.value == max(validations.values())
+    assert (tmp_path / "checkpoints" / "last").resolve().name == "step-00000012"
 
 
 def test_truncated_and_flipped_checkpoints_are_skipped(compose_cfg: Callable, tmp_path: Path) -> None:
@@ -304,3 +328,19 @@ def test_sigterm_checkpoints_exits_75_and_resumes(uninterrupted: Path, tmp_path:
     for name, tensor in _weights(uninterrupted).items():
         assert torch.equal(tensor, _weights(tmp_path)[name]), name
     assert _rows(tmp_path) == _rows(uninterrupted)
+
+
+def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path: Path) -> None:
+    from test_loop import make_run
+
+    from runner.checkpoint import Checkpoint
+    from runner.loop import fit
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # the checkpoint folder would have to live inside a file: the writer thread fails
+    steps = CountSteps()
+    run = make_run(max_duration="20st", callbacks=[Checkpoint(dir=str(blocker / "ckpt"), interval="5st"), steps])
+    with pytest.raises(RuntimeError, match="saving a checkpoint in .*not-a-folder/ckpt failed"):
+        fit(run)
+    # raised at the step after the failed save at step 5, or at the latest when the next save (step 10) begins
+    assert 5 <= steps.steps <= 10

@@ -9,6 +9,8 @@ training batch. Dead latents are those that have not fired within `dead_window` 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,6 +95,14 @@ class SAE(nn.Module):
         # Read once per step (the loop syncs once per step anyway), not once per micro-batch.
         self.dead_idx = self.dead_mask().nonzero().flatten()
         self.n_dead = len(self.dead_idx)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Load weights and buffers, then re-read the dead latents they imply (the next AuxK step uses them)."""
+        result = super().load_state_dict(*args, **kwargs)
+        with torch.no_grad():
+            self.dead_idx = self.dead_mask().nonzero().flatten()
+            self.n_dead = len(self.dead_idx)
+        return result
 
     def _track(self, codes_fired: torch.Tensor, batch: int) -> None:
         # codes_fired: [n_latents] bool, latents that fired anywhere in this micro-batch
