@@ -36,6 +36,10 @@ def _hydra_subdir(output_dir: str, resume: Any) -> str:
 
 
 OmegaConf.register_new_resolver("runner_hydra_subdir", _hydra_subdir, replace=True)
+_launch = {"time": None}  # set by cli(): rank 0's clock under torchrun, so that every rank dates the same folder
+OmegaConf.register_new_resolver(
+    "runner_now", lambda pattern: time.strftime(pattern, time.localtime(_launch["time"] or time.time())), replace=True
+)
 
 
 def summarize(run: Run, wall_time_s: float) -> dict[str, Any]:
@@ -58,18 +62,19 @@ def resume(run: Run, cfg: DictConfig) -> dict[str, Any] | None:
     where = cfg.get("resume")
     if where is None:
         return None
+    say = print if run.distributed.is_main else lambda *a, **k: None
     if where == "auto":
         saver = next((cb for cb in run.callbacks if isinstance(cb, Checkpoint)), None)
         directory = saver.dir if saver is not None else Path(cfg.run_dir) / "checkpoints"
         found = newest_valid(directory)
         if found is None:
-            print(f"resume=auto: no checkpoint in {directory}; starting from scratch", file=sys.stderr)
+            say(f"resume=auto: no checkpoint in {directory}; starting from scratch", file=sys.stderr)
             return None
         folder, contents = found
     else:
         folder, contents = Path(where), load_checkpoint(where)
     manifest = restore(run, contents, allow_changes=cfg.get("resume_allow_changes", False))
-    print(f"resuming from {folder} (step {manifest['step']})", file=sys.stderr)
+    say(f"resuming from {folder} (step {manifest['step']})", file=sys.stderr)
     return manifest
 
 
@@ -96,10 +101,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> Run:
     run.callbacks += list(extra_callbacks)
     manifest = resume(run, cfg)
     if manifest is not None and manifest["stop_reason"] in FINISHED:
-        print(
-            f"resume: this run already finished at step {manifest['step']} ({manifest['stop_reason']}); nothing to do",
-            file=sys.stderr,
-        )
+        if run.distributed.is_main:
+            step, reason = manifest["step"], manifest["stop_reason"]
+            print(f"resume: this run already finished at step {step} ({reason}); nothing to do", file=sys.stderr)
         run.stop_reason = manifest["stop_reason"]
         return run
     if run.distributed.is_main:
@@ -149,7 +153,7 @@ def main(cfg: DictConfig) -> float | None:
         print(f"error: {message}", file=sys.stderr)
         return float("nan")
     if run.stop_reason in (*RESUMABLE, "interrupted"):
-        if run.stop_reason in RESUMABLE:
+        if run.stop_reason in RESUMABLE and run.distributed.is_main:
             print(
                 f"stopped ({run.stop_reason}) at step {run.progress.step}: continue with resume=auto "
                 f"hydra.run.dir={cfg.run_dir}",
@@ -159,5 +163,16 @@ def main(cfg: DictConfig) -> float | None:
     return run.best.value
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command: under torchrun or SLURM, join the process group first and agree on one run folder."""
+    from runner.distributed import environment, shared_launch_time
+
+    _launch["time"] = shared_launch_time()
+    if environment()["rank"] > 0:
+        # Rank 0 owns the filesystem: the other ranks write no .hydra/ and no runner.log.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -37,7 +37,7 @@ def param_groups(task: nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
 
 
-def _named(group: DictConfig | None, what: str) -> list[Any]:
+def _named(group: DictConfig | None, what: str, quiet: bool = False) -> list[Any]:
     """Instantiate a group whose options merge into one mapping of name -> component config (callbacks, logger)."""
     components = []
     for name, node in (group or {}).items():
@@ -45,12 +45,13 @@ def _named(group: DictConfig | None, what: str) -> list[Any]:
             continue
         if "_target_" not in node:
             # An experiment tuned a component (say callbacks.early_stopping.patience) whose option the command line
-            # then left out (callbacks=none): the tuning has nothing to apply to.
-            warnings.warn(
-                f"{what}.{name} has settings but its option is not selected (no _target_); ignoring it",
-                UserWarning,
-                stacklevel=2,
-            )
+            # then left out (callbacks=none): the tuning has nothing to apply to. Said once, by rank 0.
+            if not quiet:
+                warnings.warn(
+                    f"{what}.{name} has settings but its option is not selected (no _target_); ignoring it",
+                    UserWarning,
+                    stacklevel=2,
+                )
             continue
         components.append(instantiate(node))
     return components
@@ -120,11 +121,12 @@ def _build(cfg: DictConfig) -> Run:
         log_interval=_interval(progress, trainer.log_interval, "trainer.log_interval"),
         gradient_clip_val=trainer.gradient_clip_val,
         max_nonfinite_steps=trainer.max_nonfinite_steps,
-        callbacks=_named(cfg.get("callbacks"), "callbacks")
+        callbacks=_named(cfg.get("callbacks"), "callbacks", quiet=not dist.is_main)
         + ([TimeLimit(trainer.max_time)] if trainer.get("max_time") else []),
         monitor=cfg.get("monitor"),
         best=Best(cfg.get("mode", "min")),
         distributed=dist,
+        forward=dist.wrap(task),  # after init_from: DDP starts every rank from rank 0's weights
         config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
     )
     check_monitors(run)
@@ -142,6 +144,8 @@ def run_info(run: Run, cfg: DictConfig) -> dict[str, Any]:
         "device": str(run.device),
         "precision": run.precision.name,
         "world_size": run.world_size,
+        "distributed": f"{run.distributed.strategy}, backend {run.distributed.backend}, "
+        f"{run.distributed.local_world_size} rank(s) per node",
         "global_batch": f"{p.batch_size} x {run.world_size} x {p.accumulate} = "
         f"{p.batch_size * run.world_size * p.accumulate}",
         "total_steps": p.total_steps(),

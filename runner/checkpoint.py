@@ -25,7 +25,7 @@ import torch
 from runner import ConfigError
 from runner.callbacks import Best, Callback
 from runner.progress import parse_duration
-from runner.state import CheckpointError, bare_state_dict, training_state
+from runner.state import CheckpointError, bare_state_dict, rng_state, training_state
 
 if TYPE_CHECKING:
     from runner.loop import Run
@@ -189,7 +189,10 @@ class Checkpoint(Callback):
             raise ConfigError(f"callbacks.checkpoint.interval={interval} must be longer than zero")
         self.keep_last, self.keep_best, self.save_last = keep_last, max(0, keep_best), save_last
         self.monitor = monitor if keep_best > 0 else None
-        self.best = Best(mode)  # only to compare values; the kept set is read from the manifests
+        self.best = Best(mode)  # only to compare values
+        # (value, step) of every checkpoint saved with a fresh monitored value: every rank decides the same saves
+        # from it (a save is collective), without reading the disk that rank 0's writer is changing.
+        self.scored: list[list[float]] = []
         self.buffers: dict[str, torch.Tensor] = {}
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -210,7 +213,7 @@ class Checkpoint(Callback):
     def on_step_end(self, run: Run) -> None:
         """Save when the interval ticks, when training ends, or when this step's validation is among the best."""
         self.check()
-        if not self.buffers and self.thread is None:
+        if not self.buffers and self.thread is None and run.distributed.is_main:
             self.prepare(run)
         p, fresh, self.fresh = run.progress, self.fresh, None
         ends = p.finished or run.stop_reason is not None
@@ -218,14 +221,24 @@ class Checkpoint(Callback):
             self.save(run, fresh)
 
     def on_fit_end(self, run: Run) -> None:
-        """Wait for the last save and surface its error, if any."""
+        """Wait for the last save and surface its error, if any; no rank leaves before it is on disk."""
         self.wait()
         self.check()
+        run.distributed.barrier()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitored values of the checkpoints saved so far."""
+        return {"scored": [list(x) for x in self.scored]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        self.scored = [list(x) for x in state["scored"]]
 
     def prepare(self, run: Run) -> None:
         """Allocate the snapshot buffers in the background (after the first step, when the optimizer state exists),
         so that the first save only copies (allocating and faulting in hundreds of MB would stall the loop)."""
-        model, state = bare_state_dict(run.task), training_state(run)
+        # rank 0 alone: no collective; every rank's RNG state has the shapes of this one
+        model, state = bare_state_dict(run.task), training_state(run, rngs=[rng_state()] * run.world_size)
 
         def allocate() -> None:
             _snapshot(model, self.buffers, "model", copy=False)
@@ -235,7 +248,7 @@ class Checkpoint(Callback):
         self.thread.start()
 
     def _among_best(self, value: float) -> bool:
-        kept = [m["monitor_value"] for m in self._manifests() if m.get("monitor_value") is not None]
+        kept = sorted((v for v, _ in self.scored), reverse=self.best.mode == "max")[: self.keep_best]
         if len(kept) < self.keep_best:
             return True
         worst = max(kept) if self.best.mode == "min" else min(kept)
@@ -247,8 +260,13 @@ class Checkpoint(Callback):
         self.check()
         p = run.progress
         folder = self.dir / f"{PREFIX}{p.step:08d}"
+        if monitor_value is not None:
+            self.scored.append([monitor_value, p.step])
+        state = training_state(run)  # collective: every rank's RNG states are gathered
+        if not run.distributed.is_main:
+            return folder  # rank 0 owns the filesystem
         model = _snapshot(bare_state_dict(run.task), self.buffers, "model")
-        state = _snapshot(training_state(run), self.buffers, "state")
+        state = _snapshot(state, self.buffers, "state")
         if any(t.is_cuda for t in run.task.parameters()):
             torch.cuda.synchronize()  # the non-blocking copies into pinned buffers must land before the writer reads
         info = {

@@ -46,6 +46,19 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
+class _Shard(torch.utils.data.Sampler):
+    """Every `world_size`-th index from `rank`, no padding: each sample is evaluated exactly once over all ranks."""
+
+    def __init__(self, n: int, rank: int, world_size: int) -> None:
+        self.indices = range(rank, n, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 def _collate(batch: Any) -> Any:
     # TensorData.__getitems__ already returns a batch; other datasets get the default collate.
     if isinstance(batch, tuple):
@@ -87,13 +100,17 @@ class DataModule:
         self, dataset: Dataset, batch_size: int, train: bool, rank: int, world_size: int, device: torch.device
     ) -> DataLoader:
         # DistributedSampler also serves one process: seeded, epoch-aware shuffling that resumes exactly.
-        sampler = ResumableSampler(
-            dataset,
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=train and self.shuffle,
-            seed=self.seed,
-            drop_last=train and self.drop_last,
+        sampler = (
+            ResumableSampler(
+                dataset,
+                num_replicas=world_size,
+                rank=rank,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                drop_last=self.drop_last,
+            )
+            if train
+            else _Shard(len(dataset), rank, world_size)
         )
         generator = torch.Generator().manual_seed(self.seed + rank)
         return DataLoader(

@@ -1,6 +1,14 @@
-"""Where the process runs: device choice and model wrapping (one process here; torchrun, DDP, FSDP extend it)."""
+"""Where the processes run: environment detection (torchrun, SLURM, one process), the process group, DDP wrapping, and
+the few collectives the loop needs. `Single` and `DDP` share one interface, so the loop has no distributed branches."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -8,14 +16,86 @@ from torch import nn
 from runner import ConfigError
 
 
-def pick_device(device: str = "auto") -> torch.device:
-    """'auto' means CUDA when there is one, else CPU; anything else is passed to torch.device."""
+def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    """'auto' means this rank's CUDA device when there is one, else CPU; anything else is passed to torch.device."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     chosen = torch.device(device)
     if chosen.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"distributed.device={device} but this torch sees no CUDA device; use auto or cpu")
     return chosen
+
+
+def _first_host(nodelist: str) -> str:
+    # SLURM_NODELIST: "node07", "node[07-09,12]", "gpu-a[1-2],gpu-b3": the first node hosts rank 0
+    match = re.match(r"([^,\[]+)(?:\[(\d+))?", nodelist)
+    if not match:
+        raise ConfigError(f"cannot read the first host of SLURM_NODELIST={nodelist!r}")
+    return match.group(1) + (match.group(2) or "")
+
+
+def environment() -> dict[str, Any]:
+    """Rank, world size, local rank and rendezvous address from torchrun's or SLURM's variables (else one process)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun / torch.distributed.elastic
+        return {
+            "launcher": "torchrun",
+            "rank": int(env["RANK"]),
+            "world_size": int(env["WORLD_SIZE"]),
+            "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", 1)),
+            "master": env.get("MASTER_ADDR"),
+            "port": env.get("MASTER_PORT"),
+        }
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return {
+            "launcher": "slurm",
+            "rank": int(env["SLURM_PROCID"]),
+            "world_size": int(env["SLURM_NTASKS"]),
+            "local_rank": int(env.get("SLURM_LOCALID", 0)),
+            "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
+            "master": env.get("MASTER_ADDR")
+            or _first_host(env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST", ""))),
+            "port": env.get("MASTER_PORT", "29500"),
+        }
+    return {
+        "launcher": "none",
+        "rank": 0,
+        "world_size": 1,
+        "local_rank": 0,
+        "local_world_size": 1,
+        "master": None,
+        "port": None,
+    }
+
+
+def init_process_group() -> bool:
+    """Join the job's process group once (idempotent); False in one process. Gloo for CPU tensors, NCCL for CUDA."""
+    info = environment()
+    if info["world_size"] <= 1:
+        return False
+    if torch.distributed.is_initialized():
+        return True
+    if not info["master"]:
+        raise ConfigError(
+            f"{info['world_size']} processes but no rendezvous address: launch with torchrun, or set MASTER_ADDR and "
+            "MASTER_PORT"
+        )
+    os.environ.setdefault("MASTER_ADDR", info["master"])
+    os.environ.setdefault("MASTER_PORT", str(info["port"]))
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, rank=info["rank"], world_size=info["world_size"])
+    return True
+
+
+def shared_launch_time() -> float:
+    """Rank 0's clock, the same on every rank of a job: Hydra's dated run folder is one folder, not one per rank."""
+    now = time.time()
+    if not init_process_group():
+        return now
+    shared = [now]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 class Single:
@@ -24,14 +104,114 @@ class Single:
     rank = 0
     local_rank = 0
     world_size = 1
+    local_world_size = 1
     is_main = True
+    backend = "none"
+    strategy = "single"
 
     def __init__(self, device: str = "auto") -> None:
         self.device = pick_device(device)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """One process needs no wrapper."""
-        return model
+    def wrap(self, task: nn.Module) -> Callable[[Any], dict[str, torch.Tensor]]:
+        """The training forward: one process calls training_step directly."""
+        return task.training_step
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Context for a micro-batch's forward and backward; `enabled`: it closes an accumulation window."""
+        return contextlib.nullcontext()
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (here: the tensor)."""
+        return tensor
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's value, by rank."""
+        return [value]
+
+    def any(self, flags: list[bool]) -> list[bool]:
+        """Per position: whether any rank's flag is set."""
+        return flags
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
 
     def close(self) -> None:
         """Nothing to tear down."""
+
+
+class _TrainingStep(nn.Module):
+    # DDP synchronises gradients only for what runs through its forward(): route training_step through it.
+    def __init__(self, task: nn.Module) -> None:
+        super().__init__()
+        self.task = task
+
+    def forward(self, batch: Any) -> dict[str, torch.Tensor]:
+        return self.task.training_step(batch)
+
+
+class DDP(Single):
+    """DistributedDataParallel over torchrun's or SLURM's processes: one rank per device, gradients all-reduced."""
+
+    strategy = "ddp"
+
+    def __init__(self, device: str = "auto", find_unused_parameters: bool = False) -> None:
+        init_process_group()
+        info = environment()
+        self.rank, self.world_size, self.local_rank = info["rank"], info["world_size"], info["local_rank"]
+        self.local_world_size, self.launcher = info["local_world_size"], info["launcher"]
+        self.is_main = self.rank == 0
+        self.device = pick_device(device, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.backend = torch.distributed.get_backend() if self.world_size > 1 else "none"
+        self.find_unused_parameters = find_unused_parameters
+        self.model: nn.Module | None = None
+
+    def wrap(self, task: nn.Module) -> Callable[[Any], dict[str, torch.Tensor]]:
+        """DDP around the task's training_step (it also broadcasts rank 0's initial weights to every rank)."""
+        if self.world_size == 1:
+            return task.training_step
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = nn.parallel.DistributedDataParallel(
+            _TrainingStep(task), device_ids=ids, find_unused_parameters=self.find_unused_parameters
+        )
+        return self.model
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """No gradient all-reduce on micro-batches that do not close a window (`no_sync`)."""
+        if enabled or self.model is None:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks."""
+        if self.world_size == 1:
+            return tensor
+        total = tensor.clone()
+        torch.distributed.all_reduce(total)
+        return total
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's value, by rank (small Python values: RNG states, flags)."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def any(self, flags: list[bool]) -> list[bool]:
+        """Per position: whether any rank's flag is set (one small all-reduce)."""
+        if self.world_size == 1:
+            return flags
+        total = self.all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device))
+        return [bool(v) for v in total.tolist()]
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        """Leave the process group."""
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

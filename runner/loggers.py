@@ -65,6 +65,7 @@ class ConsoleLogger(Logger):
             "device",
             "precision",
             "world_size",
+            "distributed",
             "global_batch",
             "total_steps",
             "max_duration",

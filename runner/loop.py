@@ -14,6 +14,7 @@ from torch import nn
 from runner import ConfigError
 from runner.callbacks import Best, Callback
 from runner.data import batch_size_of, to_device, tokens_of, with_last
+from runner.distributed import Single
 from runner.loggers import Logger
 from runner.precision import FP32
 from runner.progress import Duration, TrainingProgress
@@ -45,14 +46,17 @@ class Run:
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged value of every metric
     nonfinite_steps: int = 0
     config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
+    forward: Any = None  # the training forward: task.training_step, or DDP around it (distributed.wrap)
 
     def __post_init__(self) -> None:
         self.meter = _Meter(self.progress)  # training sums between two logs; part of a checkpoint
+        self.distributed = self.distributed or Single()
+        self.forward = self.forward or self.task.training_step
 
     @property
     def world_size(self) -> int:
         """Processes training together."""
-        return self.distributed.world_size if self.distributed is not None else 1
+        return self.distributed.world_size
 
     def request_stop(self, reason: str) -> None:
         """Ask the loop to stop after the current step; the first reason given wins."""
@@ -99,10 +103,14 @@ def evaluate(run: Run) -> dict[str, float]:
         with run.precision.autocast():
             out = run.task.validation_step(batch)
         for key, value in out.items():
-            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value).detach().float() * size
+            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value, device=run.device).detach().double() * size
         count += size
     run.task.train()
-    values = torch.stack(list(sums.values())).div(count).tolist() if sums else []  # one device sync
+    if not sums:
+        return {}
+    # Sums and counts over every rank's shard, not a mean of means; one device sync.
+    totals = run.distributed.all_sum(torch.stack([*sums.values(), torch.tensor(count, device=run.device).double()]))
+    values = (totals[:-1] / totals[-1]).tolist()
     return {f"val/{k}": v for k, v in zip(sums, values, strict=True)}
 
 
@@ -126,7 +134,7 @@ def validate(run: Run) -> dict[str, float]:
 
 def fit(run: Run) -> Run:
     """Train until max_duration elapses or something asks to stop; returns `run` with stop_reason and metrics set."""
-    p, task, opt, precision = run.progress, run.task, run.optimizer, run.precision
+    p, task, opt, precision, dist = run.progress, run.task, run.optimizer, run.precision, run.distributed
     params = [q for q in task.parameters() if q.requires_grad]
     for cb in run.callbacks:
         cb.on_fit_start(run)
@@ -142,15 +150,17 @@ def fit(run: Run) -> Run:
         for batch, last in with_last(run.train_loader):
             window = p.window_size()
             p.count_micro_batch(batch_size_of(batch) * run.world_size, tokens_of(batch) * run.world_size)
+            closes = p.window_done(last)
             batch = to_device(batch, run.device)
-            with precision.autocast():
-                out = task.training_step(batch)
+            with dist.sync(closes):  # DDP: gradients are all-reduced only on the micro-batch that closes the window
+                with precision.autocast():
+                    out = run.forward(batch)
+                # / real window size: a short epoch-end window still averages (no division op for a window of one)
+                precision.backward(out["loss"] / window if window > 1 else out["loss"])
             loss = out["loss"].detach()
-            # / real window size: a short epoch-end window still averages (no division op when there is nothing to do)
-            precision.backward(out["loss"] / window if window > 1 else out["loss"])
             window_loss = loss if window_loss is None else window_loss + loss
             meter.add(out)
-            if not p.window_done(last):
+            if not closes:
                 continue
 
             precision.unscale_(opt)
@@ -180,6 +190,7 @@ def fit(run: Run) -> Run:
             window_loss = None
             for cb in run.callbacks:
                 cb.on_optimizer_step(run)
+            _agree_on_stop(run)
 
             # The last step always validates and logs, so the summary describes the final weights and steps.
             metrics = {}
@@ -210,6 +221,16 @@ def fit(run: Run) -> Run:
         # describes the weights the run ends with (model.safetensors).
         run.metrics.update(evaluate(run))
     return run
+
+
+def _agree_on_stop(run: Run) -> None:
+    # A stop asked on one rank (a signal, max_time, a callback) stops every rank at this same step: no rank is left
+    # waiting in a collective. Early stopping and non-finite skips are decided on reduced values, the same everywhere.
+    reasons = (*RESUMABLE, "stopped_on_another_rank")
+    flags = run.distributed.any([run.stop_reason == r for r in RESUMABLE] + [run.stop_reason is not None])
+    for reason, flag in zip(reasons, flags, strict=True):
+        if flag:
+            run.request_stop(reason)
 
 
 class _Meter:
@@ -263,12 +284,14 @@ class _Meter:
 
     def read(self, run: Run, params: list[torch.Tensor]) -> dict[str, float]:
         """Means since the last read, norms, LR, throughput and memory, with one device sync; then start over."""
-        p, keys = run.progress, list(self.sums)
+        p, keys, device = run.progress, list(self.sums), run.device
         param_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([q.detach() for q in params])))
-        means = [torch.as_tensor(self.sums[k]).float() / self.micro for k in keys]
-        *values, param_norm = torch.stack([*means, param_norm.float()]).tolist()
+        local = [torch.as_tensor(self.sums[k], device=device).double().reshape(1) for k in keys]
+        local.append(torch.tensor([self.loss, float(self.micro)], device=device, dtype=torch.float64))
+        totals = run.distributed.all_sum(torch.cat(local))  # sums over every rank: global means
+        *sums, loss, micro, param_norm = torch.cat([totals, param_norm.double().reshape(1)]).tolist()
         elapsed = time.perf_counter() - self.clock
-        metrics = {"train/loss": self.loss / self.micro, **{f"train/{k}": v for k, v in zip(keys, values, strict=True)}}
+        metrics = {"train/loss": loss / micro, **{f"train/{k}": v / micro for k, v in zip(keys, sums, strict=True)}}
         metrics.update(
             {
                 "train/grad_norm": self.norm / self.steps,

@@ -55,14 +55,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def training_state(run: Run) -> dict[str, Any]:
-    """Everything but the model weights that an exact resume needs."""
+def training_state(run: Run, rngs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Everything but the model weights that an exact resume needs; gathering `rngs` is collective unless given."""
     return {
         "optimizer": run.optimizer.state_dict(),
         "schedule": run.schedule.state_dict(),
         "precision": run.precision.state_dict(),
         "progress": run.progress.state_dict(),
-        "rng": rng_state(),
+        "rng": rngs if rngs is not None else run.distributed.gather(rng_state()),  # every rank's, by rank
         "callbacks": {_key(i, cb): cb.state_dict() for i, cb in enumerate(run.callbacks)},
         "loggers": {type(logger).__name__: logger.state_dict() for logger in run.loggers},
         "run": {
@@ -109,7 +109,8 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
     run.schedule.load_state_dict(state["schedule"])
     run.precision.load_state_dict(state["precision"])
     run.progress.load_state_dict(state["progress"])
-    set_rng_state(state["rng"])
+    rngs = state["rng"]
+    set_rng_state(rngs[run.distributed.rank % len(rngs)])  # another world size only with resume_allow_changes
     for i, cb in enumerate(run.callbacks):
         if _key(i, cb) in state["callbacks"]:
             cb.load_state_dict(state["callbacks"][_key(i, cb)])
