@@ -25,7 +25,7 @@ import torch
 from runner import ConfigError
 from runner.callbacks import Best, Callback
 from runner.progress import parse_duration
-from runner.state import CheckpointError, bare_state_dict, rng_state, training_state
+from runner.state import CheckpointError, bare_state_dict, training_state
 
 if TYPE_CHECKING:
     from runner.loop import Run
@@ -238,7 +238,7 @@ class Checkpoint(Callback):
         """Allocate the snapshot buffers in the background (after the first step, when the optimizer state exists),
         so that the first save only copies (allocating and faulting in hundreds of MB would stall the loop)."""
         # rank 0 alone: no collective; every rank's RNG state has the shapes of this one
-        model, state = bare_state_dict(run.task), training_state(run, rngs=[rng_state()] * run.world_size)
+        model, state = bare_state_dict(run.task), training_state(run, gather=False)
 
         def allocate() -> None:
             _snapshot(model, self.buffers, "model", copy=False)

@@ -251,7 +251,7 @@ class _Meter:
     def state_dict(self) -> dict[str, Any]:
         """The sums since the last log, so a resumed run's next row averages the same steps."""
         return {
-            "sums": dict(self.sums),
+            "sums": {k: float(v) for k, v in self.sums.items()},  # host values: every rank's is gathered
             "micro": self.micro,
             "steps": self.steps,
             "loss": self.loss,

@@ -55,21 +55,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def training_state(run: Run, rngs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Everything but the model weights that an exact resume needs; gathering `rngs` is collective unless given."""
+def training_state(run: Run, gather: bool = True) -> dict[str, Any]:
+    """Everything but the model weights that an exact resume needs. Collective: per-rank values are gathered (with
+    gather=False, this rank's value stands in for every rank's: same shapes, no communication)."""
+    per_rank = run.distributed.gather if gather else (lambda value: [value] * run.world_size)
     return {
         "optimizer": run.optimizer.state_dict(),
         "schedule": run.schedule.state_dict(),
         "precision": run.precision.state_dict(),
         "progress": run.progress.state_dict(),
-        "rng": rngs if rngs is not None else run.distributed.gather(rng_state()),  # every rank's, by rank
+        "rng": per_rank(rng_state()),  # every rank's generators, by rank
         "callbacks": {_key(i, cb): cb.state_dict() for i, cb in enumerate(run.callbacks)},
         "loggers": {type(logger).__name__: logger.state_dict() for logger in run.loggers},
         "run": {
             "best": run.best.state_dict(),
             "metrics": dict(run.metrics),
             "nonfinite_steps": run.nonfinite_steps,
-            "meter": run.meter.state_dict(),
+            "meter": per_rank(run.meter.state_dict()),  # each rank's sums since the last log
         },
         "shapes": {k: list(v.shape) for k, v in bare_state_dict(run.task).items()},
         "exactness": exactness(run),
@@ -119,7 +121,8 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
     run.best.load_state_dict(state["run"]["best"])
     run.metrics.update(state["run"]["metrics"])
     run.nonfinite_steps = state["run"]["nonfinite_steps"]
-    run.meter.load_state_dict(state["run"]["meter"])
+    meters = state["run"]["meter"]
+    run.meter.load_state_dict(meters[run.distributed.rank % len(meters)])
     sampler = getattr(run.train_loader, "sampler", None)
     if hasattr(sampler, "skip"):
         sampler.skip = run.progress.batch_in_epoch * run.progress.batch_size  # continue with the next unseen batch

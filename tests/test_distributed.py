@@ -128,3 +128,61 @@ def test_environment_detection(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_first_host_of_a_slurm_nodelist(nodelist: str, host: str) -> None:
     assert _first_host(nodelist) == host
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    timing = {"train/samples_per_s", "sys/peak_memory_mb"}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in timing} for row in rows]
+
+
+@pytest.mark.slow
+def test_ddp_preempted_and_resumed_on_every_rank_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    args = [
+        *DIGITS,
+        "distributed=ddp",
+        "data.batch_size=16",
+        "trainer.max_duration=40st",
+        "callbacks=checkpoint",
+        "callbacks.checkpoint.interval=10st",
+    ]
+    whole = _torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path}/whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    # The second job trains slowly (tests/_launch.py sleeps in training_step) and is sent SIGTERM, as SLURM does,
+    # once its first checkpoint exists; torchrun forwards it to both workers.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUNNER_TEST_STEP_SLEEP": "0.05"}
+    split = tmp_path / "split"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(Path(__file__).parent / "_launch.py"),
+            *args,
+            f"hydra.run.dir={split}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (split / "checkpoints" / "step-00000010").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    summary = json.loads((split / "summary.json").read_text())
+    assert summary["stop_reason"] == "preempted" and 10 <= summary["progress"]["step"] < 40, err[-3000:]
+    resumed = _torchrun(tmp_path, *args, f"hydra.run.dir={split}", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("resuming from") == 1  # said once, by rank 0
+    for name, tensor in _weights(tmp_path / "whole").items():
+        assert torch.equal(tensor, _weights(split)[name]), name
+    assert _rows(split) == _rows(tmp_path / "whole")
