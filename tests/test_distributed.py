@@ -22,39 +22,17 @@ DIGITS = [
 ]
 
 
-def _torchrun(cwd: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def _run(cwd: Path, *command: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "runner",
-            *overrides,
-        ],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return subprocess.run([sys.executable, *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _torchrun(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return _run(cwd, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "runner", *overrides)
 
 
 def _single(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return _run(cwd, "-m", "runner", *overrides)
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
