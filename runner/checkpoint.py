@@ -189,7 +189,7 @@ class Checkpoint(Callback):
             raise ConfigError(f"callbacks.checkpoint.interval={interval} must be longer than zero")
         self.keep_last, self.keep_best, self.save_last = keep_last, max(0, keep_best), save_last
         self.monitor = monitor if keep_best > 0 else None
-        self.best = Best(mode)  # only to compare values
+        self.mode = Best(mode).mode  # Best checks that it is 'min' or 'max'
         # (value, step) of every checkpoint saved with a fresh monitored value: every rank decides the same saves
         # from it (a save is collective), without reading the disk that rank 0's writer is changing.
         self.scored: list[list[float]] = []
@@ -248,11 +248,8 @@ class Checkpoint(Callback):
         self.thread.start()
 
     def _among_best(self, value: float) -> bool:
-        kept = sorted((v for v, _ in self.scored), reverse=self.best.mode == "max")[: self.keep_best]
-        if len(kept) < self.keep_best:
-            return True
-        worst = max(kept) if self.best.mode == "min" else min(kept)
-        return value < worst if self.best.mode == "min" else value > worst
+        kept = sorted((v for v, _ in self.scored), reverse=self.mode == "max")[: self.keep_best]  # best first
+        return len(kept) < self.keep_best or (value < kept[-1] if self.mode == "min" else value > kept[-1])
 
     def save(self, run: Run, monitor_value: float | None = None) -> Path:
         """Snapshot the state to CPU now (the loop waits for this) and write it in the background."""
@@ -312,7 +309,7 @@ class Checkpoint(Callback):
         manifests = self._manifests()  # newest first
         keep = {m["folder"] for m in manifests[: self.keep_last]}
         scored = [m for m in manifests if m.get("monitor_value") is not None]
-        scored.sort(key=lambda m: m["monitor_value"], reverse=self.best.mode == "max")
+        scored.sort(key=lambda m: m["monitor_value"], reverse=self.mode == "max")
         keep |= {m["folder"] for m in scored[: self.keep_best]}
         for m in manifests:
             if m["folder"] not in keep:
