@@ -120,6 +120,10 @@ class Single:
         """Context for a micro-batch's forward and backward; `enabled`: it closes an accumulation window."""
         return contextlib.nullcontext()
 
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The L2 norm of all gradients together (after DDP's all-reduce every rank holds the same gradients)."""
+        return torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None], foreach=True)
+
     def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (here: the tensor)."""
         return tensor

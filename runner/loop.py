@@ -164,7 +164,7 @@ def fit(run: Run) -> Run:
                 continue
 
             precision.unscale_(opt)
-            norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None], foreach=True)
+            norm = dist.grad_norm(params)  # the global norm, also when the gradients are sharded (FSDP)
             # The one host sync per optimizer step reads the window's loss and the global grad norm together.
             loss_sum, norm_value = torch.stack([window_loss.float(), norm.float()]).tolist()
             # fp16 loss scaling skips overflowed grads itself; a non-finite loss is always ours to skip.
