@@ -170,17 +170,36 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "spread": (max(values) - min(values)) / 2}
 
 
-def runner_command(size: str, steps: int, warmup: int, out: Path, run_dir: Path, *overrides: str) -> list[str]:
-    """`python -m runner` on the benchmark experiment, with a StepTimer callback writing to `out`."""
+def torchrun(ranks: int) -> list[str]:
+    """The start of a command that runs a module or script in `ranks` local processes (torchrun, one node)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+
+
+def runner_command(
+    size: str,
+    steps: int,
+    warmup: int,
+    out: Path,
+    run_dir: Path,
+    *overrides: str,
+    ranks: int = 1,
+    batch_size: int | None = None,
+) -> list[str]:
+    """`python -m runner` on the benchmark experiment, with a StepTimer callback writing to `out`.
+
+    ranks > 1: under torchrun with that many local processes (add `distributed=ddp` to the overrides); batch_size:
+    the micro-batch of each process (default SIZES[size][1]).
+    """
+    launcher = torchrun(ranks) if ranks > 1 else [sys.executable]
     return [
-        sys.executable,
+        *launcher,
         "-m",
         "runner",
         "--config-dir",
         str(ROOT / "benchmarks" / "conf"),
         "+experiment=bench",
         f"bench.size={size}",
-        f"data.batch_size={SIZES[size][1]}",
+        f"data.batch_size={batch_size or SIZES[size][1]}",
         f"optimizer.lr={SIZES[size][3]}",
         f"optimizer.weight_decay={WEIGHT_DECAY}",
         f"trainer.gradient_clip_val={CLIP}",

@@ -56,7 +56,7 @@ def hand(size: str, steps: int, warmup: int, out: str) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: cosine_factor(t, steps))
     stamps, step, epoch = Stamps(warmup), 0, 0
     while step < steps:
-        data.sampler.set_epoch(epoch)
+        data.batch_sampler.set_epoch(epoch)
         for batch in data:
             loss = model.training_step(batch)["loss"]
             loss.backward()

@@ -37,7 +37,10 @@ def setup(steps: int, batch: int):
     model = TopKSAE(d_in=256, n_latents=1024, k=5, dead_window="10st")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     progress = TrainingProgress(
-        f"{steps}st", batch_size=batch, batches_per_epoch=len(loader), samples_per_epoch=len(loader.sampler)
+        f"{steps}st",
+        batch_size=batch,
+        batches_per_epoch=len(loader),
+        samples_per_epoch=loader.batch_sampler.samples_per_epoch,
     )
     return model, opt, loader, progress
 

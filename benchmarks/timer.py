@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import resource
+from pathlib import Path
+
 from benchmarks.common import Stamps, final_loss
 from runner.callbacks import Callback
 from runner.loop import Run
 
 
+def rank_path(out: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its figures: `out` itself for rank 0, `<stem>.rank<r><suffix>` beside it otherwise."""
+    out = Path(out)
+    return out if rank == 0 else out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
+
+
 class StepTimer(Callback):
-    """Writes the first-step time, the steady-state time per step and the final loss to `out` at the end of fit."""
+    """Writes the first-step time, the steady-state time per step and the final loss to `out` at the end of fit.
+
+    Under DDP every rank times its own steps: rank 0 writes `out` (the figures that count; the parent waits for it)
+    and rank r > 0 writes rank_path(out, r), so that no two processes write one file.
+    """
 
     def __init__(self, size: str, warmup: int, out: str) -> None:
         self.size, self.out, self.stamps = size, out, Stamps(warmup)
@@ -18,5 +31,12 @@ class StepTimer(Callback):
         self.stamps.step(run.progress.step, run.progress.finished)
 
     def on_fit_end(self, run: Run) -> None:
-        """Write the figures."""
-        self.stamps.write(self.out, final_loss=final_loss(run.task, self.size))
+        """Write the figures (this rank's own peak RSS too: under torchrun wait4 sees only the largest process)."""
+        rank = getattr(run.distributed, "rank", 0)
+        self.stamps.write(
+            rank_path(self.out, rank),
+            final_loss=final_loss(run.task, self.size),
+            rank=rank,
+            world_size=run.world_size,
+            rank_peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        )

@@ -1,5 +1,14 @@
 """runner: a Hydra-configured PyTorch experiment runner."""
 
+from typing import Any
+
 
 class ConfigError(ValueError):
     """A configuration the run cannot start with; the CLI prints the message without a traceback and exits 2."""
+
+
+def check_whole(value: Any, name: str) -> int:
+    """`value` if it is a whole number >= 1 (not a bool), else a ConfigError naming the setting."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+    return value

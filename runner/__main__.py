@@ -19,9 +19,10 @@ from runner import ConfigError
 from runner.build import build, run_info
 from runner.callbacks import Callback
 from runner.checkpoint import Checkpoint, load_checkpoint, newest_valid, save_weights
+from runner.distributed import environment
 from runner.loggers import run_metadata, write_json
 from runner.loop import RESUMABLE, Run, fit
-from runner.state import FINISHED, restore
+from runner.state import FINISHED, model_weights, restore
 
 # Exit codes: 2 configuration error, 3 stopped by non-finite losses, 75 stopped to be resumed (preempted by
 # SIGTERM/SIGUSR1, or trainer.max_time), 130 interrupted (Ctrl-C).
@@ -121,8 +122,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> Run:
         run.stop_reason = "interrupted"
         summary = summarize(run, time.perf_counter() - started)
     finally:
+        weights = model_weights(run) if summary is not None else None  # collective under FSDP: every rank
         if summary is not None and run.distributed.is_main:
-            save_weights(run.task, run_dir / "model.safetensors")
+            save_weights(weights, run_dir / "model.safetensors")
             write_json(run_dir / "summary.json", summary)
         for logger in run.loggers:
             logger.close(summary)
@@ -131,7 +133,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> Run:
 
 
 def _fail(error: Exception, code: int) -> None:
-    print(f"error: {error}", file=sys.stderr)
+    # Every rank says why it stops (a missing file may be missing on one node only), each naming itself.
+    rank = environment()["rank"]
+    print(f"error{f' on rank {rank}' if rank else ''}: {error}", file=sys.stderr)
     sys.exit(code)
 
 
@@ -165,13 +169,30 @@ def main(cfg: DictConfig) -> float | None:
 
 def cli() -> None:
     """The command: under torchrun or SLURM, join the process group first and agree on one run folder."""
-    from runner.distributed import environment, shared_launch_time
+    from runner.distributed import exit_without_teardown, restart_count, shared_launch_time
 
-    _launch["time"] = shared_launch_time()
-    if environment()["rank"] > 0:
+    try:
+        _launch["time"] = shared_launch_time()
+    except ConfigError as error:  # a launch that cannot form its process group (no rendezvous address, say)
+        _fail(error, 2)
+    rank = environment()["rank"]
+    if restart_count() > 0:
+        # torchrun --max-restarts restarted the workers after a failure: go on from the run's newest checkpoint
+        # (the launch time, hence the run folder, is the first launch's).
+        sys.argv = [a for a in sys.argv if not a.startswith(("resume=", "+resume=", "++resume="))] + ["resume=auto"]
+        if rank == 0:
+            print(f"elastic restart {restart_count()}: resuming from the newest checkpoint", file=sys.stderr)
+    if rank > 0:
         # Rank 0 owns the filesystem: the other ranks write no .hydra/ and no runner.log.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    main()
+    if environment()["world_size"] == 1:
+        main()
+        return
+    try:
+        main()
+    except SystemExit as stop:
+        exit_without_teardown(stop.code)
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

@@ -79,12 +79,13 @@ def _build(cfg: DictConfig) -> Run:
     dist = instantiate(cfg.distributed)
     seed_everything(cfg.seed)
     data = instantiate(cfg.data)
-    train_loader = data.train_loader(dist.rank, dist.world_size, dist.device)
+    train_loader = data.train_loader(dist.rank, dist.world_size, dist.device, cfg.trainer.accumulate_grad_batches)
     val_loader = data.val_loader(dist.rank, dist.world_size, dist.device)
     if len(train_loader) == 0:
         raise ConfigError(
-            f"the train loader is empty: {len(train_loader.dataset)} samples with "
-            f"data.batch_size={data.batch_size} and drop_last on {dist.world_size} rank(s)"
+            f"the train loader is empty: {len(train_loader.dataset)} samples make no optimizer step of "
+            f"data.batch_size={data.batch_size} x {dist.world_size} rank(s) x trainer.accumulate_grad_batches="
+            f"{cfg.trainer.accumulate_grad_batches} with data.drop_last={data.drop_last}"
         )
     trainer = cfg.trainer
     if trainer.gradient_clip_val is not None and trainer.gradient_clip_val <= 0:
@@ -96,14 +97,15 @@ def _build(cfg: DictConfig) -> Run:
         init_from(task, cfg.init_from, strict=cfg.get("init_strict", True))
     if not hasattr(task, "validation_step"):
         val_loader = None  # validation_step is optional: a task without one is never validated
+    # After init_from: DDP and FSDP start every rank from rank 0's weights. Before the optimizer: FSDP replaces the
+    # parameters with shards, which the optimizer must hold.
+    forward = dist.wrap(task)
     optimizer = instantiate(cfg.optimizer)(param_groups(task))
-    # drop_last: an epoch is whole batches only; otherwise every sample of the (rank-padded) sampler
-    per_rank = len(train_loader) * data.batch_size if train_loader.drop_last else len(train_loader.sampler)
     progress = TrainingProgress(
         trainer.max_duration,
         batch_size=data.batch_size,
         batches_per_epoch=len(train_loader),
-        samples_per_epoch=per_rank * dist.world_size,
+        samples_per_epoch=train_loader.batch_sampler.samples_per_epoch,
         accumulate=trainer.accumulate_grad_batches,
         world_size=dist.world_size,
         tokens_per_sample=data.tokens_per_sample,
@@ -126,7 +128,7 @@ def _build(cfg: DictConfig) -> Run:
         monitor=cfg.get("monitor"),
         best=Best(cfg.get("mode", "min")),
         distributed=dist,
-        forward=dist.wrap(task),  # after init_from: DDP starts every rank from rank 0's weights
+        forward=forward,
         config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
     )
     check_monitors(run)
@@ -145,7 +147,8 @@ def run_info(run: Run, cfg: DictConfig) -> dict[str, Any]:
         "precision": run.precision.name,
         "world_size": run.world_size,
         "distributed": f"{run.distributed.strategy}, backend {run.distributed.backend}, "
-        f"{run.distributed.local_world_size} rank(s) per node",
+        f"{run.distributed.local_world_size} rank(s) per node on {run.world_size // run.distributed.local_world_size} "
+        "node(s)",
         "global_batch": f"{p.batch_size} x {run.world_size} x {p.accumulate} = "
         f"{p.batch_size * run.world_size * p.accumulate}",
         "total_steps": p.total_steps(),

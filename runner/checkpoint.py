@@ -25,7 +25,7 @@ import torch
 from runner import ConfigError
 from runner.callbacks import Best, Callback
 from runner.progress import parse_duration
-from runner.state import CheckpointError, bare_state_dict, training_state
+from runner.state import CheckpointError, bare_state_dict, model_weights, training_state
 
 if TYPE_CHECKING:
     from runner.loop import Run
@@ -41,7 +41,8 @@ def _snapshot(value: Any, buffers: dict[str, torch.Tensor], path: str = "", copy
     if isinstance(value, torch.Tensor):
         buffer = buffers.get(path)
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-            buffer = buffers[path] = torch.empty_like(value, device="cpu", pin_memory=value.is_cuda)
+            # the full shape also for an FSDP shard (a DTensor's shape): prepare() sizes the buffers of a gathered save
+            buffer = buffers[path] = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
             if not copy:
                 buffer.zero_()
         return buffer.copy_(value.detach(), non_blocking=value.is_cuda) if copy else buffer
@@ -69,16 +70,21 @@ def _fsync_dir(path: Path) -> None:
 
 def _safetensors(weights: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(v, DTensor) for v in weights.values()):  # would write this rank's shards as if whole
+        raise RuntimeError("these weights are FSDP shards: gather them first (runner.state.model_weights, every rank)")
 
     # clone: safetensors refuses tensors that share storage (tied weights); each key gets its own copy
     return save({k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()})
 
 
-def save_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """The bare model's weights as safetensors (loadable without unpickling), written atomically."""
+def save_weights(model: torch.nn.Module | dict[str, torch.Tensor], path: str | Path) -> None:
+    """The bare model's weights (or weights already gathered: model_weights) as safetensors, written atomically."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    _write_synced(tmp, _safetensors(bare_state_dict(model)))
+    weights = bare_state_dict(model) if isinstance(model, torch.nn.Module) else model
+    _write_synced(tmp, _safetensors(weights))
     os.replace(tmp, path)
 
 
@@ -237,7 +243,8 @@ class Checkpoint(Callback):
     def prepare(self, run: Run) -> None:
         """Allocate the snapshot buffers in the background (after the first step, when the optimizer state exists),
         so that the first save only copies (allocating and faulting in hundreds of MB would stall the loop)."""
-        # rank 0 alone: no collective; every rank's RNG state has the shapes of this one
+        # rank 0 alone: no collective; every rank's RNG state has the shapes of this one, and FSDP shards the shapes
+        # of the full tensors that a save gathers
         model, state = bare_state_dict(run.task), training_state(run, gather=False)
 
         def allocate() -> None:
@@ -259,10 +266,11 @@ class Checkpoint(Callback):
         folder = self.dir / f"{PREFIX}{p.step:08d}"
         if monitor_value is not None:
             self.scored.append([monitor_value, p.step])
-        state = training_state(run)  # collective: every rank's RNG states are gathered
+        state = training_state(run)  # collective: every rank's RNG states are gathered (and FSDP's shards)
+        weights = model_weights(run)  # collective under FSDP
         if not run.distributed.is_main:
             return folder  # rank 0 owns the filesystem
-        model = _snapshot(bare_state_dict(run.task), self.buffers, "model")
+        model = _snapshot(weights, self.buffers, "model")
         state = _snapshot(state, self.buffers, "state")
         if any(t.is_cuda for t in run.task.parameters()):
             torch.cuda.synchronize()  # the non-blocking copies into pinned buffers must land before the writer reads

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
-from runner import ConfigError
+from runner import ConfigError, check_whole
 
 
 class TensorData(Dataset):
@@ -32,18 +33,75 @@ class TensorData(Dataset):
         return tuple(t[index] for t in self.tensors)
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can begin its next epoch part-way: `skip` indices are left out once (exact resume)."""
+class GlobalBatchSampler(torch.utils.data.Sampler):
+    """Yields this rank's micro-batches (index lists) of an epoch laid out in global batches, one per optimizer step.
 
-    skip = 0
+    An epoch is a seeded permutation of the dataset cut into global batches of batch_size x world_size x accumulate
+    samples; a global batch is cut into `accumulate` micro-batches of batch_size x world_size, and each of those into
+    world_size consecutive slices, one per rank. So which samples make up each optimizer step depends only on the seed
+    and the global batch size, never on how the batch is split over ranks and micro-batches. The epoch's last, short
+    global batch (dropped with `drop_last`) is spread over as few micro-batches as fit (every rank gets the same number
+    of micro-batches, at least one sample in each, sizes differing by at most one): the loop weights each micro-batch's
+    loss by its share of the step's samples, so that step is still the mean over its samples. Fewer leftover samples
+    than ranks are dropped.
+    """
 
-    def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())[self.skip :]
-        self.skip = 0
-        return iter(indices)
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        accumulate: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        check_whole(accumulate, "trainer.accumulate_grad_batches")
+        self.n, self.batch_size, self.rank, self.world_size, self.accumulate = (
+            n,
+            batch_size,
+            rank,
+            world_size,
+            accumulate,
+        )
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = self.skip = 0
+        self.global_batch = batch_size * world_size * accumulate
+        self.full_steps, rest = divmod(n, self.global_batch)
+        if drop_last or rest < world_size:
+            rest = 0
+        # the short step's micro-batches: as few as keep every rank's slice within batch_size, and none empty
+        k = min(math.ceil(rest / (batch_size * world_size)), rest // world_size)
+        self.last_step = [rest // k + (j < rest % k) for j in range(k)] if k else []  # global micro-batch sizes
+        self.samples_per_epoch = self.full_steps * self.global_batch + rest
+        self.micro_batches = self.full_steps * accumulate + k  # per rank, the same on every rank
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Lay out `epoch`; its first `skip` micro-batches were already trained on (exact resume)."""
+        self.epoch, self.skip = epoch, skip
+
+    def _chunks(self) -> Iterator[int]:
+        # global micro-batch sizes, in order
+        for _ in range(self.full_steps * self.accumulate):
+            yield self.batch_size * self.world_size
+        yield from self.last_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(self.n))
+        start, w, r = 0, self.world_size, self.rank
+        for i, size in enumerate(self._chunks()):
+            base, extra = divmod(size, w)
+            first = start + r * base + min(r, extra)
+            if i >= self.skip:
+                yield order[first : first + base + (r < extra)]
+            start += size
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip
+        return self.micro_batches - self.skip
 
 
 class _Shard(torch.utils.data.Sampler):
@@ -60,10 +118,10 @@ class _Shard(torch.utils.data.Sampler):
 
 
 def _collate(batch: Any) -> Any:
-    # TensorData.__getitems__ already returns a batch; other datasets get the default collate.
-    if isinstance(batch, tuple):
-        return batch
-    return torch.utils.data.default_collate(batch)
+    # A dataset's __getitems__ (TensorData's) already returns a batch; a list of samples gets the default collate.
+    if isinstance(batch, list):
+        return torch.utils.data.default_collate(batch)
+    return batch
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -89,56 +147,43 @@ class DataModule:
     ) -> None:
         if "train" not in splits:
             raise ConfigError(f"data.splits must have a 'train' split, got {sorted(splits)}")
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ConfigError(f"data.batch_size must be a whole number >= 1, got {batch_size!r}")
+        check_whole(batch_size, "data.batch_size")
         self.splits, self.batch_size = splits, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.shuffle, self.drop_last, self.seed = num_workers, shuffle, drop_last, seed
         self.tokens_per_sample = tokens_per_sample
 
     def _loader(
-        self, dataset: Dataset, batch_size: int, train: bool, rank: int, world_size: int, device: torch.device
+        self, dataset: Dataset, batches: torch.utils.data.Sampler, device: torch.device, seed: int
     ) -> DataLoader:
-        # DistributedSampler also serves one process: seeded, epoch-aware shuffling that resumes exactly.
-        sampler = (
-            ResumableSampler(
-                dataset,
-                num_replicas=world_size,
-                rank=rank,
-                shuffle=self.shuffle,
-                seed=self.seed,
-                drop_last=self.drop_last,
-            )
-            if train
-            else _Shard(len(dataset), rank, world_size)
-        )
-        generator = torch.Generator().manual_seed(self.seed + rank)
         return DataLoader(
             dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            drop_last=train and self.drop_last,
+            batch_sampler=batches,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=device.type == "cuda",
             collate_fn=_collate,
             worker_init_fn=_seed_worker,
-            generator=generator,
+            generator=torch.Generator().manual_seed(seed),
         )
 
-    def train_loader(self, rank: int = 0, world_size: int = 1, device: torch.device | None = None) -> DataLoader:
-        """The training loader for this rank."""
-        return self._loader(
-            self.splits["train"], self.batch_size, True, rank, world_size, device or torch.device("cpu")
+    def train_loader(
+        self, rank: int = 0, world_size: int = 1, device: torch.device | None = None, accumulate: int = 1
+    ) -> DataLoader:
+        """The training loader for this rank: its micro-batches of the global batches (GlobalBatchSampler)."""
+        dataset = self.splits["train"]
+        sampler = GlobalBatchSampler(
+            len(dataset), self.batch_size, rank, world_size, accumulate, self.shuffle, self.seed, self.drop_last
         )
+        return self._loader(dataset, sampler, device or torch.device("cpu"), self.seed + rank)
 
     def val_loader(self, rank: int = 0, world_size: int = 1, device: torch.device | None = None) -> DataLoader | None:
-        """The validation loader for this rank, or None without a 'val' split."""
-        if self.splits.get("val") is None:
+        """The validation loader for this rank (every sample once over all ranks), or None without a 'val' split."""
+        dataset = self.splits.get("val")
+        if dataset is None:
             return None
-        return self._loader(
-            self.splits["val"], self.val_batch_size, False, rank, world_size, device or torch.device("cpu")
-        )
+        sampler = torch.utils.data.BatchSampler(_Shard(len(dataset), rank, world_size), self.val_batch_size, False)
+        return self._loader(dataset, sampler, device or torch.device("cpu"), self.seed + rank)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -163,11 +208,11 @@ def batch_size_of(batch: Any) -> int:
     raise ValueError("cannot tell the batch size: the batch holds no tensor")
 
 
-def tokens_of(batch: Any) -> int:
-    """Tokens in a batch: its 'num_tokens' entry when it is a mapping that has one (an int, counted on the host)."""
+def tokens_of(batch: Any) -> int | None:
+    """Tokens in a batch: its 'num_tokens' entry when it is a mapping that has one (counted on the host), else None."""
     if isinstance(batch, Mapping) and "num_tokens" in batch:
         return int(batch["num_tokens"])
-    return 0
+    return None
 
 
 def with_last(iterable: Any) -> Iterator[tuple[Any, bool]]:

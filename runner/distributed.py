@@ -1,14 +1,17 @@
-"""Where the processes run: environment detection (torchrun, SLURM, one process), the process group, DDP wrapping, and
-the few collectives the loop needs. `Single` and `DDP` share one interface, so the loop has no distributed branches."""
+"""Where the processes run: environment detection (torchrun, SLURM, one process), the process group, DDP wrapping,
+and the few collectives the loop and checkpoints need. `Single`, `DDP` and `FSDP` (runner/fsdp.py) share one
+interface, so the loop has no distributed branches."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -53,7 +56,10 @@ def environment() -> dict[str, Any]:
             "rank": int(env["SLURM_PROCID"]),
             "world_size": int(env["SLURM_NTASKS"]),
             "local_rank": int(env.get("SLURM_LOCALID", 0)),
-            "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
+            # SLURM_NTASKS_PER_NODE only with --ntasks-per-node; SLURM_TASKS_PER_NODE always, e.g. "4(x2),3"
+            "local_world_size": int(
+                re.split(r"[(,]", env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1"))[0]
+            ),
             "master": env.get("MASTER_ADDR")
             or _first_host(env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST", ""))),
             "port": env.get("MASTER_PORT", "29500"),
@@ -84,15 +90,58 @@ def init_process_group() -> bool:
     os.environ.setdefault("MASTER_ADDR", info["master"])
     os.environ.setdefault("MASTER_PORT", str(info["port"]))
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend, rank=info["rank"], world_size=info["world_size"])
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent store outlives a worker group: after a `--max-restarts` restart it still holds the dead
+        # group's gloo/NCCL addresses, which a quick new rank reads and fails to connect to (pytorch/pytorch#167288).
+        # Each attempt gets keys of its own.
+        agent = torch.distributed.TCPStore(info["master"], int(info["port"]), info["world_size"], is_master=False)
+        store = torch.distributed.PrefixStore(f"runner/attempt-{restart_count()}/", agent)
+    torch.distributed.init_process_group(backend, store=store, rank=info["rank"], world_size=info["world_size"])
     return True
 
 
+def exit_without_teardown(code: Any) -> NoReturn:
+    """End this rank's process with `code` (as sys.exit takes it) once its work is done, skipping the interpreter's
+    teardown.
+
+    Gloo's worker threads outlive destroy_process_group, and one may still be releasing the last collective's tensors
+    when the interpreter finalizes: that release needs the GIL, the thread is killed mid-C++ and the process aborts
+    (SIGABRT, "terminate called without an active exception"): 1 in 24 two-rank runs here. Every file is
+    closed by then (summary, logs, checkpoints); the log handlers and standard streams are flushed here.
+    """
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (`--max-restarts`); 0 on the first launch."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _first_launch_time(now: float) -> float:
+    # torchrun's rendezvous store lives as long as the job, across worker restarts: the first launch's time is kept
+    # there, so that restarted workers date the same run folder and resume it.
+    store = torch.distributed.distributed_c10d._get_default_store()
+    while isinstance(store, torch.distributed.PrefixStore):
+        store = store.underlying_store
+    key = f"runner/launch_time/{os.environ['TORCHELASTIC_RUN_ID']}"
+    return float(store.compare_set(key, "", repr(now)).decode())
+
+
 def shared_launch_time() -> float:
-    """Rank 0's clock, the same on every rank of a job: Hydra's dated run folder is one folder, not one per rank."""
+    """Rank 0's clock, the same on every rank of a job: Hydra's dated run folder is one folder, not one per rank
+    (and under torchrun, the first launch's clock: workers restarted by `--max-restarts` find their run folder)."""
     now = time.time()
     if not init_process_group():
         return now
+    if torch.distributed.get_rank() == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        now = _first_launch_time(now)
     shared = [now]
     torch.distributed.broadcast_object_list(shared, src=0)
     return shared[0]
@@ -120,9 +169,29 @@ class Single:
         """Context for a micro-batch's forward and backward; `enabled`: it closes an accumulation window."""
         return contextlib.nullcontext()
 
+    def norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of these tensors together (the parameters, say)."""
+        return torch.nn.utils.get_total_norm(tensors, foreach=True)
+
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The L2 norm of all gradients together (after DDP's all-reduce every rank holds the same gradients)."""
-        return torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None], foreach=True)
+        return self.norm([q.grad for q in params if q.grad is not None])
+
+    def model_state(self, task: nn.Module) -> dict[str, Any]:
+        """The task's state_dict with full tensors (a collective under FSDP, where rank 0 alone receives them)."""
+        return task.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state_dict with full tensors (a collective under FSDP, where rank 0 alone receives them)."""
+        return optimizer.state_dict()
+
+    def load_model_state(self, task: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load full weights (model_state's) into the task."""
+        task.load_state_dict(state)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a full optimizer state (optimizer_state's)."""
+        optimizer.load_state_dict(state)
 
     def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (here: the tensor)."""

@@ -144,19 +144,25 @@ def fit(run: Run) -> Run:
     after_step = getattr(task, "after_optimizer_step", lambda: None)
     clip = run.gradient_clip_val
     task.train()
+    sampler, window_tokens = getattr(run.train_loader, "batch_sampler", None), None
     while run.stop_reason is None and not p.finished:
-        if hasattr(run.train_loader.sampler, "set_epoch"):
-            run.train_loader.sampler.set_epoch(p.epoch)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(p.epoch, skip=p.batch_in_epoch)  # a resumed run goes on with the next unseen batch
         for batch, last in with_last(run.train_loader):
-            window = p.window_size()
-            p.count_micro_batch(batch_size_of(batch) * run.world_size, tokens_of(batch) * run.world_size)
+            step_samples, size, tokens = p.window_samples(), batch_size_of(batch), tokens_of(batch)
+            p.count_micro_batch()
             closes = p.window_done(last)
             batch = to_device(batch, run.device)
             with dist.sync(closes):  # DDP: gradients are all-reduced only on the micro-batch that closes the window
                 with precision.autocast():
                     out = run.forward(batch)
-                # / real window size: a short epoch-end window still averages (no division op for a window of one)
-                precision.backward(out["loss"] / window if window > 1 else out["loss"])
+                # The step's gradient is the mean over its samples: each micro-batch's mean loss is weighted by its
+                # share of them (x world size, which DDP's gradient average divides out). A full window of k
+                # micro-batches divides by exactly k; a window of one has no division op at all.
+                share = step_samples / (size * run.world_size)
+                precision.backward(out["loss"] / share if share != 1 else out["loss"])
+            if tokens is not None:
+                window_tokens = (window_tokens or 0) + tokens
             loss = out["loss"].detach()
             window_loss = loss if window_loss is None else window_loss + loss
             meter.add(out)
@@ -183,7 +189,10 @@ def fit(run: Run) -> Run:
                     run.request_stop("nonfinite")
             opt.zero_grad(set_to_none=True)
             meter.add_step(loss_sum, norm_value, opt.param_groups[0]["lr"])  # the LR this step used
-            p.count_optimizer_step()
+            if window_tokens is not None:  # tokens differ by rank: their sum over ranks
+                window_tokens = int(dist.all_sum(torch.tensor(window_tokens)).item())
+            p.count_optimizer_step(step_samples, window_tokens or 0)
+            window_tokens = None
             if last:
                 p.end_epoch()
             run.schedule.on_optimizer_step()

@@ -66,7 +66,7 @@ class Meter:
     def read(self, run: Run, params: list[torch.Tensor]) -> dict[str, float]:
         """Means since the last read, norms, LR, throughput and memory, with one device sync; then start over."""
         p, keys, device = run.progress, list(self.sums), run.device
-        param_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([q.detach() for q in params])))
+        param_norm = run.distributed.norm([q.detach() for q in params])  # FSDP: over every rank's shards
         local = [torch.as_tensor(self.sums[k], device=device).double().reshape(1) for k in keys]
         local.append(torch.tensor([self.loss, float(self.micro)], device=device, dtype=torch.float64))
         totals = run.distributed.all_sum(torch.cat(local))  # sums over every rank: global means

@@ -7,7 +7,7 @@ import re
 import warnings
 from dataclasses import dataclass
 
-from runner import ConfigError
+from runner import ConfigError, check_whole
 
 UNITS = {"st": "optimizer steps", "ep": "epochs", "sa": "samples", "tok": "tokens", "dur": "fraction of max_duration"}
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(st|ep|sa|tok|dur)\s*$")
@@ -68,8 +68,7 @@ class TrainingProgress:
         world_size: int = 1,
         tokens_per_sample: float | None = None,
     ) -> None:
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-            raise DurationError(f"trainer.accumulate_grad_batches must be a whole number >= 1, got {accumulate!r}")
+        check_whole(accumulate, "trainer.accumulate_grad_batches")
         if batches_per_epoch is not None and accumulate > batches_per_epoch:
             raise DurationError(
                 f"trainer.accumulate_grad_batches={accumulate} does not fit: an epoch has only "
@@ -94,8 +93,8 @@ class TrainingProgress:
             )
 
     # ---- counting -------------------------------------------------------------------------------------------
-    def count_micro_batch(self, samples: int, tokens: int = 0) -> None:
-        """Record one micro-batch; `samples` and `tokens` are summed over ranks."""
+    def count_micro_batch(self, samples: int = 0, tokens: int = 0) -> None:
+        """Record one micro-batch; `samples` and `tokens` (summed over ranks) may instead be given per step."""
         self.micro_batch += 1
         self.batch_in_epoch += 1
         self.samples += samples
@@ -108,13 +107,24 @@ class TrainingProgress:
         left = self.batches_per_epoch - (self.batch_in_epoch // self.accumulate) * self.accumulate
         return min(self.accumulate, left) if left > 0 else self.accumulate  # past len(): drift, warned at epoch end
 
+    def window_samples(self) -> int:
+        """Samples over all ranks in the optimizer step of the next micro-batch (the epoch's last step may be short)."""
+        full = self.batch_size * self.world_size * self.accumulate
+        if not self.samples_per_epoch:
+            return full
+        left = self.samples_per_epoch - (self.batch_in_epoch // self.accumulate) * full
+        return min(full, left) if left > 0 else full
+
     def window_done(self, last_in_epoch: bool) -> bool:
         """Whether the micro-batch just counted closes an accumulation window."""
         return last_in_epoch or self.batch_in_epoch % self.accumulate == 0
 
-    def count_optimizer_step(self) -> None:
-        """Record one optimizer step (also a skipped one: time moves on even when the weights do not)."""
+    def count_optimizer_step(self, samples: int = 0, tokens: int = 0) -> None:
+        """Record one optimizer step (also a skipped one: time moves on even when the weights do not), with the
+        samples and tokens it trained on over all ranks when they were not counted per micro-batch."""
         self.step += 1
+        self.samples += samples
+        self.tokens += tokens
         self._prev, self._last = self._last, self._snapshot()
         if self.step == 1 and self.max_duration.unit == "tok" and self.tokens == 0:
             raise DurationError(

@@ -23,14 +23,21 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used: missing, truncated, corrupted, unsafe, or from an incompatible run."""
 
 
-def bare_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights under the names of the bare model (no DDP `module.` or torch.compile `_orig_mod.`)."""
-    state = {}
-    for name, tensor in model.state_dict().items():
+def bare_state_dict(model: torch.nn.Module, state: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights (or `state`, a state_dict of it) under the names of the bare model (no DDP `module.` or
+    torch.compile `_orig_mod.`). Under FSDP, model.state_dict() holds this rank's shards (DTensors): see
+    model_weights."""
+    bare = {}
+    for name, tensor in (model.state_dict() if state is None else state).items():
         while name.startswith(("module.", "_orig_mod.")):
             name = name.split(".", 1)[1]
-        state[name.replace("._orig_mod.", ".")] = tensor  # a compiled submodule
-    return state
+        bare[name.replace("._orig_mod.", ".")] = tensor  # a compiled submodule
+    return bare
+
+
+def model_weights(run: Run) -> dict[str, torch.Tensor]:
+    """The bare model's full weights, for files. Collective: every rank calls it; under FSDP only rank 0's are real."""
+    return bare_state_dict(run.task, run.distributed.model_state(run.task))
 
 
 def rng_state() -> dict[str, Any]:
@@ -56,11 +63,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def training_state(run: Run, gather: bool = True) -> dict[str, Any]:
-    """Everything but the model weights that an exact resume needs. Collective: per-rank values are gathered (with
-    gather=False, this rank's value stands in for every rank's: same shapes, no communication)."""
+    """Everything but the model weights that an exact resume needs. Collective: per-rank values are gathered, and
+    the optimizer's shards under FSDP. With gather=False, no communication: this rank's values stand in for every
+    rank's, and its shards for the full tensors (the same shapes: a DTensor's shape is the full tensor's)."""
     per_rank = run.distributed.gather if gather else (lambda value: [value] * run.world_size)
     return {
-        "optimizer": run.optimizer.state_dict(),
+        "optimizer": run.distributed.optimizer_state(run.optimizer) if gather else run.optimizer.state_dict(),
         "schedule": run.schedule.state_dict(),
         "precision": run.precision.state_dict(),
         "progress": run.progress.state_dict(),
@@ -106,8 +114,8 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
             f"the model differs from the checkpoint's ({len(diff)} tensors differ in name or shape, e.g. "
             f"{diff[:3]}): a checkpoint resumes the same model; use init_from to start from its weights"
         )
-    run.task.load_state_dict(weights)
-    run.optimizer.load_state_dict(state["optimizer"])
+    run.distributed.load_model_state(run.task, weights)  # FSDP: each rank keeps its shards of the full tensors
+    run.distributed.load_optimizer_state(run.optimizer, state["optimizer"])
     run.schedule.load_state_dict(state["schedule"])
     run.precision.load_state_dict(state["precision"])
     run.progress.load_state_dict(state["progress"])
@@ -123,9 +131,6 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
     run.nonfinite_steps = state["run"]["nonfinite_steps"]
     meters = state["run"]["meter"]
     run.meter.load_state_dict(meters[run.distributed.rank % len(meters)])
-    sampler = getattr(run.train_loader, "sampler", None)
-    if hasattr(sampler, "skip"):
-        sampler.skip = run.progress.batch_in_epoch * run.progress.batch_size  # continue with the next unseen batch
     return manifest
 
 

@@ -3,6 +3,7 @@
     python tests/_launch.py [overrides...]
 RUNNER_TEST_STEP_SLEEP=s     sleep s seconds in every training_step (the run lasts long enough to be signalled)
 RUNNER_TEST_SLOW_SAVE=name:s sleep s seconds before writing the files of checkpoint folder `name` (a save in flight)
+RUNNER_TEST_DESYNC=n:name    after optimizer step n, rank 1 nudges parameter `name` (ranks silently diverge)
 """
 
 import os
@@ -38,5 +39,25 @@ if os.environ.get("RUNNER_TEST_SLOW_SAVE"):
         write(path, data)
 
     runner.checkpoint._write_synced = slow_write
+
+if os.environ.get("RUNNER_TEST_DESYNC"):
+    import torch
+
+    from runner.callbacks import Callback
+
+    at, target = os.environ["RUNNER_TEST_DESYNC"].split(":")
+    fit_desync = runner.loop.fit
+
+    class Desync(Callback):
+        def on_optimizer_step(self, run):
+            if run.progress.step == int(at) and run.distributed.rank == 1:
+                with torch.no_grad():
+                    dict(run.task.named_parameters())[target].view(-1)[0] += 1e-6
+
+    def desync_fit(run):
+        run.callbacks.append(Desync())
+        return fit_desync(run)
+
+    runner.loop.fit = desync_fit
 
 runpy.run_module("runner", run_name="__main__")

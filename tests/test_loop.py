@@ -65,13 +65,13 @@ def make_run(
     torch.manual_seed(0)
     task = task or Regression()
     data = DataModule(splits or _data(), batch_size=batch_size, shuffle=shuffle, seed=0)
-    train, val = data.train_loader(), data.val_loader()
+    train, val = data.train_loader(accumulate=accumulate), data.val_loader()
     opt = torch.optim.SGD(task.parameters(), lr=lr)
     progress = TrainingProgress(
         max_duration,
         batch_size=batch_size,
         batches_per_epoch=len(train),
-        samples_per_epoch=len(train.sampler),
+        samples_per_epoch=train.batch_sampler.samples_per_epoch,
         accumulate=accumulate,
     )
     schedule = (schedule or constant)(optimizer=opt, progress=progress)
@@ -154,6 +154,21 @@ def test_short_epoch_end_window_is_a_mean_over_its_own_micro_batches():
     loss = ((ref.linear(x[48:]) - y[48:]) ** 2).mean()
     loss.backward()
     torch.testing.assert_close(grads[-1], ref.linear.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_size, accumulate", [(16, 2), (8, 4), (4, 8)])
+def test_the_short_last_step_of_an_epoch_is_the_mean_over_its_samples_however_it_is_split(batch_size, accumulate):
+    # 50 samples in global batches of 32: the epoch's second step has 18 samples, cut into micro-batches of unequal
+    # sizes (16 x 2: 9 + 9; 8 x 4: 6 + 6 + 6; 4 x 8: 4 + 4 + 4 + 3 + 3). Each micro-batch's loss is weighted by its
+    # share of the 18, so both steps equal those of one batch of 32 and one of 18, over two epochs.
+    splits = _data(50)
+    one = make_run(max_duration="2ep", batch_size=32, splits=splits, lr=0.1)
+    split = make_run(max_duration="2ep", batch_size=batch_size, accumulate=accumulate, splits=splits, lr=0.1)
+    fit(one)
+    fit(split)
+    assert one.progress.step == split.progress.step == 4
+    assert one.progress.samples == split.progress.samples == 100
+    torch.testing.assert_close(split.task.linear.weight, one.task.linear.weight, rtol=0, atol=1e-6)
 
 
 def test_nonfinite_loss_skips_the_step_and_stops_after_the_limit():
@@ -275,6 +290,38 @@ def test_logged_lr_is_the_lr_each_step_used_and_the_last_partial_window_is_logge
     assert used[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
 
 
+class _Tokens(TensorData):
+    """Rows of 1 to 4 tokens: a batch reports how many it holds."""
+
+    def __getitems__(self, indices):
+        x, y = super().__getitems__(indices)
+        return {"x": x, "y": y, "num_tokens": int(x[:, 0].abs().ceil().clamp(1, 4).sum())}
+
+
+class _TwoIdenticalRanks(Single):
+    """What the loop sees of a second rank that holds the same data: every sum over ranks doubles."""
+
+    world_size = 2
+
+    def all_sum(self, tensor):
+        return tensor * 2
+
+
+def test_tokens_are_summed_over_ranks_once_per_step():
+    x, y = _data(48)["train"].tensors
+    task = Regression()
+    task.training_step = lambda batch: {"loss": ((task.linear(batch["x"]) - batch["y"]) ** 2).mean()}
+    run = make_run(task, max_duration="3st", batch_size=8, accumulate=2, splits={"train": _Tokens(x, y)})
+    run.distributed = _TwoIdenticalRanks("cpu")
+    local = []
+    for step, batch in enumerate(run.train_loader):
+        local.append(batch["num_tokens"])
+        if step == 5:
+            break
+    fit(run)
+    assert run.progress.tokens == 2 * sum(local) and run.progress.step == 3
+
+
 def test_token_duration_without_tokens_stops_at_once():
     run = make_run(max_duration="1e4tok")
     with pytest.raises(ConfigError, match="carry none"):
@@ -313,7 +360,7 @@ def _hand_loop(steps: int, clip: float, accumulate: int = 1) -> tuple[torch.Tens
     opt = torch.optim.SGD(task.parameters(), lr=0.05)
     losses, norms, step, epoch, window = [], [], 0, 0, []
     while step < steps:
-        train.sampler.set_epoch(epoch)
+        train.batch_sampler.set_epoch(epoch)
         for batch in train:
             loss = task.training_step(batch)["loss"]
             (loss / accumulate).backward()

@@ -74,7 +74,7 @@ class ActivationBuffer:
 
     def _inputs(self) -> Iterator[Any]:
         while True:  # loops over the source's training inputs, epoch after epoch
-            self.loader.sampler.set_epoch(self.epoch)
+            self.loader.batch_sampler.set_epoch(self.epoch)
             yield from self.loader
             self.epoch += 1
 

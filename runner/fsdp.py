@@ -1,0 +1,141 @@
+"""FSDP2 (`fully_shard`) as a `distributed` option: the DDP strategy's interface, with parameters, gradients and
+optimizer state sharded over the ranks, and full tensors in every file (checkpoints stay portable)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner import ConfigError
+from runner.distributed import DDP
+
+
+class FSDP(DDP):
+    """Fully sharded data parallel (FSDP2, `fully_shard`): each rank keeps 1/world_size of the parameters, gradients
+    and optimizer state, all-gathers a unit's parameters for its forward and backward, and reduce-scatters gradients.
+
+    Units (parameter groups gathered together): the modules whose class name is in `units` (say [Block]), or by
+    default every submodule that owns parameters itself (Linear, Embedding, norms); the task is the root and holds the
+    rest (naming the task's own class makes it the only unit). Checkpoints hold full, unsharded tensors in the format
+    of one process: a checkpoint is portable to another world size or to one process.
+    """
+
+    def __init__(
+        self, device: str = "auto", reshard_after_forward: bool = True, units: list[str] | None = None
+    ) -> None:
+        super().__init__(device)
+        self.reshard_after_forward, self.units = reshard_after_forward, set(units or ())
+        # reshard_after_forward=false keeps gathered parameters from forward to backward: FSDP1's SHARD_GRAD_OP
+        self.strategy = "fsdp (full shard)" if reshard_after_forward else "fsdp (shard grads and optimizer state)"
+
+    def _is_unit(self, module: nn.Module) -> bool:
+        if self.units:
+            return type(module).__name__ in self.units
+        return any(True for _ in module.parameters(recurse=False))
+
+    def wrap(self, task: nn.Module) -> Callable[[Any], dict[str, torch.Tensor]]:
+        """Shard the task in place (before the optimizer is built: its parameters become DTensor shards); training_step
+        and validation_step become FSDP forwards, which gather the parameters they use."""
+        if self.world_size == 1:
+            return task.training_step
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        unknown = self.units - {type(m).__name__ for m in task.modules()}
+        if unknown:  # a misspelt unit would leave every parameter to the root, one group gathered at once
+            raise ConfigError(f"distributed.units: the task has no module of class {', '.join(sorted(unknown))}")
+        with torch.no_grad():
+            for param in task.parameters():
+                if not param.is_contiguous():  # fully_shard refuses strided parameters (a transposed clone, say)
+                    param.data = param.data.contiguous()
+            for tensor in task.state_dict().values():  # every rank starts from rank 0's weights, as under DDP
+                torch.distributed.broadcast(tensor, src=0)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # Bottom-up (reversed pre-order: children first), as fully_shard requires: a unit's group leaves out the
+        # parameters of the units inside it.
+        for module in reversed(list(task.modules())):
+            if module is not task and self._is_unit(module):
+                fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(task, mesh=mesh)  # the root keeps its own parameters gathered until backward needs them
+        # The loop calls these methods, not forward(): FSDP must run its pre-forward (gather) and post-forward hooks
+        # around them. Validation calls task.validation_step directly, so it gathers too.
+        for method in ("training_step", "validation_step"):
+            if hasattr(task, method):
+                register_fsdp_forward_method(task, method)
+        self.model = task
+        return task.training_step
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Micro-batches that do not close a window keep their gradients unsharded and unreduced (FSDP's no_sync)."""
+        if self.model is not None:
+            self.model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    def norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of these tensors together, over every rank's shards: a plain tensor, the same on every rank."""
+        return _full(super().norm(tensors))
+
+    def model_state(self, task: nn.Module) -> dict[str, Any]:
+        """The task's state_dict with every shard gathered; collective: rank 0 receives CPU tensors, others None."""
+        return _gathered(task.state_dict(), self.is_main)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state_dict with every shard gathered, in one process's format (states by parameter index);
+        collective: rank 0 receives CPU tensors, others None."""
+        return _gathered(optimizer.state_dict(), self.is_main)
+
+    def load_model_state(self, task: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load full weights: each rank keeps its own shards of them."""
+        own = task.state_dict()
+        task.load_state_dict({k: _sharded_like(v, own[k]) if k in own else v for k, v in state.items()})
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a full optimizer state: each rank keeps its own shards of it."""
+        if self.model is None:
+            return super().load_optimizer_state(optimizer, state)
+        # State tensors are indexed like the parameters across groups; a tensor of its parameter's shape (Adam's
+        # moments, a momentum buffer) is sharded like the parameter, anything else (step counts) is kept whole.
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        per_param = {
+            i: {k: _sharded_like(v, params[i]) if _same_shape(v, params[i]) else v for k, v in s.items()}
+            for i, s in state["state"].items()
+        }
+        optimizer.load_state_dict({**state, "state": per_param})
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _gathered(value: Any, keep: bool) -> Any:
+    # Every rank all-gathers the shards of each tensor in the same order (state_dicts are ordered alike on every
+    # rank); only `keep` keeps the result, on CPU, one tensor at a time: no rank ever holds the whole model on device.
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        full = value.full_tensor()
+        return full.cpu() if keep else None
+    if isinstance(value, dict):
+        return {k: _gathered(v, keep) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gathered(v, keep) for v in value)
+    return value
+
+
+def _same_shape(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == param.shape
+
+
+def _sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    # Every rank read the full tensor from the checkpoint: each keeps its own shard, with no communication.
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return value
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)

@@ -1,0 +1,62 @@
+"""The CUDA paths, on a GPU when there is one (CI has none: skipped there): autocast precisions with the GradScaler,
+pinned checkpoint buffers, and an exact resume that restores the CUDA RNG state."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import CountSteps, StopAt, _rows, _same_state
+
+from runner.__main__ import train
+from runner.checkpoint import Checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_digits_trains_on_the_gpu_in_every_precision(compose_cfg: Callable, tmp_path: Path, precision: str) -> None:
+    run = train(
+        compose_cfg(
+            "+experiment=digits", f"precision={precision}", "trainer.max_duration=3ep", "callbacks=[checkpoint]"
+        )
+    )
+    assert run.device.type == "cuda" and next(run.task.parameters()).is_cuda
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stop_reason"] == "max_duration" and summary["metrics"]["val/acc"] > 0.9, summary
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["sys/peak_memory_mb"] > 0 for r in rows if "sys/peak_memory_mb" in r)  # the CUDA allocator's peak
+    saver = next(cb for cb in run.callbacks if isinstance(cb, Checkpoint))
+    # copies from the GPU go to page-locked memory (the weights; RNG states and counters are CPU tensors anyway)
+    weights = [t for path, t in saver.buffers.items() if path.startswith("model/")]
+    assert len(weights) == len(run.task.state_dict()) and all(t.is_pinned() for t in weights)
+    if precision == "fp16":
+        assert run.precision.state_dict()["scaler"]["scale"] > 0  # the GradScaler ran
+
+
+def test_stop_and_resume_on_the_gpu_is_exact(compose_cfg: Callable, tmp_path: Path) -> None:
+    # Dropout draws from the CUDA generator, fp16 steps through the GradScaler: both states must come back.
+    overrides = [
+        "+experiment=digits",
+        "precision=fp16",
+        "trainer.max_duration=40st",
+        "trainer.val_interval=7st",
+        "trainer.log_interval=4st",
+        "logger=jsonl",
+        "callbacks=[checkpoint]",
+        "callbacks.checkpoint.interval=1000st",
+    ]
+    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
+    first = train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(20)])
+    assert first.stop_reason == "preempted" and first.progress.step == 20
+    counter = CountSteps()
+    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"), extra_callbacks=[counter])
+    assert counter.steps == 20 and second.progress.step == 40
+    _same_state(whole, second)
+    assert _rows(tmp_path / "split") == _rows(tmp_path / "whole")
