@@ -78,6 +78,10 @@ BASELINE = {
 }
 # the final losses that must agree closely: the same global batches, the same gradient all-reduce (no_sync)
 LOSS_TOLERANCE = 1e-4
+# ... and those that split the same global batches differently (ranks, micro-batches, syncing every micro-batch): the
+# same training in another float32 summation order, whose rounding AdamW carries along (2.3e-4 after 200 steps on the
+# MLP, from 2.307 before training).
+SPLIT_TOLERANCE = 1e-3
 
 
 def hand(size: str, steps: int, warmup: int, accumulate: int, sync_every: bool, out: str) -> None:
@@ -235,14 +239,16 @@ def analyse(runs: dict[str, list[dict]], size: str, accumulate: int) -> dict[str
         "DDP wrap s": summary([r["wrap_s"] for r in hand_ddp]),
     }
     losses = {name: row["final_loss"] for name, row in rows.items()}
-    ddp_pair = abs(losses["ddp_acc"] - losses["hand_ddp_acc"]), abs(losses["ddp"] - losses["hand_ddp"])
+    # runner against the hand-written loop with the same layout: the same arithmetic
+    ddp_pair = [abs(losses[name] - losses[f"hand_{name}"]) for name in ("single", "ddp", "single_acc", "ddp_acc")]
     return {
         "contenders": rows,
         "ratios": ratios,
         "startup": startup,
         "final_loss_max_diff": max(losses.values()) - min(losses.values()),
         "runner_hand_ddp_loss_diff": max(ddp_pair),
-        "losses_agree": max(ddp_pair) < LOSS_TOLERANCE and max(losses.values()) - min(losses.values()) < LOSS_TOLERANCE,
+        "losses_agree": max(ddp_pair) < LOSS_TOLERANCE
+        and max(losses.values()) - min(losses.values()) < SPLIT_TOLERANCE,
         "ranks_agree": all(row["ranks_agree"] for row in rows.values()),
     }
 
@@ -327,9 +333,9 @@ def report(results: dict[str, Any]) -> None:
         print(f"  {key:<38} {value['median']:+.3f} ± {value['spread']:.3f}")
     verdict = "agree" if results["losses_agree"] else "DISAGREE"
     print(
-        f"final losses {verdict} (runner DDP vs hand DDP {results['runner_hand_ddp_loss_diff']:.2e}, all contenders "
-        f"{results['final_loss_max_diff']:.2e}, tolerance {LOSS_TOLERANCE:g}; before training "
-        f"{results['initial_loss']:.6f}); ranks end on equal weights: "
+        f"final losses {verdict} (runner vs hand, same layout {results['runner_hand_ddp_loss_diff']:.2e}, tolerance "
+        f"{LOSS_TOLERANCE:g}; all contenders {results['final_loss_max_diff']:.2e}, tolerance {SPLIT_TOLERANCE:g}; "
+        f"before training {results['initial_loss']:.6f}); ranks end on equal weights: "
         f"{results['ranks_agree']}"
     )
 
