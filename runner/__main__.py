@@ -6,23 +6,26 @@ import contextlib
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
-from runner.build import build, run_info
+from runner.build import build, run_info, sweep_job
 from runner.callbacks import Callback
 from runner.checkpoint import Checkpoint, load_checkpoint, newest_valid, save_weights
 from runner.distributed import environment
 from runner.loggers import run_metadata, write_json
 from runner.loop import RESUMABLE, Run, fit
 from runner.state import FINISHED, model_weights, restore
+from runner.sweep import objective, parallel_jobs, threads_per_job
 
 # Exit codes: 2 configuration error, 3 stopped by non-finite losses, 75 stopped to be resumed (preempted by
 # SIGTERM/SIGUSR1, or trainer.max_time), 130 interrupted (Ctrl-C).
@@ -37,6 +40,10 @@ def _hydra_subdir(output_dir: str, resume: Any) -> str:
 
 
 OmegaConf.register_new_resolver("runner_hydra_subdir", _hydra_subdir, replace=True)
+# Optuna's direction from the config's `mode` of `monitor` (conf/hparams_search/): one setting, not two to keep equal.
+OmegaConf.register_new_resolver(
+    "runner_direction", lambda mode: {"min": "minimize", "max": "maximize"}[str(mode)], replace=True
+)
 _launch = {"time": None}  # set by cli(): rank 0's clock under torchrun, so that every rank dates the same folder
 OmegaConf.register_new_resolver(
     "runner_now", lambda pattern: time.strftime(pattern, time.localtime(_launch["time"] or time.time())), replace=True
@@ -139,24 +146,48 @@ def _fail(error: Exception, code: int) -> None:
     sys.exit(code)
 
 
+def _record_failure(cfg: DictConfig, error: BaseException, wall_time_s: float) -> None:
+    # A sweep job's row in results.csv and `runner.report` say why it failed (a single run says so on the console
+    # and leaves no summary.json, like any run that never finished). A summary.json already there (a finished
+    # or preempted launch that this one failed to resume) is kept: nothing it says is lost.
+    path = Path(cfg.run_dir) / "summary.json"
+    if environment()["rank"] == 0 and path.parent.is_dir() and not path.exists():
+        error_text = str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
+        write_json(path, {"stop_reason": "failed", "error": error_text, "wall_time_s": wall_time_s})
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """Train one run; return the best value of `monitor` so that sweepers can optimize it."""
+    """Train one run; return the best value of `monitor` so that sweepers can optimize it (see runner.sweep)."""
+    hydra_cfg = HydraConfig.get()
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    threads = threads_per_job(cfg.get("threads"), parallel_jobs(hydra_cfg.launcher) if in_sweep else 1)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
     try:
         run = train(cfg)
-    except ConfigError as error:
-        _fail(error, 2)
+    except Exception as error:
+        if sweep_job() is not None:  # the job's row in results.csv says why (under torchrun too)
+            _record_failure(cfg, error, time.perf_counter() - started)
+        if in_sweep:  # one failed job must not end the sweep (fail_fast: SweepResults stops it)
+            if not isinstance(error, ConfigError):
+                traceback.print_exc()
+            print(f"error: job {hydra_cfg.job.num} failed: {error}", file=sys.stderr)
+            return objective("failed", None, cfg.mode)
+        if isinstance(error, ConfigError):
+            _fail(error, 2)
+        raise
     if run.stop_reason == "nonfinite":
         message = RuntimeError(
             f"stopped after {run.max_nonfinite_steps} optimizer steps in a row with a non-finite loss "
             "or gradient norm (trainer.max_nonfinite_steps). Lower the learning rate, enable "
             "trainer.gradient_clip_val, or check the data for NaN/inf."
         )
-        if HydraConfig.get().mode != RunMode.MULTIRUN:  # in a sweep, one diverged trial must not end the others
+        if not in_sweep:  # in a sweep, one diverged trial must not end the others
             _fail(message, EXIT_CODES["nonfinite"])
         print(f"error: {message}", file=sys.stderr)
-        return float("nan")
-    if run.stop_reason in (*RESUMABLE, "interrupted"):
+    elif run.stop_reason in (*RESUMABLE, "interrupted"):
         if run.stop_reason in RESUMABLE and run.distributed.is_main:
             print(
                 f"stopped ({run.stop_reason}) at step {run.progress.step}: continue with resume=auto "
@@ -164,7 +195,7 @@ def main(cfg: DictConfig) -> float | None:
                 file=sys.stderr,
             )
         sys.exit(EXIT_CODES[run.stop_reason])
-    return run.best.value
+    return objective(run.stop_reason, run.best.value, cfg.mode)
 
 
 def cli() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import warnings
 from pathlib import Path
@@ -155,6 +156,51 @@ def run_info(run: Run, cfg: DictConfig) -> dict[str, Any]:
         "max_duration": str(p.max_duration),
         "run_dir": cfg.get("run_dir"),
         "config": OmegaConf.to_container(cfg, resolve=True),
+        **hydra_facts(),
+    }
+
+
+def sweep_job() -> tuple[Path, int] | None:
+    """(sweep folder, job number) when this process runs a job of a sweep, else None.
+
+    A job of `-m` is Hydra's MULTIRUN mode; a job of runner's torchrun launcher is a plain run whose launcher set
+    RUNNER_SWEEP_DIR.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():  # train() called from Python
+        return None
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        return Path(hc.sweep.dir), hc.job.num
+    if os.environ.get("RUNNER_SWEEP_DIR"):
+        return Path(os.environ["RUNNER_SWEEP_DIR"]), hc.job.num
+    return None
+
+
+def hydra_facts() -> dict[str, Any]:
+    """Which experiment this is and, in a sweep, the sweep folder's name and this job's own overrides; else None."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {"experiment": None, "sweep": None, "job": None}
+    hc, job = HydraConfig.get(), sweep_job()
+    experiment = hc.runtime.choices.get("experiment")
+    if job is None:
+        return {"experiment": experiment, "sweep": None, "job": None}
+    sweep_dir, num = job
+    # The job is named by what the sweep sets for it: the overrides whose value differs from the sweep command
+    # line's (multirun.yaml; the last one of a key wins): "seed=0,1" there, "seed=1" here.
+    shared = sweep_dir / "multirun.yaml"
+    given = OmegaConf.load(shared).hydra.overrides.task if shared.is_file() else []
+    command_line = {o.partition("=")[0]: o for o in given}
+    own = [o for o in hc.overrides.task if command_line.get(o.partition("=")[0]) != o]
+    return {
+        "experiment": experiment,
+        # the last two parts (multirun/DATE/TIME -> DATE/TIME): unique across days, short enough to read
+        "sweep": "/".join(sweep_dir.parts[-2:]),
+        "job": f"{num}: {' '.join(own)}" if own else str(num),
     }
 
 

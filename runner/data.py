@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import random
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -165,6 +166,9 @@ class DataModule:
             collate_fn=_collate,
             worker_init_fn=_seed_worker,
             generator=torch.Generator().manual_seed(seed),
+            # The platform's own start method, named: a host process may have replaced the global default (joblib's
+            # loky workers do, and their "loky" context cannot start a DataLoader worker: hydra#964).
+            multiprocessing_context=multiprocessing.get_all_start_methods()[0] if self.num_workers > 0 else None,
         )
 
     def train_loader(

@@ -1,4 +1,7 @@
-"""Loggers share one tiny interface: start(info), log(metrics, step), close(summary). Console, metrics.jsonl, wandb."""
+"""Loggers share one tiny interface: start(info), log(metrics, step), close(summary). Console, metrics.jsonl.
+
+wandb lives in runner.wandb_logger.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +45,38 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-class ConsoleLogger(Logger):
-    """A rich console: startup table, a live bar (step/total, loss, lr, samples/s, ETA), validation lines, summary."""
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
-    def __init__(self, show: tuple[str, ...] = ("train/loss", "train/lr", "train/samples_per_s")) -> None:
+
+class ConsoleLogger(Logger):
+    """A rich console: startup table, progress, validation lines, summary.
+
+    In a terminal the progress is a live bar (step/total, loss, lr, samples/s, ETA) that rich redraws a few times a
+    second from its own thread, whatever the step rate. Elsewhere (CI, SLURM logs, a pipe) it is a plain line every
+    `every_s` seconds: a log file gets a readable history, not a redrawn bar's control codes.
+    """
+
+    def __init__(
+        self, show: tuple[str, ...] = ("train/loss", "train/lr", "train/samples_per_s"), every_s: float = 30.0
+    ) -> None:
         from rich.console import Console
 
         self.console = Console(stderr=True)
         self.show = tuple(show)
+        self.every_s = every_s
         self.bar = None
         self.task = None
+        self.total: int | None = None
+        self.clock: tuple[float, int] = (0.0, 0)  # (time, step) this launch started at: the ETA's rate counts from it
+        self.last_line = 0.0
         self.latest: dict[str, float] = {}  # the last value of each shown metric (train and val rows differ in step)
+
+    def resume(self, step: int, state: dict[str, Any]) -> None:
+        """A resumed launch starts at `step`: its rate (for the ETA) counts the steps it trains."""
+        self.clock = (0.0, step)
 
     def start(self, info: dict[str, Any]) -> None:
         """Print the startup table and open the progress bar."""
@@ -74,6 +99,9 @@ class ConsoleLogger(Logger):
             if key in info:
                 table.add_row(key.replace("_", " "), _fmt(info[key]))
         self.console.print(table)
+        self.total = info.get("total_steps")
+        self.clock = (time.monotonic(), self.clock[1])
+        self.last_line = self.clock[0]
         if self.console.is_terminal:
             # Auto-refresh at a few Hz from rich's thread: a refresh costs ~0.5 ms, an update() a few microseconds.
             self.bar = rp.Progress(
@@ -92,10 +120,13 @@ class ConsoleLogger(Logger):
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Update the bar; print a line per validation."""
         self.latest.update((k, metrics[k]) for k in self.show if k in metrics)
+        stats = "  ".join(f"{k.split('/')[-1]} {_fmt(v)}" for k, v in self.latest.items())
+        validated = any(k.startswith("val/") for k in metrics)
         if self.bar is not None:
-            stats = "  ".join(f"{k.split('/')[-1]} {_fmt(v)}" for k, v in self.latest.items())
             self.bar.update(self.task, completed=step, stats=stats)
-        if any(k.startswith("val/") for k in metrics):
+        elif not validated:  # a validation prints its own line below
+            self._plain_line(step, stats)
+        if validated:
             shown = {
                 **{k: v for k, v in self.latest.items() if k == "train/loss"},
                 **{k: v for k, v in metrics.items() if k.startswith("val/")},
@@ -104,6 +135,18 @@ class ConsoleLogger(Logger):
             self.console.print(
                 f"step {step}  epoch {metrics.get('epoch', 0):.2f}  {line}", highlight=False, soft_wrap=True
             )
+
+    def _plain_line(self, step: int, stats: str) -> None:
+        now = time.monotonic()
+        if now - self.last_line < self.every_s:
+            return
+        start, first = self.clock
+        self.last_line = now
+        total = f"/{self.total} ({100 * step / self.total:.0f}%)" if self.total else ""
+        eta = ""
+        if self.total and step > first:
+            eta = f"  eta {_duration((self.total - step) * (now - start) / (step - first))}"
+        self.console.print(f"step {step}{total}  {stats}{eta}", highlight=False, soft_wrap=True)
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """Stop the bar and print the final summary."""
@@ -172,64 +215,6 @@ class JsonlLogger(Logger):
             self.file.close()
 
 
-class WandbLogger(Logger):
-    """Weights & Biases; imported only when this logger is configured. `mode: offline` works without a network."""
-
-    def __init__(
-        self,
-        project: str = "runner",
-        name: str | None = None,
-        mode: str | None = None,
-        dir: str | None = None,
-        tags: list[str] | None = None,
-    ) -> None:
-        self.kwargs = {
-            "project": project,
-            "name": name,
-            "mode": mode or os.environ.get("WANDB_MODE"),
-            "dir": dir,
-            "tags": list(tags or []),
-        }
-        self.run = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The run id, so that a resumed run continues the same wandb run."""
-        return {"id": self.run.id} if self.run is not None else {}
-
-    def resume(self, step: int, state: dict[str, Any]) -> None:
-        """Continue the checkpointed wandb run."""
-        if state.get("id"):
-            self.kwargs.update(id=state["id"], resume="allow")
-
-    def start(self, info: dict[str, Any]) -> None:
-        """Open the wandb run with the resolved config."""
-        import wandb
-
-        from runner import ConfigError
-
-        if self.kwargs["dir"]:
-            Path(self.kwargs["dir"]).mkdir(parents=True, exist_ok=True)
-        try:
-            self.run = wandb.init(config=info.get("config"), **self.kwargs)
-        except (wandb.errors.UsageError, wandb.errors.CommError) as error:
-            raise ConfigError(
-                f"wandb could not start: {error}. Log in with `wandb login`, or run offline with "
-                "WANDB_MODE=offline (or logger.wandb.mode=offline)"
-            ) from None
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Log at the optimizer step."""
-        self.run.log(metrics, step=step)
-
-    def close(self, summary: dict[str, Any] | None = None) -> None:
-        """Record the summary and finish the run (exit code 1 if it failed)."""
-        if self.run is None:
-            return
-        if summary is not None:
-            self.run.summary.update({"stop_reason": summary["stop_reason"], **summary["metrics"]})
-        self.run.finish(exit_code=0 if summary is not None else 1)
-
-
 def write_json(path: str | Path, data: dict[str, Any]) -> None:
     """Write `data` as indented JSON, atomically (a reader never sees half a file)."""
     path = Path(path)
@@ -257,6 +242,9 @@ def run_metadata(device: str, world_size: int) -> dict[str, Any]:
         "git": {"commit": commit, "dirty": bool(_git("status", "--porcelain")) if commit else None},
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "hydra": hydra.__version__},
         "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),  # with summary.json's wall_time_s: when the run ran (did parallel jobs overlap?)
         "device": device,
         "world_size": world_size,
+        "threads": torch.get_num_threads(),
     }

@@ -238,20 +238,6 @@ def test_help_lists_every_group_and_option(run_cli: Cli) -> None:
     assert "Durations" in proc.stdout
 
 
-def test_multirun_sweep_writes_one_folder_per_job(run_cli: Cli, tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
-    proc = run_cli(
-        "-m", "+experiment=digits", "trainer.max_duration=5st", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"
-    )
-    ok(proc)
-    for job, lr in (("0", 1e-3), ("1", 3e-3)):
-        summary = read_json(sweep / job / "summary.json")
-        assert summary["stop_reason"] == "max_duration" and summary["progress"]["step"] == 5
-        config = yaml.safe_load((sweep / job / ".hydra" / "config.yaml").read_text())
-        assert config["optimizer"]["lr"] == pytest.approx(lr)
-    assert not (sweep / "2").exists()
-
-
 def test_default_digits_run_reaches_97_percent(run_cli: Cli, tmp_path: Path) -> None:
     ok(run_cli("+experiment=digits"))
     summary = read_json(tmp_path / "run" / "summary.json")

@@ -23,11 +23,12 @@ from runner.build import build
 from runner.callbacks import Callback
 from runner.checkpoint import save_weights
 from runner.data import batch_size_of, to_device
-from runner.loggers import JsonlLogger, Logger, WandbLogger
+from runner.loggers import JsonlLogger, Logger
 from runner.loop import Run, fit
 from runner.precision import FP32
 from runner.progress import Duration, parse_duration
 from runner.schedulers import OnMetric, PerStep
+from runner.wandb_logger import WandbLogger
 
 CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
 EXPECTED_GROUPS = {
@@ -172,7 +173,7 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
             assert lg.path == tmp_path / "run" / "metrics.jsonl"
         if isinstance(lg, WandbLogger):
             assert lg.run is None  # never started here
-            assert lg.kwargs["mode"] == "offline"
+            assert lg.mode == cfg.logger.wandb.mode and lg.kwargs["project"] == cfg.logger.wandb.project
             assert lg.kwargs["dir"] == str(tmp_path / "run")
     callbacks = _components(cfg.get("callbacks"))
     assert [type(cb) for cb in run.callbacks] == [get_object(c._target_) for c in callbacks.values()]

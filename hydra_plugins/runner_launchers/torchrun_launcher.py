@@ -3,8 +3,8 @@
     python -m runner -m +experiment=digits hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 \
         distributed=ddp optimizer.lr=1e-3,3e-3
 
-The sweep process resolves each job's folder (multirun/DATE/TIME/N) as Hydra's basic launcher does, then starts the
-job's processes with torch's elastic launcher: `python -m runner <the job's overrides> hydra.run.dir=<its folder>`.
+The sweep process resolves each job's folder (outputs/multirun/DATE/TIME/N) as Hydra's basic launcher does, then starts
+the job's processes with torch's elastic launcher: `python -m runner <the job's overrides> hydra.run.dir=<its folder>`.
 The children are an ordinary torchrun job (rank 0 writes .hydra/, logs and summary.json into that folder). The job's
 return value for sweepers is the monitored value that rank 0 wrote to summary.json, which is what main() returns.
 """
@@ -26,7 +26,6 @@ from hydra._internal.grammar.utils import escape_special_characters
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
-from hydra.errors import CompactHydraException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -49,10 +48,6 @@ class TorchrunLauncherConf:
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="torchrun", node=TorchrunLauncherConf, provider="runner")
-
-
-class JobFailedError(CompactHydraException):
-    """A job of the sweep ended with a non-zero exit code on some rank (Hydra prints the message, not a traceback)."""
 
 
 class TorchrunLauncher(Launcher):
@@ -104,20 +99,33 @@ class TorchrunLauncher(Launcher):
             f"hydra.job.num={idx}",
             f"hydra.job.id={idx}",
         ]
-        failures = _elastic_run(args, self.nproc_per_node, self.max_restarts, self.monitor_interval)
+        # The children are plain runs (RUN mode): this tells them they are job `idx` of this sweep (wandb's group
+        # and name, summary.json's `failed` record; runner.build.sweep_job).
+        os.environ["RUNNER_SWEEP_DIR"] = str(Path(str(config.hydra.sweep.dir)).absolute())
+        try:
+            failures = _elastic_run(args, self.nproc_per_node, self.max_restarts, self.monitor_interval)
+        finally:
+            del os.environ["RUNNER_SWEEP_DIR"]
 
         ret = JobReturn(overrides=overrides, hydra_cfg=config, cfg=OmegaConf.masked_copy(config, _task_keys(config)))
         ret.working_dir, ret.task_name = os.getcwd(), str(config.hydra.job.name)
+        from runner.loggers import write_json  # here, not at the top: Hydra imports every plugin at startup
+        from runner.sweep import objective
+
+        # As main() does in a sweep: a failed job is recorded (summary.json, then results.csv) and the sweep goes on.
+        summary = _read_summary(job_dir / "summary.json")
+        ret.status = JobStatus.COMPLETED
         if not failures:
-            ret.status = JobStatus.COMPLETED
-            ret.return_value = (_read_summary(job_dir / "summary.json").get("best") or {}).get("value")
+            ret.return_value = (summary.get("best") or {}).get("value")
         elif _diverged(failures):
-            ret.status, ret.return_value = JobStatus.COMPLETED, float("nan")  # as main() returns in a sweep
+            ret.return_value = objective("nonfinite", None, str(config.mode))
         else:
-            ret.status = JobStatus.FAILED
-            ret.return_value = JobFailedError(
-                f"job #{idx} failed ({_describe(failures)}); its output is above, its folder: {job_dir}"
-            )
+            error = f"job #{idx} failed ({_describe(failures)}); its output is above, its folder: {job_dir}"
+            log.error(error)
+            if summary.get("stop_reason") != "failed":  # a rank died before rank 0 could say why
+                write_json(job_dir / "summary.json", {**summary, "stop_reason": "failed", "error": error})
+            ret.return_value = objective("failed", None, str(config.mode))
+        self.hydra_context.callbacks.on_job_end(config=config, job_return=ret)
         return ret
 
     def _child_options(self, config: DictConfig) -> list[str]:

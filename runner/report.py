@@ -1,0 +1,114 @@
+"""`python -m runner.report DIR`: leaderboard, results.csv and metric curves of a sweep (running or done) or a run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from runner.results import collect, leaderboard, read_curve, short, varying, write_csv
+
+PLOT_SIZE, PLOT_DPI = (8.0, 5.0), 100  # 800 x 500 pixels
+MAX_LEGEND = 20  # more jobs than this: lines without labels (the leaderboard says which is which)
+
+
+def _label(row: dict[str, Any], swept: list[str]) -> str:
+    parts = [f"{k.removeprefix('override:')}={short(row.get(k))}" for k in swept]
+    return f"{row['job']}: {' '.join(parts)}" if parts else row["job"]
+
+
+def plot(rows: list[dict[str, Any]], metric: str, path: Path) -> int:
+    """Draw `metric` against the optimizer step, one line per job; the number of jobs that have it (0: no file)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    swept = varying(rows)
+    curves = []
+    for row in rows:
+        points = [
+            (r["step"], r[metric]) for r in read_curve(Path(row["dir"])) if isinstance(r.get(metric), (int, float))
+        ]
+        if points:
+            curves.append((row, points))
+    if not curves:
+        return 0
+    fig, ax = plt.subplots(figsize=PLOT_SIZE, dpi=PLOT_DPI)
+    try:
+        for row, points in curves:
+            steps, values = zip(*points, strict=True)
+            label = _label(row, swept) if len(curves) <= MAX_LEGEND else None
+            ax.plot(steps, values, marker="." if len(points) < 30 else None, label=label)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{metric}: {len(curves)} job(s)")
+        ax.grid(alpha=0.3)
+        if len(curves) <= MAX_LEGEND:
+            ax.legend(fontsize="small")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=PLOT_DPI)
+    finally:
+        plt.close(fig)
+    return len(curves)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the leaderboard of DIR, write its results.csv and plots; the exit code (2: nothing to report)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.report",
+        description="Leaderboard, results.csv and metric curves of a sweep (running or done) or of one run.",
+    )
+    parser.add_argument("dir", type=Path, help="a sweep folder (outputs/multirun/DATE/TIME) or one run folder")
+    parser.add_argument(
+        "--metric", default="best", help="sort by: 'best' (each job's best monitored value) or a final metric name"
+    )
+    parser.add_argument("--mode", choices=["min", "max"], help="default: the config's mode for 'best', else min")
+    parser.add_argument("--top", type=int, default=None, help="show only the N best jobs")
+    parser.add_argument("--plot", nargs="+", metavar="METRIC", help="curves to draw (default: the monitor, train/loss)")
+    parser.add_argument("--no-plot", action="store_true", help="no plots")
+    parser.add_argument("--out", type=Path, help="where results.csv and plots/ go (default: DIR)")
+    args = parser.parse_args(argv)
+
+    if not args.dir.is_dir():
+        print(f"error: {args.dir} is not a folder: give a sweep folder or a run folder", file=sys.stderr)
+        return 2
+    rows = collect(args.dir)
+    if not rows:
+        print(f"error: no runs under {args.dir} (no job folder with a .hydra/ folder or metrics)", file=sys.stderr)
+        return 2
+    monitor = rows[0].get("monitor") or "val/loss"
+    config_mode = next((r["mode"] for r in rows if r.get("mode")), "min")
+    mode = args.mode or (config_mode if args.metric in ("best", monitor) else "min")
+    if args.metric != "best" and not any(args.metric in row for row in rows):
+        known = sorted({k for row in rows for k in row if "/" in k and not k.startswith("override:")})
+        print(f"error: no job has a metric {args.metric!r}; known: best, {', '.join(known)}", file=sys.stderr)
+        return 2
+
+    from rich.console import Console
+
+    console = Console()
+    console.print(leaderboard(rows, metric=args.metric, mode=mode, top=args.top))
+    out = args.out or args.dir
+    out.mkdir(parents=True, exist_ok=True)
+    console.print(f"results: {write_csv(rows, out / 'results.csv')}", highlight=False, soft_wrap=True)
+    if args.no_plot:
+        return 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install 'runner[report]')", file=sys.stderr)
+        return 0
+    for metric in args.plot or list(dict.fromkeys([monitor, "train/loss"])):
+        path = out / "plots" / f"{metric.replace('/', '_')}.png"
+        drawn = plot(rows, metric, path)
+        if drawn:
+            console.print(f"plot: {path} ({drawn} job(s))", highlight=False, soft_wrap=True)
+        else:
+            print(f"plot {metric}: no job has logged it yet", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

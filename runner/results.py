@@ -1,0 +1,202 @@
+"""Sweep results: one row per job folder (read from the files the job wrote), results.csv, and the leaderboard.
+
+A row is built from a job's own files only (`.hydra/overrides.yaml`, `.hydra/config.yaml`, `summary.json`, and
+`metrics.jsonl` while it runs), so the sweep's callback, `python -m runner.report` and a half-finished sweep all agree.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# summary.json's stop_reason -> a row's status. No summary.json yet: "running" (or killed before it could write one).
+STATUS = {
+    "max_duration": "completed",
+    "early_stopping": "completed",
+    "nonfinite": "diverged",
+    "preempted": "stopped",
+    "max_time": "stopped",
+    "interrupted": "stopped",
+    "failed": "failed",
+}
+FIRST = ["job", "status", "stop_reason", "monitor", "mode", "best", "best_step", "step", "wall_time_s"]
+LAST = ["error", "overrides", "dir"]
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # not there yet, or being replaced
+        return None
+
+
+def read_curve(job_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a job's metrics.jsonl (a half-written last line, from a job still running, is skipped)."""
+    rows = []
+    try:
+        lines = (job_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _key(override: str) -> tuple[str, str]:
+    key, _, value = override.partition("=")
+    return key.lstrip("+~"), value
+
+
+def job_row(job_dir: Path) -> dict[str, Any]:
+    """One job's row: overrides, status, stop reason, best and final metrics, wall time, error."""
+    job_dir = Path(job_dir)
+    config = _read_yaml(job_dir / ".hydra" / "config.yaml") or {}
+    overrides = _read_yaml(job_dir / ".hydra" / "overrides.yaml") or []
+    monitor, mode = config.get("monitor", "val/loss"), config.get("mode", "min")
+    row: dict[str, Any] = {"job": job_dir.name, "monitor": monitor, "mode": mode, "overrides": " ".join(overrides)}
+    row.update({f"override:{k}": v for k, v in map(_key, overrides)})
+    summary = _read_json(job_dir / "summary.json")
+    if summary is None:
+        curve = read_curve(job_dir)
+        seen = [r[monitor] for r in curve if isinstance(r.get(monitor), (int, float)) and math.isfinite(r[monitor])]
+        best = (min if mode == "min" else max)(seen) if seen else None
+        latest: dict[str, Any] = {}
+        for r in curve:
+            latest.update(r)
+        row.update(status="running", step=latest.get("step"), best=best)
+        row.update({k: v for k, v in latest.items() if "/" in k})
+        return {**row, "dir": str(job_dir)}
+    reason = summary.get("stop_reason")
+    best = summary.get("best") or {}
+    row.update(
+        status=STATUS.get(reason, reason),
+        stop_reason=reason,
+        best=best.get("value"),
+        best_step=best.get("step"),
+        step=(summary.get("progress") or {}).get("step"),
+        wall_time_s=summary.get("wall_time_s"),
+        error=summary.get("error"),
+    )
+    row.update(summary.get("metrics") or {})
+    return {**row, "dir": str(job_dir)}
+
+
+def find_jobs(path: str | Path) -> list[Path]:
+    """The job folders of a sweep (its numbered subfolders, in job order), or [path] for a single run folder."""
+    path = Path(path)
+    if (path / ".hydra").is_dir() or (path / "summary.json").is_file() or (path / "metrics.jsonl").is_file():
+        return [path]
+    jobs = [p for p in path.iterdir() if p.is_dir() and (p / ".hydra").is_dir()] if path.is_dir() else []
+    return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def collect(path: str | Path) -> list[dict[str, Any]]:
+    """Every job's row under `path` (a sweep folder or one run folder)."""
+    return [job_row(job) for job in find_jobs(path)]
+
+
+def varying(rows: list[dict[str, Any]]) -> list[str]:
+    """The override columns whose value differs between jobs (none for a single job: nothing to tell apart)."""
+    keys = list(dict.fromkeys(k for row in rows for k in row if k.startswith("override:")))
+    return [k for k in keys if len({str(row.get(k)) for row in rows}) > 1]
+
+
+def to_csv(rows: list[dict[str, Any]]) -> str:
+    """results.csv's text: the swept overrides, status, best and final metrics, wall time, error, folder."""
+    metrics = sorted({k for row in rows for k in row if "/" in k and not k.startswith("override:")})
+    overrides = [k for k in dict.fromkeys(k for row in rows for k in row) if k.startswith("override:")]
+    columns = [FIRST[0], *(k.removeprefix("override:") for k in overrides), *FIRST[1:], *metrics, *LAST]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        cells = [row.get("job"), *(row.get(k) for k in overrides)]
+        cells += [row.get(k) for k in FIRST[1:] + metrics + LAST]
+        writer.writerow(["" if c is None else c for c in cells])
+    return out.getvalue()
+
+
+def write_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write results.csv atomically: a reader (`runner.report` on a live sweep, say) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(to_csv(rows), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def rank(rows: list[dict[str, Any]], metric: str = "best", mode: str = "min") -> list[dict[str, Any]]:
+    """Rows best first by `metric`; rows without a finite value (failed, diverged, not validated yet) last."""
+
+    def key(row: dict[str, Any]) -> tuple[int, float]:
+        value = row.get(metric)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return (1, 0.0)
+        return (0, value if mode == "min" else -value)
+
+    return sorted(rows, key=key)
+
+
+def short(value: Any) -> str:
+    """A value as a table shows it: numbers (also an override's "0.0012132675491046139") to 4 significant digits."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return f"{number:.4g}" if len(value) > 6 and any(c in value for c in ".eE") else value
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def leaderboard(rows: list[dict[str, Any]], metric: str = "best", mode: str = "min", top: int | None = None) -> Any:
+    """A rich table of the jobs, best first by `metric` ("best" = each job's best monitored value), and their errors."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    monitor = next((row["monitor"] for row in rows if row.get("monitor")), "monitor")
+    title = f"best {monitor}" if metric == "best" else metric
+    swept = varying(rows)
+    table = Table(title=f"{len(rows)} job(s), by {title} ({mode})")
+    for column in ["job", *(k.removeprefix("override:") for k in swept), "status", title, "at step", "wall s"]:
+        table.add_column(column, no_wrap=True, justify="right" if column in (title, "at step", "wall s") else "left")
+    styles = {"failed": "red", "diverged": "yellow", "running": "cyan", "stopped": "yellow"}
+    for row in rank(rows, metric, mode)[:top]:
+        wall = row.get("wall_time_s")
+        table.add_row(
+            row["job"],
+            *(short(row.get(k)) for k in swept),
+            row.get("status", ""),
+            short(row.get(metric)),
+            short(row.get("best_step") if metric == "best" else row.get("step")),
+            f"{wall:.1f}" if isinstance(wall, (int, float)) else "",
+            style=styles.get(row.get("status", "")),
+        )
+    # Errors are long: a line each under the table, not a column that squeezes the others.
+    errors = [
+        Text(f"job {row['job']}: {' '.join(str(row['error']).split())}", style="red")
+        for row in rows
+        if row.get("error")
+    ]
+    return Group(table, *errors)

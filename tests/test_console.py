@@ -1,0 +1,74 @@
+"""The console logger outside a terminal (CI, SLURM logs): plain progress lines, throttled, with a true ETA."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner import loggers
+from runner.loggers import ConsoleLogger
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(loggers.time, "monotonic", fake)
+    return fake
+
+
+def lines(capsys: pytest.CaptureFixture) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+
+
+def test_plain_lines_come_every_every_s_with_progress_and_eta(clock: Clock, capsys: pytest.CaptureFixture) -> None:
+    console = ConsoleLogger(every_s=30)
+    assert not console.console.is_terminal  # pytest captures stderr: what CI and SLURM see
+    console.start({"total_steps": 1000})
+    capsys.readouterr()
+    for step in range(10, 201, 10):  # a log call every 10 steps, one step a second
+        clock.now += 10
+        console.log({"train/loss": 1.0 / step, "train/lr": 0.01}, step)
+    got = lines(capsys)
+    # 200 s of training, a line once 30 s have passed since the last one: at 30, 60, ..., 180 s
+    assert [line.split()[1] for line in got] == ["30/1000", "60/1000", "90/1000", "120/1000", "150/1000", "180/1000"]
+    assert got[0] == "step 30/1000 (3%)  loss 0.03333  lr 0.01  eta 16m10s"  # 970 steps at 1 s each
+    console.close(None)
+
+
+def test_a_validation_prints_its_own_line_not_a_progress_line(clock: Clock, capsys: pytest.CaptureFixture) -> None:
+    console = ConsoleLogger(every_s=0)
+    console.start({"total_steps": 100})
+    capsys.readouterr()
+    clock.now += 5
+    console.log({"train/loss": 0.5}, 10)
+    console.log({"val/loss": 0.25, "epoch": 0.5}, 10)
+    assert lines(capsys) == [
+        "step 10/100 (10%)  loss 0.5  eta 0m45s",
+        "step 10  epoch 0.50  train/loss 0.5  val/loss 0.25",
+    ]
+
+
+def test_a_resumed_launch_counts_its_rate_from_the_resume_step(clock: Clock, capsys: pytest.CaptureFixture) -> None:
+    console = ConsoleLogger(every_s=0)
+    console.resume(500, {})
+    console.start({"total_steps": 1000})
+    capsys.readouterr()
+    clock.now += 50  # 100 steps in 50 s: 400 more take 200 s (not 1000 - 600 steps at 600 steps / 50 s)
+    console.log({"train/loss": 0.1}, 600)
+    assert lines(capsys) == ["step 600/1000 (60%)  loss 0.1  eta 3m20s"]
+
+
+def test_a_long_every_s_prints_no_progress_line(clock: Clock, capsys: pytest.CaptureFixture) -> None:
+    console = ConsoleLogger(every_s=3600)
+    console.start({"total_steps": 100})
+    for step in range(1, 101):
+        clock.now += 1
+        console.log({"train/loss": 1.0}, step)
+    assert lines(capsys) == []
