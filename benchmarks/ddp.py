@@ -1,7 +1,8 @@
 """DDP on the CPU: 2 gloo ranks against 1 process at the same global batch, with and without gradient accumulation.
 
     python benchmarks/ddp.py [--reps 5] [--steps 200] [--accumulate 4] [--json out.json]
-    python benchmarks/ddp.py --smoke          # a few steps, one repetition (what the test runs)
+    python benchmarks/ddp.py --smoke          # a few steps, one repetition (tests: a subset, --contenders)
+    python benchmarks/ddp.py --contenders ddp # a contender and its one-process baseline only
 
 Contenders, each a fresh job (one process, or torchrun with 2 processes), one thread per process
 (OMP_NUM_THREADS=1: 2 ranks use 2 cores, the single process 1 core), the order rotating each repetition:
@@ -196,51 +197,48 @@ def analyse(runs: dict[str, list[dict]], size: str, accumulate: int) -> dict[str
             # DDP keeps the ranks' weights equal: every rank ends on the same loss
             "ranks_agree": all(o["final_loss"] == r["final_loss"] for r in reps for o in r["other_ranks"]),
         }
-    ratios = {
+    pairs = [
         # the issue's figures: DDP against one process at the same global batch
-        "ddp / single": paired(runs, "ddp", "single"),
-        "ddp_acc / single_acc": paired(runs, "ddp_acc", "single_acc"),
-        "hand_ddp / hand_single": paired(runs, "hand_ddp", "hand_single"),
-        "hand_ddp_acc / hand_single_acc": paired(runs, "hand_ddp_acc", "hand_single_acc"),
-        "hand_ddp_acc_sync / hand_single_acc": paired(runs, "hand_ddp_acc_sync", "hand_single_acc"),
+        ("ddp", "single"),
+        ("ddp_acc", "single_acc"),
+        ("hand_ddp", "hand_single"),
+        ("hand_ddp_acc", "hand_single_acc"),
+        ("hand_ddp_acc_sync", "hand_single_acc"),
         # what accumulation costs per optimizer step (smaller micro-batches, more of them), one process and DDP
-        "single_acc / single": paired(runs, "single_acc", "single"),
-        "ddp_acc / ddp": paired(runs, "ddp_acc", "ddp"),
-        "hand_single_acc / hand_single": paired(runs, "hand_single_acc", "hand_single"),
-        "hand_ddp_acc / hand_ddp": paired(runs, "hand_ddp_acc", "hand_ddp"),
-        "hand_ddp_acc_sync / hand_ddp": paired(runs, "hand_ddp_acc_sync", "hand_ddp"),
-        "hand_ddp_acc_sync / hand_ddp_acc": paired(runs, "hand_ddp_acc_sync", "hand_ddp_acc"),
+        ("single_acc", "single"),
+        ("ddp_acc", "ddp"),
+        ("hand_single_acc", "hand_single"),
+        ("hand_ddp_acc", "hand_ddp"),
+        ("hand_ddp_acc_sync", "hand_ddp"),
+        ("hand_ddp_acc_sync", "hand_ddp_acc"),
         # runner against the hand-written loop, configuration by configuration
-        **{
-            f"{name} / hand_{name}": paired(runs, name, f"hand_{name}")
-            for name in ("single", "ddp", "single_acc", "ddp_acc")
-        },
-    }
-    # What DDP adds to accumulation beyond what accumulation costs one process: (ddp_acc/single_acc) / (ddp/single)
-    ratios["ddp accumulation extra"] = summary(
-        [
-            (da["per_step_s"] / sa["per_step_s"]) / (d["per_step_s"] / s["per_step_s"])
-            for da, sa, d, s in zip(runs["ddp_acc"], runs["single_acc"], runs["ddp"], runs["single"], strict=True)
-        ]
-    )
+        *((name, f"hand_{name}") for name in ("single", "ddp", "single_acc", "ddp_acc")),
+    ]
+    # --contenders runs a subset: the figures of the pairs it holds
+    ratios = {f"{a} / {b}": paired(runs, a, b) for a, b in pairs if a in runs and b in runs}
+    if {"ddp_acc", "single_acc", "ddp", "single"} <= set(runs):
+        # What DDP adds to accumulation beyond what accumulation costs one process: (ddp_acc/single_acc) / (ddp/single)
+        ratios["ddp accumulation extra"] = summary(
+            [
+                (da["per_step_s"] / sa["per_step_s"]) / (d["per_step_s"] / s["per_step_s"])
+                for da, sa, d, s in zip(runs["ddp_acc"], runs["single_acc"], runs["ddp"], runs["single"], strict=True)
+            ]
+        )
     hand_ddp = [r for name in runs if name.startswith("hand_ddp") for r in runs[name]]
     startup = {
-        "ddp - single s": summary(
-            [d["to_first_step_s"] - s["to_first_step_s"] for d, s in zip(runs["ddp"], runs["single"], strict=True)]
-        ),
-        "hand_ddp - hand_single s": summary(
-            [
-                d["to_first_step_s"] - s["to_first_step_s"]
-                for d, s in zip(runs["hand_ddp"], runs["hand_single"], strict=True)
-            ]
-        ),
-        # rank 0's figures from every hand-written DDP job
-        "process group s": summary([r["pg_init_s"] for r in hand_ddp]),
-        "DDP wrap s": summary([r["wrap_s"] for r in hand_ddp]),
+        f"{d} - {s} s": summary(
+            [x["to_first_step_s"] - y["to_first_step_s"] for x, y in zip(runs[d], runs[s], strict=True)]
+        )
+        for d, s in (("ddp", "single"), ("hand_ddp", "hand_single"))
+        if d in runs and s in runs
     }
+    if hand_ddp:  # rank 0's figures from every hand-written DDP job
+        startup["process group s"] = summary([r["pg_init_s"] for r in hand_ddp])
+        startup["DDP wrap s"] = summary([r["wrap_s"] for r in hand_ddp])
     losses = {name: row["final_loss"] for name, row in rows.items()}
     # runner against the hand-written loop with the same layout: the same arithmetic
-    ddp_pair = [abs(losses[name] - losses[f"hand_{name}"]) for name in ("single", "ddp", "single_acc", "ddp_acc")]
+    same = [name for name in ("single", "ddp", "single_acc", "ddp_acc") if name in losses and f"hand_{name}" in losses]
+    ddp_pair = [abs(losses[name] - losses[f"hand_{name}"]) for name in same] or [0.0]
     return {
         "contenders": rows,
         "ratios": ratios,
@@ -261,6 +259,9 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=4)
     parser.add_argument("--size", default="mlp", choices=list(SIZES))
     parser.add_argument("--smoke", action="store_true", help="12 steps, 2 of warm-up, one repetition")
+    parser.add_argument(
+        "--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS), help="each with its baseline"
+    )
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=["hand"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -274,7 +275,7 @@ def main() -> None:
     if SIZES[args.size][1] % (2 * args.accumulate):
         parser.error(f"the batch of {args.size} ({SIZES[args.size][1]}) must split into 2 ranks x {args.accumulate}")
 
-    names = list(CONTENDERS)
+    names = list(dict.fromkeys([*args.contenders, *(BASELINE[name] for name in args.contenders)]))
     runs: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):

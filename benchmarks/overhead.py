@@ -10,6 +10,7 @@ Contenders, each in a fresh process (one thread), repetitions interleaved so tha
                    checkpoint callback every quarter of the run
   lightning_usual  Lightning with its usual ones: progress bar, a logger, per-step self.log, model summary, and a
                    ModelCheckpoint every quarter of the run
+  runner_plain     (on request) runner_usual off a terminal: the console's plain progress lines, one per log call
 All train benchmarks.common.Net with AdamW, a per-step cosine schedule and clipping at 1.0 on the same batches.
 Reports the steady-state time per step (after --warmup steps), ratios to `hand` (median of the per-repetition
 ratios), peak RSS, and the final losses, which hand, runner and lightning must agree on to 5 decimal places.
@@ -46,7 +47,8 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
-CONTENDERS = ("hand", "runner", "lightning", "runner_usual", "lightning_usual")
+CONTENDERS = ("hand", "runner", "lightning", "runner_usual", "lightning_usual", "runner_plain")
+DEFAULT = CONTENDERS[:5]  # runner_plain on request: --contenders hand runner runner_usual runner_plain
 
 
 def hand(size: str, steps: int, warmup: int, out: str) -> None:
@@ -128,7 +130,8 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> di
     out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
     if contender.startswith("runner"):
         usual = ["logger=default", "callbacks=checkpoint", f"callbacks.checkpoint.interval={steps // 4}st"]
-        extra = usual if contender == "runner_usual" else []
+        # runner_plain: the console off a terminal (CI, SLURM logs) at its worst, a plain line at every log call
+        extra = {"runner_usual": usual, "runner_plain": [*usual, "logger.console.every_s=0"]}.get(contender, [])
         command = runner_command(size, steps, warmup, out, run_dir, *extra)
     else:
         command = [
@@ -148,7 +151,8 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> di
             str(run_dir),
         ]
     # TTY_COMPATIBLE: rich draws its live bar as in a terminal, so runner_usual pays for it like a user does.
-    return spawn(command, out, env={"TTY_COMPATIBLE": "1"}, log=tmp / f"{contender}.log")
+    tty = "0" if contender == "runner_plain" else "1"
+    return spawn(command, out, env={"TTY_COMPATIBLE": tty}, log=tmp / f"{contender}.log")
 
 
 def main() -> None:
@@ -157,7 +161,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps on tiny (mlp: a tenth, at least 60)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the clock starts (default: a tenth)")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    parser.add_argument("--contenders", nargs="+", default=list(DEFAULT), choices=CONTENDERS)
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=["hand", "lightning", "lightning_usual"], help=argparse.SUPPRESS)
     parser.add_argument("--size", "--out", "--run-dir", help=argparse.SUPPRESS)
