@@ -179,6 +179,17 @@ def sweep_job() -> tuple[Path, int] | None:
     return None
 
 
+def _parsed(override: str) -> tuple[str, Any]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+        return parsed.get_key_element(), parsed.value()
+    except HydraException:
+        return override.partition("=")[0], override
+
+
 def hydra_facts() -> dict[str, Any]:
     """Which experiment this is and, in a sweep, the sweep folder's name and this job's own overrides; else None."""
     from hydra.core.hydra_config import HydraConfig
@@ -191,11 +202,12 @@ def hydra_facts() -> dict[str, Any]:
         return {"experiment": experiment, "sweep": None, "job": None}
     sweep_dir, num = job
     # The job is named by what the sweep sets for it: the overrides whose value differs from the sweep command
-    # line's (multirun.yaml; the last one of a key wins): "seed=0,1" there, "seed=1" here.
+    # line's (multirun.yaml; the last one of a key wins): "seed=0,1" there, "seed=1" here. Values are compared
+    # parsed, as the sweeper rewrites them ("optimizer.lr=3e-3" reaches the job as "optimizer.lr=0.003").
     shared = sweep_dir / "multirun.yaml"
     given = OmegaConf.load(shared).hydra.overrides.task if shared.is_file() else []
-    command_line = {o.partition("=")[0]: o for o in given}
-    own = [o for o in hc.overrides.task if command_line.get(o.partition("=")[0]) != o]
+    command_line = dict(map(_parsed, given))
+    own = [o for o in hc.overrides.task if command_line.get(_parsed(o)[0], o) != _parsed(o)[1]]
     return {
         "experiment": experiment,
         # the last two parts (multirun/DATE/TIME -> DATE/TIME): unique across days, short enough to read

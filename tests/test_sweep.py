@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import cli
-from test_wandb import offline_run
+from test_wandb import jsonl, offline_run, same_history
 
 from runner.sweep import objective, parallel_jobs, threads_per_job
 
@@ -70,7 +70,8 @@ def test_a_2x2_sweep_has_4_job_folders_and_a_results_row_each(tmp_path: Path) ->
     assert [run["name"] for run in runs] == names
     for run, job in zip(runs, "0123", strict=True):
         assert run["config"]["seed"] == int(rows[job]["seed"])
-        assert run["history"][20]["val/loss"] == float(rows[job]["val/loss"])
+        same_history(run, jsonl(folder / job))  # each run holds its own job's numbers
+        assert f"wandb: logging offline to {run['dir']}; upload it with `wandb sync {run['dir']}`" in proc.stderr
 
 
 @pytest.mark.slow

@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from conftest import cli
 from test_checkpoint import StopAt
 
 from runner.__main__ import train
@@ -46,6 +44,11 @@ def records(path: Path) -> Iterator[Any]:
 def offline_run(folder: Path) -> dict[str, Any]:
     """What the one offline run under `folder/wandb` holds: run facts, config, history rows by step, summary, exit."""
     (run_dir,) = (folder / "wandb").glob("offline-run-*")
+    return read_run(run_dir)
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """What an offline run folder (`wandb/offline-run-*`) holds."""
     (log,) = run_dir.glob("run-*.wandb")
     out: dict[str, Any] = {"dir": run_dir, "history": {}, "summary": {}, "exit": None}
     for record in records(log):
@@ -70,50 +73,46 @@ def jsonl(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_an_offline_run_lives_in_the_run_folder_with_the_config_and_the_history(tmp_path: Path) -> None:
-    proc = cli(*TINY, WANDB, cwd=tmp_path, run_dir=tmp_path / "run")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = offline_run(tmp_path / "run")
-    assert f"wandb: logging offline to {run['dir']}; upload it with `wandb sync {run['dir']}`" in proc.stderr
-    assert run["exit"] == 0 and run["project"] == "runner" and run["job_type"] == "digits" and run["group"] == ""
-    # the resolved config, as .hydra/config.yaml has it after interpolation
-    hydra_cfg = yaml.safe_load((tmp_path / "run" / ".hydra" / "config.yaml").read_text())
-    assert run["config"]["optimizer"]["lr"] == hydra_cfg["optimizer"]["lr"]
-    assert run["config"]["run_dir"] == str(tmp_path / "run") and run["config"]["trainer"]["max_duration"] == "20st"
-    # every metrics.jsonl value is in wandb's history at the same optimizer step
-    rows = jsonl(tmp_path / "run")
-    assert {row["step"] for row in rows} == set(run["history"]) == {5, 10, 15, 20}
-    for row in rows:
-        for key, value in row.items():
-            if key != "step":
-                assert run["history"][row["step"]][key] == value, (row["step"], key)
-    done = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert run["summary"]["stop_reason"] == "max_duration"
-    assert run["summary"]["best/val/loss"] == done["best"]["value"]
-
-
 @pytest.fixture
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
 
 
+def same_history(run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Every metrics.jsonl value is in wandb's history at the same optimizer step."""
+    assert {row["step"] for row in rows} == set(run["history"])
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":
+                assert run["history"][row["step"]][key] == value, (row["step"], key)
+
+
 @pytest.mark.slow
-def test_a_resumed_run_continues_the_same_wandb_run(offline: None, compose_cfg: Callable, tmp_path: Path) -> None:
+def test_a_run_logs_offline_in_its_folder_and_a_resumed_run_continues_it(
+    offline: None, compose_cfg: Callable, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     overrides = [*TINY, "logger=[jsonl,wandb]", "callbacks=[checkpoint]", "callbacks.checkpoint.interval=1000st"]
-    first = train(compose_cfg(*overrides), extra_callbacks=[StopAt(10)])
+    cfg = compose_cfg(*overrides)
+    first = train(cfg, extra_callbacks=[StopAt(10)])
     assert first.stop_reason == "preempted"
     (before,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    assert f"wandb: logging offline to {before}; upload it with `wandb sync {before}`" in capsys.readouterr().err
+    run = read_run(before)
+    # a single run: named by its folder, no group, job_type = the experiment, the resolved config
+    assert (run["name"], run["group"], run["job_type"]) == (f"{tmp_path.name}/run", "", "digits")
+    assert run["config"]["optimizer"]["lr"] == cfg.optimizer.lr and run["config"]["run_dir"] == str(tmp_path / "run")
+    assert run["config"]["trainer"]["max_duration"] == "20st" and run["summary"]["stop_reason"] == "preempted"
+    same_history(run, jsonl(tmp_path / "run"))  # steps 5 and 10
+
     second = train(compose_cfg(*overrides, "resume=auto"))
     assert second.stop_reason == "max_duration"
-    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and before in runs
-    after = next(r for r in runs if r != before)
-    ids = {r.name.rsplit("-", 1)[1] for r in runs}
-    assert len(ids) == 1  # one wandb run, two launches: `wandb sync` uploads both into it
-    (log,) = after.glob("run-*.wandb")
-    resumed = next(rec.run for rec in records(log) if rec.WhichOneof("record_type") == "run")
-    assert resumed.run_id in ids
+    (after,) = set((tmp_path / "run" / "wandb").glob("offline-run-*")) - {before}
+    resumed = read_run(after)
+    assert resumed["id"] == run["id"]  # one wandb run, two launches: `wandb sync` uploads both into it
+    same_history(resumed, jsonl(tmp_path / "run")[2:])  # steps 15 and 20, after the checkpoint's step
+    done = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert resumed["summary"]["stop_reason"] == "max_duration" and resumed["exit"] == 0
+    assert resumed["summary"]["best/val/loss"] == done["best"]["value"]
 
 
 def test_a_broken_wandb_init_never_stops_training(
