@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.results import collect, leaderboard, read_curve, short, varying, write_csv
+from runner.results import collect, leaderboard, read_curve, short, table_console, varying, write_csv
 
 PLOT_SIZE, PLOT_DPI = (8.0, 5.0), 100  # 800 x 500 pixels
 MAX_LEGEND = 20  # more jobs than this: lines without labels (the leaderboard says which is which)
@@ -86,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no job has a metric {args.metric!r}; known: best, {', '.join(known)}", file=sys.stderr)
         return 2
 
-    from rich.console import Console
-
-    console = Console()
+    console = table_console()
     console.print(leaderboard(rows, metric=args.metric, mode=mode, top=args.top))
     out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)

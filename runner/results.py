@@ -169,6 +169,15 @@ def short(value: Any) -> str:
     return str(value)
 
 
+def table_console() -> Any:
+    """A rich console on stdout for the leaderboard: a terminal's own width; 200 columns in a log file or a pipe,
+    where rich's default of 80 would cut the override columns down to ellipses."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
 def leaderboard(rows: list[dict[str, Any]], metric: str = "best", mode: str = "min", top: int | None = None) -> Any:
     """A rich table of the jobs, best first by `metric` ("best" = each job's best monitored value), and their errors."""
     from rich.console import Group

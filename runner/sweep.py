@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.results import collect, job_row, leaderboard, write_csv
+from runner.results import collect, job_row, leaderboard, table_console, write_csv
 
 
 def objective(stop_reason: str | None, best: float | None, mode: str) -> float | None:
@@ -99,13 +99,11 @@ class SweepResults(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Write the final results.csv and print the leaderboard."""
-        from rich.console import Console
-
         sweep_dir = Path(str(config.hydra.sweep.dir))
         rows = self._update(sweep_dir)
         if not rows:
             return
-        console = Console()
+        console = table_console()
         console.print(leaderboard(rows, mode=str(config.get("mode", "min")), top=self.top))
         counts = Counter(row["status"] for row in rows)
         tally = ", ".join(f"{n} {status}" for status, n in counts.most_common())

@@ -1,8 +1,13 @@
 """Test-only tasks for subprocess runs (the tests put this folder on PYTHONPATH)."""
 
+import os
+import time
+from pathlib import Path
+
 import torch
 
 from experiments.digits import MLPClassifier
+from runner.callbacks import Callback
 
 
 class SkewedValidation(MLPClassifier):
@@ -19,3 +24,23 @@ class SkewedValidation(MLPClassifier):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         k = float(self.validations)
         return {**out, "skew": torch.tensor(k if rank == 1 else 1 / k)}
+
+
+class Rendezvous(Callback):
+    """At fit start, each job says it started (a file in `dir`) and waits until `count` jobs have.
+
+    Jobs run one after another never all get there: the first one fails after `timeout_s`. Jobs that succeed ran at
+    the same time, however long each process took to start.
+    """
+
+    def __init__(self, dir: str, count: int, timeout_s: float = 120.0) -> None:
+        self.dir, self.count, self.timeout_s = Path(dir), count, timeout_s
+
+    def on_fit_start(self, run) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"{os.getpid()}.started").touch()
+        deadline = time.monotonic() + self.timeout_s
+        while (started := len(list(self.dir.glob("*.started")))) < self.count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {started} of {self.count} jobs started within {self.timeout_s} s")
+            time.sleep(0.05)

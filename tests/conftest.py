@@ -25,15 +25,18 @@ def _has_run_dir(overrides: tuple[str, ...]) -> bool:
 
 
 def cli(
-    *overrides: str, cwd: str | Path, run_dir: str | Path | None = None, timeout: float = CLI_TIMEOUT_S
+    *overrides: str,
+    cwd: str | Path,
+    run_dir: str | Path | None = None,
+    timeout: float = CLI_TIMEOUT_S,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `python -m runner *overrides` in `cwd`; add hydra.run.dir=`run_dir` unless the overrides set one.
 
-    WANDB_MODE is offline and HYDRA_FULL_ERROR is unset, so errors look as a user sees them. The runner and
-    experiments packages are installed editable, so they import from any working directory.
+    WANDB_MODE is offline and HYDRA_FULL_ERROR is unset, so errors look as a user sees them; `env` adds variables.
+    The runner and experiments packages are installed editable, so they import from any working directory.
     """
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["WANDB_MODE"] = "offline"
+    env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "WANDB_MODE": "offline", **(env or {})}
     args = list(overrides)
     if run_dir is not None and not _has_run_dir(overrides):
         args.append(f"hydra.run.dir={run_dir}")
