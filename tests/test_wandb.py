@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ def records(path: Path) -> Iterator[Any]:
     from wandb.proto import wandb_internal_pb2 as pb
 
     data, block = path.read_bytes(), 32768
+    if len(data) < 7:  # still being written
+        return
     assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), "not a wandb transaction log"
     pos, parts = 7, b""
     while pos + 7 <= len(data):
@@ -32,6 +35,8 @@ def records(path: Path) -> Iterator[Any]:
         if left < 7 or (length, kind) == (0, 0):  # the padded end of a block
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a chunk still being written
+            return
         parts += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
@@ -47,8 +52,19 @@ def offline_run(folder: Path) -> dict[str, Any]:
     return read_run(run_dir)
 
 
-def read_run(run_dir: Path) -> dict[str, Any]:
-    """What an offline run folder (`wandb/offline-run-*`) holds."""
+def read_run(run_dir: Path, timeout_s: float = 30.0) -> dict[str, Any]:
+    """What an offline run folder (`wandb/offline-run-*`) holds, once its exit record is there.
+
+    In the process that logged it, wandb's service may still be flushing the file when finish() returns (the service
+    outlives the run); a process that has exited has written all of it.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (out := _read_log(run_dir))["exit"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return out
+
+
+def _read_log(run_dir: Path) -> dict[str, Any]:
     (log,) = run_dir.glob("run-*.wandb")
     out: dict[str, Any] = {"dir": run_dir, "history": {}, "summary": {}, "exit": None}
     for record in records(log):
