@@ -84,9 +84,9 @@ class SweepResults(Callback):
         """Add the job's row to results.csv; with fail_fast, end the sweep if the job failed."""
         if config.hydra.mode != RunMode.MULTIRUN:
             return
-        self._update(Path(str(config.hydra.sweep.dir)))
+        rows = self._update(Path(str(config.hydra.sweep.dir)))
         job_dir = Path(str(config.hydra.runtime.output_dir))
-        row = job_row(job_dir)
+        row = next((r for r in rows if r["job"] == job_dir.name), None) or job_row(job_dir)
         if self.fail_fast and row["status"] == "failed":
             print(
                 f"error: job {row['job']} failed: {row.get('error')}; stopping the sweep (fail_fast). "
