@@ -27,12 +27,13 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import cpu_run, machine, write_json  # noqa: E402
-from runner.checkpoint import Checkpoint, checkpoints, load_checkpoint  # noqa: E402
+from runner.ckpt.callback import Checkpoint  # noqa: E402
+from runner.ckpt.files import checkpoints, load_checkpoint
+from runner.ckpt.state import restore  # noqa: E402
 from runner.data import DataModule, TensorData  # noqa: E402
-from runner.loop import Run  # noqa: E402
 from runner.progress import TrainingProgress  # noqa: E402
+from runner.run import Run  # noqa: E402
 from runner.schedulers import cosine  # noqa: E402
-from runner.state import restore  # noqa: E402
 
 
 class Stack(nn.Module):

@@ -65,22 +65,20 @@ def loader(size: str) -> torch.utils.data.DataLoader:
 
 def cpu_run(model: nn.Module, optimizer: Any, loader: Any, progress: Any, schedule: Any, log_interval: str) -> Any:
     """A runner Run on the CPU without validation, for benchmarks that call fit() or a save directly."""
-    from runner.distributed import Single
-    from runner.loop import Run
+    from runner.dist.strategies import Single
     from runner.precision import FP32
+    from runner.run import Run, Settings, State
 
     return Run(
         task=model,
         optimizer=optimizer,
         schedule=schedule,
-        progress=progress,
         precision=FP32(),
+        strategy=Single("cpu"),
         train_loader=loader,
         val_loader=None,
-        device=torch.device("cpu"),
-        val_interval=progress.resolve("1ep"),
-        log_interval=progress.resolve(log_interval),
-        distributed=Single("cpu"),
+        settings=Settings(val_interval=progress.resolve("1ep"), log_interval=progress.resolve(log_interval)),
+        state=State(progress),
     )
 
 

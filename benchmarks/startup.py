@@ -41,7 +41,8 @@ def imports(out: str) -> None:
     import safetensors.torch  # noqa: F401
 
     import runner.build  # noqa: F401
-    import runner.loggers  # noqa: F401
+    import runner.log.console  # noqa: F401
+    import runner.train  # noqa: F401
 
     Path(out).write_text(json.dumps({"hydra_s": hydra_done - started, "all_s": time.perf_counter() - started}))
 

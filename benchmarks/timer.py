@@ -6,8 +6,7 @@ import resource
 from pathlib import Path
 
 from benchmarks.common import Stamps, final_loss
-from runner.callbacks import Callback
-from runner.loop import Run
+from runner.run import Callback, Run
 
 
 def rank_path(out: str | Path, rank: int) -> Path:
@@ -32,7 +31,7 @@ class StepTimer(Callback):
 
     def on_fit_end(self, run: Run) -> None:
         """Write the figures (this rank's own peak RSS too: under torchrun wait4 sees only the largest process)."""
-        rank = getattr(run.distributed, "rank", 0)
+        rank = getattr(run.strategy, "rank", 0)
         self.stamps.write(
             rank_path(self.out, rank),
             final_loss=final_loss(run.task, self.size),

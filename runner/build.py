@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import warnings
 from pathlib import Path
@@ -17,10 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from runner import ConfigError
-from runner.callbacks import Best, TimeLimit
-from runner.loop import Run, check_monitors
+from runner.callbacks.time_limit import TimeLimit
+from runner.ckpt.files import load_weights
+from runner.loop import check_monitors
 from runner.progress import Duration, TrainingProgress
-from runner.state import init_from
+from runner.run import Best, Run, Settings, State
+from runner.rundir import CONFIG, MODEL
 
 
 def seed_everything(seed: int) -> None:
@@ -95,7 +96,7 @@ def _build(cfg: DictConfig) -> Run:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
     task = instantiate(cfg.model).to(dist.device)
     if cfg.get("init_from"):
-        init_from(task, cfg.init_from, strict=cfg.get("init_strict", True))
+        load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True))
     if not hasattr(task, "validation_step"):
         val_loader = None  # validation_step is optional: a task without one is never validated
     # After init_from: DDP and FSDP start every rank from rank 0's weights. Before the optimizer: FSDP replaces the
@@ -111,26 +112,27 @@ def _build(cfg: DictConfig) -> Run:
         world_size=dist.world_size,
         tokens_per_sample=data.tokens_per_sample,
     )
-    run = Run(
-        task=task,
-        optimizer=optimizer,
-        schedule=instantiate(cfg.scheduler)(optimizer=optimizer, progress=progress),
-        progress=progress,
-        precision=instantiate(cfg.precision, device=dist.device),
-        train_loader=train_loader,
-        val_loader=val_loader,
-        device=dist.device,
+    settings = Settings(
         val_interval=_interval(progress, trainer.val_interval, "trainer.val_interval"),
         log_interval=_interval(progress, trainer.log_interval, "trainer.log_interval"),
         gradient_clip_val=trainer.gradient_clip_val,
         max_nonfinite_steps=trainer.max_nonfinite_steps,
+        monitor=cfg.get("monitor"),
+        config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
+    )
+    run = Run(
+        task=task,
+        optimizer=optimizer,
+        schedule=instantiate(cfg.scheduler)(optimizer=optimizer, progress=progress),
+        precision=instantiate(cfg.precision, device=dist.device),
+        strategy=dist,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        settings=settings,
+        state=State(progress=progress, best=Best(cfg.get("mode", "min"))),
+        forward=forward,
         callbacks=_named(cfg.get("callbacks"), "callbacks", quiet=not dist.is_main)
         + ([TimeLimit(trainer.max_time)] if trainer.get("max_time") else []),
-        monitor=cfg.get("monitor"),
-        best=Best(cfg.get("mode", "min")),
-        distributed=dist,
-        forward=forward,
-        config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
     )
     check_monitors(run)
     # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
@@ -138,92 +140,12 @@ def _build(cfg: DictConfig) -> Run:
     return run
 
 
-def run_info(run: Run, cfg: DictConfig) -> dict[str, Any]:
-    """Facts for the loggers' start(): what the console's startup table shows and what wandb stores as config."""
-    p = run.progress
-    return {
-        "task": type(run.task).__name__,
-        "parameters": sum(q.numel() for q in run.task.parameters()),
-        "device": str(run.device),
-        "precision": run.precision.name,
-        "world_size": run.world_size,
-        "distributed": f"{run.distributed.strategy}, backend {run.distributed.backend}, "
-        f"{run.distributed.local_world_size} rank(s) per node on {run.world_size // run.distributed.local_world_size} "
-        "node(s)",
-        "global_batch": f"{p.batch_size} x {run.world_size} x {p.accumulate} = "
-        f"{p.batch_size * run.world_size * p.accumulate}",
-        "total_steps": p.total_steps(),
-        "max_duration": str(p.max_duration),
-        "run_dir": cfg.get("run_dir"),
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        **hydra_facts(),
-    }
-
-
-def sweep_job() -> tuple[Path, int] | None:
-    """(sweep folder, job number) when this process runs a job of a sweep, else None.
-
-    A job of `-m` is Hydra's MULTIRUN mode; a job of runner's torchrun launcher is a plain run whose launcher set
-    RUNNER_SWEEP_DIR.
-    """
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():  # train() called from Python
-        return None
-    hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN:
-        return Path(hc.sweep.dir), hc.job.num
-    if os.environ.get("RUNNER_SWEEP_DIR"):
-        return Path(os.environ["RUNNER_SWEEP_DIR"]), hc.job.num
-    return None
-
-
-def _parsed(override: str) -> tuple[str, Any]:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_override(override)
-        return parsed.get_key_element(), parsed.value()
-    except HydraException:
-        return override.partition("=")[0], override
-
-
-def hydra_facts() -> dict[str, Any]:
-    """Which experiment this is and, in a sweep, the sweep folder's name and this job's own overrides; else None."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return {"experiment": None, "sweep": None, "job": None}
-    hc, job = HydraConfig.get(), sweep_job()
-    experiment = hc.runtime.choices.get("experiment")
-    if job is None:
-        return {"experiment": experiment, "sweep": None, "job": None}
-    sweep_dir, num = job
-    # The job is named by what the sweep sets for it: the overrides whose value differs from the sweep command
-    # line's (multirun.yaml; the last one of a key wins): "seed=0,1" there, "seed=1" here. Values are compared
-    # parsed, as the sweeper rewrites them ("optimizer.lr=3e-3" reaches the job as "optimizer.lr=0.003").
-    shared = sweep_dir / "multirun.yaml"
-    given = OmegaConf.load(shared).hydra.overrides.task if shared.is_file() else []
-    command_line = dict(map(_parsed, given))
-    own = [o for o in hc.overrides.task if command_line.get(_parsed(o)[0], o) != _parsed(o)[1]]
-    return {
-        "experiment": experiment,
-        # the last two parts (multirun/DATE/TIME -> DATE/TIME): unique across days, short enough to read
-        "sweep": "/".join(sweep_dir.parts[-2:]),
-        "job": f"{num}: {' '.join(own)}" if own else str(num),
-    }
-
-
 def load_trained(checkpoint: str | Path) -> tuple[nn.Module, DictConfig]:
     """A model trained by runner, frozen in eval mode: `checkpoint` is a run folder or its model.safetensors."""
-    from safetensors.torch import load_file
-
     path = Path(checkpoint)
     run_dir = path if path.is_dir() else path.parent
-    weights = run_dir / "model.safetensors" if path.is_dir() else path
-    config = run_dir / ".hydra" / "config.yaml"
+    weights = run_dir / MODEL if path.is_dir() else path
+    config = run_dir / CONFIG
     for needed in (weights, config):
         if not needed.is_file():
             raise ConfigError(
@@ -233,8 +155,8 @@ def load_trained(checkpoint: str | Path) -> tuple[nn.Module, DictConfig]:
     cfg = OmegaConf.load(config)
     model = instantiate(cfg.model)
     try:
-        model.load_state_dict(load_file(str(weights)))
-    except (RuntimeError, OSError) as error:  # a truncated file or weights of another architecture
+        load_weights(model, weights, strict=True, what="source.checkpoint")
+    except ConfigError as error:  # a truncated file or weights of another architecture
         raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
     return model.eval().requires_grad_(False), cfg
 

@@ -1,71 +1,157 @@
-"""fit(): the loop. Micro-batches, accumulation, precision, clipping, optimizer and scheduler steps, validation."""
+"""fit(): the loop. A micro-step (forward, backward), an optimizer step (the non-finite guard, clipping, precision,
+counting, the schedule), then validation, logging and the callbacks' end of step. What belongs to the step itself
+lives here, in one place; every feature is a component or a callback."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from runner import ConfigError
-from runner.callbacks import Best, Callback
 from runner.data import batch_size_of, to_device, tokens_of, with_last
-from runner.distributed import Single
-from runner.loggers import Logger
-from runner.meter import Meter
-from runner.precision import FP32
-from runner.progress import Duration, TrainingProgress
-from runner.schedulers import PerStep
+from runner.run import Run, StopReason
 
 
 @dataclass
-class Run:
-    """Everything fit() needs, built from the config by runner.build; callbacks receive it too."""
+class _Window:
+    """What the micro-batches of one optimizer step add up."""
 
-    task: nn.Module
-    optimizer: torch.optim.Optimizer
-    schedule: PerStep
-    progress: TrainingProgress
-    precision: FP32
-    train_loader: Any
-    val_loader: Any
-    device: torch.device
-    val_interval: Duration
-    log_interval: Duration
-    gradient_clip_val: float | None = None
-    max_nonfinite_steps: int = 10
-    distributed: Any = None  # runner.distributed.Single (or, later, DDP/FSDP): rank, world size, device
-    callbacks: list[Callback] = field(default_factory=list)
-    loggers: list[Logger] = field(default_factory=list)
-    monitor: str | None = "val/loss"
-    best: Best = field(default_factory=Best)
-    stop_reason: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # the last logged value of every metric
-    nonfinite_steps: int = 0
-    config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
-    forward: Any = None  # the training forward: task.training_step, or DDP around it (distributed.wrap)
-
-    def __post_init__(self) -> None:
-        self.meter = Meter(self.progress)  # training sums between two logs; part of a checkpoint
-        self.distributed = self.distributed or Single()
-        self.forward = self.forward or self.task.training_step
-
-    @property
-    def world_size(self) -> int:
-        """Processes training together."""
-        return self.distributed.world_size
-
-    def request_stop(self, reason: str) -> None:
-        """Ask the loop to stop after the current step; the first reason given wins."""
-        self.stop_reason = self.stop_reason or reason
+    loss: torch.Tensor | None = None  # the sum of the micro-batches' mean losses, on the device
+    tokens: int | None = None  # this rank's tokens (None: the batches carry no num_tokens)
+    samples: int = 0  # the step's samples over all ranks
 
 
-# Stops after which the run goes on when resumed: no extra validation or log row at the stop, so that the resumed
-# run's validations, schedules and metrics.jsonl rows are exactly those of a run that was never stopped.
-RESUMABLE = ("preempted", "max_time")
+def fit(run: Run) -> Run:
+    """Train until max_duration elapses or something asks to stop; returns `run` with stop_reason and metrics set."""
+    p = run.progress
+    params = [q for q in run.task.parameters() if q.requires_grad]
+    for cb in run.callbacks:
+        cb.on_fit_start(run)
+    run.state.meter.start()
+    run.task.train()
+    sampler, window = getattr(run.train_loader, "batch_sampler", None), _Window()
+    while run.stop_reason is None and not p.finished:
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(p.epoch, skip=p.batch_in_epoch)  # a resumed run goes on with the next unseen batch
+        for batch, last in with_last(run.train_loader):
+            if not micro_step(run, batch, last, window):
+                continue  # the accumulation window is still open
+            optimizer_step(run, params, window, last)
+            window = _Window()
+            if end_step(run, params):
+                break
+    if run.stop_reason is None:
+        run.stop_reason = StopReason.MAX_DURATION
+        p.check_total()
+    for cb in run.callbacks:
+        cb.on_fit_end(run)
+    if run.val_loader is not None and run.stop_reason != StopReason.NONFINITE and not run.stop_reason.resumable:
+        # restore_best, EMA and the like may leave other weights than the last validation saw: summary.json
+        # describes the weights the run ends with (model.safetensors).
+        run.state.metrics.update(evaluate(run))
+    return run
+
+
+def micro_step(run: Run, batch: object, last: bool, window: _Window) -> bool:
+    """Forward and backward of one micro-batch; True when it closes the accumulation window (a step is due)."""
+    p = run.progress
+    window.samples, size, tokens = p.window_samples(), batch_size_of(batch), tokens_of(batch)
+    p.count_micro_batch()
+    closes = p.window_done(last)
+    batch = to_device(batch, run.device)
+    with run.strategy.sync(closes):  # DDP: gradients are all-reduced only on the micro-batch that closes the window
+        with run.precision.autocast():
+            out = run.forward(batch)
+        # The step's gradient is the mean over its samples: each micro-batch's mean loss is weighted by its share of
+        # them (x world size, which DDP's gradient average divides out). A full window of k micro-batches divides by
+        # exactly k; a window of one has no division op at all.
+        share = window.samples / (size * run.world_size)
+        run.precision.backward(out["loss"] / share if share != 1 else out["loss"])
+    if tokens is not None:
+        window.tokens = (window.tokens or 0) + tokens
+    loss = out["loss"].detach()
+    window.loss = loss if window.loss is None else window.loss + loss
+    run.state.meter.add(out)
+    return closes
+
+
+def optimizer_step(run: Run, params: list[torch.Tensor], window: _Window, last: bool) -> None:
+    """Apply the step (or skip it when the loss or gradient norm is not finite), count it, move the schedule."""
+    state, precision, optimizer = run.state, run.precision, run.optimizer
+    precision.unscale_(optimizer)
+    norm = run.strategy.grad_norm(params)  # the global norm, also when the gradients are sharded (FSDP)
+    # The step's host read: the window's loss and the global grad norm together (several ranks add the stop
+    # agreement's all-reduce below).
+    loss_sum, norm_value = torch.stack([window.loss.float(), norm.float()]).tolist()
+    # fp16 loss scaling skips overflowed grads itself; a non-finite loss is always ours to skip.
+    if math.isfinite(loss_sum) and (precision.handles_overflow or math.isfinite(norm_value)):
+        clip = run.settings.gradient_clip_val
+        if clip is not None and math.isfinite(norm_value) and norm_value > clip:
+            # clip_grad_norm_'s own arithmetic; below the threshold it would multiply by exactly 1.
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
+        precision.step(optimizer)
+        # A task may keep a constraint after each applied step (an SAE renormalises its decoder rows).
+        getattr(run.task, "after_optimizer_step", lambda: None)()
+        state.nonfinite_in_a_row = 0
+    else:
+        precision.skip()
+        state.nonfinite_steps += 1
+        state.nonfinite_in_a_row += 1
+        if state.nonfinite_in_a_row >= run.settings.max_nonfinite_steps:
+            run.request_stop(StopReason.NONFINITE)
+    optimizer.zero_grad(set_to_none=True)
+    state.meter.add_step(loss_sum, norm_value, optimizer.param_groups[0]["lr"])  # the LR this step used
+    tokens = window.tokens
+    if tokens is not None:  # tokens differ by rank: their sum over ranks
+        tokens = int(run.strategy.all_sum(torch.tensor(tokens)).item())
+    run.progress.count_optimizer_step(window.samples, tokens or 0)
+    if last:
+        run.progress.end_epoch()
+    run.schedule.on_optimizer_step()
+    for cb in run.callbacks:
+        cb.on_optimizer_step(run)
+    _agree_on_stop(run)
+
+
+def end_step(run: Run, params: list[torch.Tensor]) -> bool:
+    """Validate and log when due (the last step always does both), then on_step_end; True when training is over."""
+    p, state = run.progress, run.state
+    metrics = {}
+    due = p.ticked(run.settings.val_interval) or p.finished
+    if run.val_loader is not None and run.stop_reason != StopReason.NONFINITE and due:
+        started = time.perf_counter()
+        metrics = validate(run)  # may ask to stop (early stopping)
+        state.meter.clock += time.perf_counter() - started  # throughput is training time only
+    done = p.finished or run.stop_reason is not None
+    resumable = run.stop_reason is not None and run.stop_reason.resumable
+    if p.ticked(run.settings.log_interval) or (done and state.meter.micro and not resumable):
+        metrics = {**state.meter.read(run.strategy, params, state.nonfinite_steps), **metrics}
+    if metrics:
+        _log(run, metrics)
+    for cb in run.callbacks:
+        cb.on_step_end(run)
+    return done
+
+
+def _agree_on_stop(run: Run) -> None:
+    # A stop asked on one rank (a signal, max_time, a callback) stops every rank at this same step: no rank is left
+    # waiting in a collective. Early stopping and non-finite skips are decided on reduced values, the same everywhere.
+    resumable = [reason for reason in StopReason if reason.resumable]
+    flags = run.strategy.any([run.stop_reason == r for r in resumable] + [run.stop_reason is not None])
+    for reason, flag in zip([*resumable, StopReason.STOPPED_ON_ANOTHER_RANK], flags, strict=True):
+        if flag:
+            run.request_stop(reason)
+
+
+def _log(run: Run, metrics: dict[str, float]) -> None:
+    p = run.progress
+    metrics = {"epoch": p.epoch_float, "samples": p.samples, **({"tokens": p.tokens} if p.tokens else {}), **metrics}
+    run.state.metrics.update(metrics)
+    for logger in run.loggers:
+        logger.log(metrics, p.step)
 
 
 def check_monitors(run: Run) -> None:
@@ -81,14 +167,6 @@ def check_monitors(run: Run) -> None:
                 f"{who} monitors {name!r}, but this run never validates (no 'val' split or no "
                 "validation_step on the model). Add one, or pick a scheduler/callback without a monitor."
             )
-
-
-def _log(run: Run, metrics: dict[str, float]) -> None:
-    p = run.progress
-    metrics = {"epoch": p.epoch_float, "samples": p.samples, **({"tokens": p.tokens} if p.tokens else {}), **metrics}
-    run.metrics.update(metrics)
-    for logger in run.loggers:
-        logger.log(metrics, p.step)
 
 
 @torch.no_grad()
@@ -109,7 +187,7 @@ def evaluate(run: Run) -> dict[str, float]:
     if not sums:
         return {}
     # Sums and counts over every rank's shard, not a mean of means; one device sync.
-    totals = run.distributed.all_sum(torch.stack([*sums.values(), torch.tensor(count, device=run.device).double()]))
+    totals = run.strategy.all_sum(torch.stack([*sums.values(), torch.tensor(count, device=run.device).double()]))
     values = (totals[:-1] / totals[-1]).tolist()
     return {f"val/{k}": v for k, v in zip(sums, values, strict=True)}
 
@@ -119,124 +197,15 @@ def validate(run: Run) -> dict[str, float]:
     for cb in run.callbacks:
         cb.on_validation_start(run)
     metrics = evaluate(run)
-    for name in {run.monitor, run.schedule.monitor, *(cb.monitor for cb in run.callbacks)} - {None}:
+    monitor = run.settings.monitor
+    for name in {monitor, run.schedule.monitor, *(cb.monitor for cb in run.callbacks)} - {None}:
         if name not in metrics:
             raise ConfigError(
                 f"monitored metric {name!r} is not produced by validation_step; it returns {sorted(metrics)}"
             )
-    if run.monitor is not None:
-        run.best.update(metrics[run.monitor], run.progress.step)
+    if monitor is not None:
+        run.state.best.update(metrics[monitor], run.progress.step)
     run.schedule.on_validation(metrics)
     for cb in reversed(run.callbacks):  # unwinds on_validation_start: EMA swaps its weights back after the others
         cb.on_validation_end(run, metrics)
     return metrics
-
-
-def fit(run: Run) -> Run:
-    """Train until max_duration elapses or something asks to stop; returns `run` with stop_reason and metrics set."""
-    p, task, opt, precision, dist = run.progress, run.task, run.optimizer, run.precision, run.distributed
-    params = [q for q in task.parameters() if q.requires_grad]
-    for cb in run.callbacks:
-        cb.on_fit_start(run)
-    meter, window_loss, bad_in_a_row = run.meter, None, 0
-    meter.start(p)
-    # A task may keep a constraint after each applied step (an SAE renormalises its decoder rows).
-    after_step = getattr(task, "after_optimizer_step", lambda: None)
-    clip = run.gradient_clip_val
-    task.train()
-    sampler, window_tokens = getattr(run.train_loader, "batch_sampler", None), None
-    while run.stop_reason is None and not p.finished:
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(p.epoch, skip=p.batch_in_epoch)  # a resumed run goes on with the next unseen batch
-        for batch, last in with_last(run.train_loader):
-            step_samples, size, tokens = p.window_samples(), batch_size_of(batch), tokens_of(batch)
-            p.count_micro_batch()
-            closes = p.window_done(last)
-            batch = to_device(batch, run.device)
-            with dist.sync(closes):  # DDP: gradients are all-reduced only on the micro-batch that closes the window
-                with precision.autocast():
-                    out = run.forward(batch)
-                # The step's gradient is the mean over its samples: each micro-batch's mean loss is weighted by its
-                # share of them (x world size, which DDP's gradient average divides out). A full window of k
-                # micro-batches divides by exactly k; a window of one has no division op at all.
-                share = step_samples / (size * run.world_size)
-                precision.backward(out["loss"] / share if share != 1 else out["loss"])
-            if tokens is not None:
-                window_tokens = (window_tokens or 0) + tokens
-            loss = out["loss"].detach()
-            window_loss = loss if window_loss is None else window_loss + loss
-            meter.add(out)
-            if not closes:
-                continue
-
-            precision.unscale_(opt)
-            norm = dist.grad_norm(params)  # the global norm, also when the gradients are sharded (FSDP)
-            # The one host sync per optimizer step reads the window's loss and the global grad norm together.
-            loss_sum, norm_value = torch.stack([window_loss.float(), norm.float()]).tolist()
-            # fp16 loss scaling skips overflowed grads itself; a non-finite loss is always ours to skip.
-            if math.isfinite(loss_sum) and (precision.handles_overflow or math.isfinite(norm_value)):
-                if clip is not None and math.isfinite(norm_value) and norm_value > clip:
-                    # clip_grad_norm_'s own arithmetic; below the threshold it would multiply by exactly 1.
-                    torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
-                precision.step(opt)
-                after_step()
-                bad_in_a_row = 0
-            else:
-                precision.skip()
-                run.nonfinite_steps += 1
-                bad_in_a_row += 1
-                if bad_in_a_row >= run.max_nonfinite_steps:
-                    run.request_stop("nonfinite")
-            opt.zero_grad(set_to_none=True)
-            meter.add_step(loss_sum, norm_value, opt.param_groups[0]["lr"])  # the LR this step used
-            if window_tokens is not None:  # tokens differ by rank: their sum over ranks
-                window_tokens = int(dist.all_sum(torch.tensor(window_tokens)).item())
-            p.count_optimizer_step(step_samples, window_tokens or 0)
-            window_tokens = None
-            if last:
-                p.end_epoch()
-            run.schedule.on_optimizer_step()
-            window_loss = None
-            for cb in run.callbacks:
-                cb.on_optimizer_step(run)
-            _agree_on_stop(run)
-
-            # The last step always validates and logs, so the summary describes the final weights and steps.
-            metrics = {}
-            if (
-                run.val_loader is not None
-                and run.stop_reason != "nonfinite"
-                and (p.ticked(run.val_interval) or p.finished)
-            ):
-                started = time.perf_counter()
-                metrics = validate(run)  # may ask to stop (early stopping)
-                meter.clock += time.perf_counter() - started  # throughput is training time only
-            done = p.finished or run.stop_reason is not None
-            if p.ticked(run.log_interval) or (done and meter.micro and run.stop_reason not in RESUMABLE):
-                metrics = {**meter.read(run, params), **metrics}
-            if metrics:
-                _log(run, metrics)
-            for cb in run.callbacks:
-                cb.on_step_end(run)
-            if done:
-                break
-    if run.stop_reason is None:
-        run.stop_reason = "max_duration"
-        p.check_total()
-    for cb in run.callbacks:
-        cb.on_fit_end(run)
-    if run.val_loader is not None and run.stop_reason not in ("nonfinite", *RESUMABLE):
-        # restore_best, EMA and the like may leave other weights than the last validation saw: summary.json
-        # describes the weights the run ends with (model.safetensors).
-        run.metrics.update(evaluate(run))
-    return run
-
-
-def _agree_on_stop(run: Run) -> None:
-    # A stop asked on one rank (a signal, max_time, a callback) stops every rank at this same step: no rank is left
-    # waiting in a collective. Early stopping and non-finite skips are decided on reduced values, the same everywhere.
-    reasons = (*RESUMABLE, "stopped_on_another_rank")
-    flags = run.distributed.any([run.stop_reason == r for r in RESUMABLE] + [run.stop_reason is not None])
-    for reason, flag in zip(reasons, flags, strict=True):
-        if flag:
-            run.request_stop(reason)

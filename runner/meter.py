@@ -4,30 +4,28 @@ from __future__ import annotations
 
 import resource
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from runner.progress import TrainingProgress
-
-if TYPE_CHECKING:
-    from runner.loop import Run
 
 
 class Meter:
     """Training outputs and grad norms summed on the device between two logs, so that steps need no host sync."""
 
     def __init__(self, progress: TrainingProgress) -> None:
-        self._reset(progress)
+        self.progress = progress
+        self._reset()
 
-    def _reset(self, progress: TrainingProgress) -> None:
+    def _reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.micro, self.steps, self.loss, self.norm, self.lr = 0, 0, 0.0, 0.0, float("nan")
-        self.start(progress)
+        self.start()
 
-    def start(self, progress: TrainingProgress) -> None:
+    def start(self) -> None:
         """Start the throughput clock (at the start of fit, and after each read)."""
-        self.clock, self.samples, self.tokens = time.perf_counter(), progress.samples, progress.tokens
+        self.clock, self.samples, self.tokens = time.perf_counter(), self.progress.samples, self.progress.tokens
 
     def state_dict(self) -> dict[str, Any]:
         """The sums since the last log, so a resumed run's next row averages the same steps."""
@@ -63,13 +61,15 @@ class Meter:
         self.steps += 1
         self.lr = lr
 
-    def read(self, run: Run, params: list[torch.Tensor]) -> dict[str, float]:
-        """Means since the last read, norms, LR, throughput and memory, with one device sync; then start over."""
-        p, keys, device = run.progress, list(self.sums), run.device
-        param_norm = run.distributed.norm([q.detach() for q in params])  # FSDP: over every rank's shards
+    def read(self, strategy: Any, params: list[torch.Tensor], nonfinite_steps: int) -> dict[str, float]:
+        """Means since the last read, norms, LR, throughput and memory, with one device sync; then start over.
+
+        `strategy` (runner.run.Strategy) sums over ranks; `params` are the trained parameters."""
+        p, keys, device = self.progress, list(self.sums), strategy.device
+        param_norm = strategy.norm([q.detach() for q in params])  # FSDP: over every rank's shards
         local = [torch.as_tensor(self.sums[k], device=device).double().reshape(1) for k in keys]
         local.append(torch.tensor([self.loss, float(self.micro)], device=device, dtype=torch.float64))
-        totals = run.distributed.all_sum(torch.cat(local))  # sums over every rank: global means
+        totals = strategy.all_sum(torch.cat(local))  # sums over every rank: global means
         *sums, loss, micro, param_norm = torch.cat([totals, param_norm.double().reshape(1)]).tolist()
         elapsed = time.perf_counter() - self.clock
         metrics = {"train/loss": loss / micro, **{f"train/{k}": v / micro for k, v in zip(keys, sums, strict=True)}}
@@ -78,14 +78,14 @@ class Meter:
                 "train/grad_norm": self.norm / self.steps,
                 "train/param_norm": param_norm,
                 "train/lr": self.lr,
-                "train/nonfinite_steps": run.nonfinite_steps,
+                "train/nonfinite_steps": nonfinite_steps,
                 "train/samples_per_s": (p.samples - self.samples) / elapsed,
-                "sys/peak_memory_mb": _peak_memory_mb(run.device),
+                "sys/peak_memory_mb": _peak_memory_mb(device),
             }
         )
         if p.tokens:
             metrics["train/tokens_per_s"] = (p.tokens - self.tokens) / elapsed
-        self._reset(p)
+        self._reset()
         return metrics
 
 

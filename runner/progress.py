@@ -49,6 +49,21 @@ def parse_duration(text: str | Duration) -> Duration:
     return Duration(value, unit)
 
 
+def parse_time(text: str | float) -> float:
+    """Seconds in a wall-clock duration: '23h50m', '90m', '1d', '45s', '1h30m15s', or a number of seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = re.fullmatch(
+        r"\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*"
+        r"(?:(\d+(?:\.\d+)?)s)?\s*",
+        str(text),
+    )
+    if not match or not any(match.groups()):
+        raise ConfigError(f"cannot read the time {text!r}: write e.g. '23h50m', '90m', '1d', '45s'")
+    days, hours, minutes, seconds = (float(g or 0) for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 class TrainingProgress:
     """Counts optimizer steps, micro-batches, epochs, samples and tokens, and answers questions about durations.
 

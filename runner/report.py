@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.results import collect, leaderboard, read_curve, short, table_console, varying, write_csv
+from runner.sweeps.results import collect, leaderboard, read_curve, short, table_console, varying, write_csv
 
 PLOT_SIZE, PLOT_DPI = (8.0, 5.0), 100  # 800 x 500 pixels
 MAX_LEGEND = 20  # more jobs than this: lines without labels (the leaderboard says which is which)

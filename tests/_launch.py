@@ -11,6 +11,7 @@ import runpy
 import time
 
 import runner.checkpoint
+
 import runner.loop
 
 if os.environ.get("RUNNER_TEST_STEP_SLEEP"):
@@ -43,14 +44,14 @@ if os.environ.get("RUNNER_TEST_SLOW_SAVE"):
 if os.environ.get("RUNNER_TEST_DESYNC"):
     import torch
 
-    from runner.callbacks import Callback
+    from runner.run import Callback
 
     at, target = os.environ["RUNNER_TEST_DESYNC"].split(":")
     fit_desync = runner.loop.fit
 
     class Desync(Callback):
         def on_optimizer_step(self, run):
-            if run.progress.step == int(at) and run.distributed.rank == 1:
+            if run.progress.step == int(at) and run.strategy.rank == 1:
                 with torch.no_grad():
                     dict(run.task.named_parameters())[target].view(-1)[0] += 1e-6
 

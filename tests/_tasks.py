@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from experiments.digits import MLPClassifier
-from runner.callbacks import Callback
+from runner.run import Callback
 
 
 class SkewedValidation(MLPClassifier):

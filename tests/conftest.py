@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from runner.build import build
-from runner.loop import Run
+from runner.run import Run
 
 CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
 CLI_TIMEOUT_S = 300  # generous: the machine may be shared; a healthy run takes a few seconds

@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.__main__ import train
-from runner.callbacks import Callback
-from runner.checkpoint import checkpoints, load_checkpoint, newest_valid, read_manifest
-from runner.loop import Run
-from runner.state import CheckpointError, init_from
+from runner.ckpt.files import CheckpointError, checkpoints, load_checkpoint, load_weights, newest_valid, read_manifest
+from runner.run import Callback, Run
+from runner.train import train
 
 TIMING = {"train/samples_per_s", "sys/peak_memory_mb"}  # wall-clock figures: the only ones a resume may change
 
@@ -156,7 +154,7 @@ def test_rotation_keeps_the_last_k_and_the_best_k(compose_cfg: Callable, tmp_pat
         manifest = read_manifest(folder)
         if manifest["step"] in validations:  # a validation step's checkpoint records its fresh monitored value
             assert manifest["monitor_value"] == validations[manifest["step"]]
-    assert run.best.value == max(validations.values())
+    assert run.state.best.value == max(validations.values())
     assert (tmp_path / "checkpoints" / "last").resolve().name == "step-00000012"
 
 
@@ -236,12 +234,12 @@ def test_init_from_loads_weights_and_reports_mismatches(compose_cfg: Callable, t
         compose_cfg, tmp_path / "d", "trainer.max_duration=1st", "trainer.val_interval=1st", "model.hidden=[512,64]"
     ).task
     with pytest.raises(CheckpointError, match="shape_mismatch"):
-        init_from(narrow, folder)
+        load_weights(narrow, folder)
     first_layer = narrow.net[0].weight.detach().clone()
-    loose = init_from(narrow, folder, strict=False)
+    loose = load_weights(narrow, folder, strict=False)
     assert loose["shape_mismatch"] and not loose["missing"] and not loose["unexpected"]
     assert not torch.equal(narrow.net[0].weight, first_layer)  # 64 -> 512 fits and was loaded
-    report = init_from(other.task, tmp_path / "a" / "model.safetensors")
+    report = load_weights(other.task, tmp_path / "a" / "model.safetensors")
     assert report == {"missing": [], "unexpected": [], "shape_mismatch": []}
     for (name, x), y in zip(other.task.state_dict().items(), source.task.state_dict().values(), strict=True):
         assert torch.equal(x, y), name
@@ -333,7 +331,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes(uninterrupted: Path, tmp_path:
 def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path: Path) -> None:
     from test_loop import make_run
 
-    from runner.checkpoint import Checkpoint
+    from runner.ckpt.callback import Checkpoint
     from runner.loop import fit
 
     blocker = tmp_path / "not-a-folder"

@@ -20,15 +20,15 @@ from torch import nn
 
 from runner import ConfigError
 from runner.build import build
-from runner.callbacks import Callback
-from runner.checkpoint import save_weights
+from runner.ckpt.files import save_weights
 from runner.data import batch_size_of, to_device
-from runner.loggers import JsonlLogger, Logger
-from runner.loop import Run, fit
+from runner.log.jsonl import JsonlLogger
+from runner.log.wandb_logger import WandbLogger
+from runner.loop import fit
 from runner.precision import FP32
 from runner.progress import Duration, parse_duration
+from runner.run import Callback, Logger, Run
 from runner.schedulers import OnMetric, PerStep
-from runner.wandb_logger import WandbLogger
 
 CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
 EXPECTED_GROUPS = {
@@ -149,8 +149,8 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     assert torch.isfinite(out["loss"])
 
     # distributed and data
-    assert run.distributed.is_main and run.world_size == 1
-    assert type(run.distributed) is get_object(cfg.distributed._target_)
+    assert run.strategy.is_main and run.world_size == 1
+    assert type(run.strategy) is get_object(cfg.distributed._target_)
     n_train = len(run.train_loader.dataset)
     assert len(run.train_loader) == math.ceil(n_train / cfg.data.batch_size)
     assert run.val_loader is not None and len(run.val_loader.dataset) > 0
@@ -161,7 +161,7 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     assert p.max_duration == parse_duration(cfg.trainer.max_duration)
     assert p.batches_per_epoch == len(run.train_loader)
     assert p.accumulate == cfg.trainer.accumulate_grad_batches
-    assert isinstance(run.val_interval, Duration) and isinstance(run.log_interval, Duration)
+    assert isinstance(run.settings.val_interval, Duration) and isinstance(run.settings.log_interval, Duration)
 
     # loggers and callbacks: one object per configured entry, in order, of the class its _target_ names
     assert isinstance(run.loggers, list) and isinstance(run.callbacks, list)
@@ -254,9 +254,9 @@ def test_experiment_fits_tiny_budget(
     assert run.stop_reason == "max_duration"
     assert run.progress.step == 5
     assert run.progress.micro_batch == 5 * cfg.trainer.accumulate_grad_batches
-    assert run.nonfinite_steps == 0
+    assert run.state.nonfinite_steps == 0
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, run.task.parameters(), strict=True))
-    assert math.isfinite(run.metrics["val/loss"])
+    assert math.isfinite(run.state.metrics["val/loss"])
 
 
 def test_deselecting_a_callback_the_experiment_tunes_warns_and_builds(

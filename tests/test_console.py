@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner import loggers
-from runner.loggers import ConsoleLogger
+from runner.log import console
+from runner.log.console import ConsoleLogger
 
 
 class Clock:
@@ -19,7 +19,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(loggers.time, "monotonic", fake)
+    monkeypatch.setattr(console.time, "monotonic", fake)
     return fake
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.distributed import _first_host, environment
+from runner.dist.env import _first_host, environment
 
 DIGITS = [
     "+experiment=digits",

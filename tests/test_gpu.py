@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_checkpoint import CountSteps, StopAt, _rows, _same_state
 
-from runner.__main__ import train
-from runner.checkpoint import Checkpoint
+from runner.ckpt.callback import Checkpoint
+from runner.train import train
 
 pytestmark = [
     pytest.mark.gpu,

@@ -26,7 +26,7 @@ from hydra.types import HydraContext, RunMode
 from test_wandb import offline_run
 
 from runner.__main__ import main  # (also registers the config's resolvers)
-from runner.distributed import environment
+from runner.dist.env import environment
 
 # the slurm extra (pip install runner[slurm]); part of dev
 needs_submitit = pytest.mark.skipif(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,12 +10,14 @@ import torch
 from torch import nn
 
 from runner import ConfigError
-from runner.callbacks import EMA, Callback, EarlyStopping
+from runner.callbacks.early_stopping import EarlyStopping
+from runner.callbacks.ema import EMA
 from runner.data import DataModule, TensorData
-from runner.distributed import Single
-from runner.loop import Run, check_monitors, fit
+from runner.dist.strategies import Single
+from runner.loop import check_monitors, fit
 from runner.precision import FP32
 from runner.progress import TrainingProgress
+from runner.run import Callback, Run, Settings, State
 from runner.schedulers import constant, plateau
 
 
@@ -75,21 +78,23 @@ def make_run(
         accumulate=accumulate,
     )
     schedule = (schedule or constant)(optimizer=opt, progress=progress)
-    return Run(
-        task=task,
-        optimizer=opt,
-        schedule=schedule,
-        progress=progress,
-        precision=FP32(),
-        train_loader=train,
-        val_loader=val,
-        device=torch.device("cpu"),
+    settings = Settings(
         val_interval=progress.resolve(val_interval),
         log_interval=progress.resolve("1st"),
         gradient_clip_val=clip,
         max_nonfinite_steps=max_nonfinite_steps,
+    )
+    return Run(
+        task=task,
+        optimizer=opt,
+        schedule=schedule,
+        precision=FP32(),
+        strategy=Single("cpu"),
+        train_loader=train,
+        val_loader=val,
+        settings=settings,
+        state=State(progress),
         callbacks=list(callbacks),
-        distributed=Single("cpu"),
     )
 
 
@@ -179,7 +184,7 @@ def test_nonfinite_loss_skips_the_step_and_stops_after_the_limit():
     run.callbacks.append(rec)
     fit(run)
     assert run.stop_reason == "nonfinite"
-    assert run.nonfinite_steps == 3
+    assert run.state.nonfinite_steps == 3
     assert run.progress.step == 8  # skipped steps still advance time
     for w in rec.weights[5:]:
         torch.testing.assert_close(w, rec.weights[4], rtol=0, atol=0)
@@ -196,7 +201,7 @@ def test_nonfinite_gradient_norm_is_also_skipped():
 
     run = make_run(InfGrad(), max_duration="10st", max_nonfinite_steps=2)
     fit(run)
-    assert run.stop_reason == "nonfinite" and run.nonfinite_steps == 2
+    assert run.stop_reason == "nonfinite" and run.state.nonfinite_steps == 2
 
 
 def test_early_stopping_after_exactly_patience_bad_validations_and_restores_best():
@@ -218,7 +223,7 @@ def test_early_stopping_after_exactly_patience_bad_validations_and_restores_best
     assert stopper.best.value == best and stopper.best.step == best_step
     # restore_best put the weights of the best validation back
     torch.testing.assert_close(run.task.linear.weight, rec.weights[best_step - 1])
-    assert math.isclose(run.metrics["val/loss"], best, rel_tol=1e-6)
+    assert math.isclose(run.state.metrics["val/loss"], best, rel_tol=1e-6)
 
 
 def test_plateau_steps_once_per_validation_and_needs_a_validation_metric():
@@ -271,7 +276,7 @@ def test_early_stopping_keeps_the_ema_weights_it_validated():
     best_step = min(vals, key=vals.get)
     assert stopper.best.step == best_step
     torch.testing.assert_close(run.task.state_dict()["linear.weight"], stopper.best_weights["linear.weight"])
-    assert math.isclose(run.metrics["val/loss"], vals[best_step], rel_tol=1e-6)
+    assert math.isclose(run.state.metrics["val/loss"], vals[best_step], rel_tol=1e-6)
 
 
 def test_logged_lr_is_the_lr_each_step_used_and_the_last_partial_window_is_logged():
@@ -281,7 +286,7 @@ def test_logged_lr_is_the_lr_each_step_used_and_the_last_partial_window_is_logge
     run = make_run(max_duration="7st", schedule=lambda **kw: warm(warmup="4st", **kw), lr=1.0, val_interval="100st")
     used = []
     run.optimizer.register_step_pre_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
-    run.log_interval = run.progress.resolve("3st")
+    run.settings = dataclasses.replace(run.settings, log_interval=run.progress.resolve("3st"))
     run.loggers.append(logger)
     fit(run)
     rows = {s: m for s, m in logger.rows}
@@ -312,7 +317,7 @@ def test_tokens_are_summed_over_ranks_once_per_step():
     task = Regression()
     task.training_step = lambda batch: {"loss": ((task.linear(batch["x"]) - batch["y"]) ** 2).mean()}
     run = make_run(task, max_duration="3st", batch_size=8, accumulate=2, splits={"train": _Tokens(x, y)})
-    run.distributed = _TwoIdenticalRanks("cpu")
+    run.strategy = _TwoIdenticalRanks("cpu")
     local = []
     for step, batch in enumerate(run.train_loader):
         local.append(batch["num_tokens"])
@@ -343,7 +348,7 @@ def test_task_without_validation_step_is_never_validated():
     run = make_run(task, max_duration="3st")
     run.val_loader = None  # what build does for a task without validation_step
     fit(run)
-    assert run.stop_reason == "max_duration" and not any(k.startswith("val/") for k in run.metrics)
+    assert run.stop_reason == "max_duration" and not any(k.startswith("val/") for k in run.state.metrics)
 
 
 def test_ema_listed_after_early_stopping_with_restore_best_is_refused():
@@ -397,7 +402,7 @@ def test_clipping_and_logged_norms_match_clip_grad_norm_exactly(accumulate):
 def test_profiler_writes_a_trace_and_the_top_ops(tmp_path, capsys):
     import json
 
-    from runner.profiler import Profiler
+    from runner.callbacks.profiler import Profiler
 
     fit(make_run(max_duration="10st", callbacks=[Profiler(dir=str(tmp_path), start="2st", length="3st")]))
     trace = json.loads((tmp_path / "trace.json").read_text())
@@ -412,7 +417,7 @@ def test_profiler_writes_a_trace_and_the_top_ops(tmp_path, capsys):
 
 
 def test_profiler_window_cut_short_by_the_end_is_still_written(tmp_path):
-    from runner.profiler import Profiler
+    from runner.callbacks.profiler import Profiler
 
     fit(make_run(max_duration="6st", callbacks=[Profiler(dir=str(tmp_path), start="4st", length="10st")]))
     assert (tmp_path / "trace.json").stat().st_size > 0
@@ -420,7 +425,7 @@ def test_profiler_window_cut_short_by_the_end_is_still_written(tmp_path):
 
 
 def test_profiler_window_shorter_than_a_step_is_refused(tmp_path):
-    from runner.profiler import Profiler
+    from runner.callbacks.profiler import Profiler
 
     with pytest.raises(ConfigError, match="at least one optimizer step"):
         fit(make_run(callbacks=[Profiler(dir=str(tmp_path), length="0st")]))
@@ -431,24 +436,24 @@ def test_profiler_window_shorter_than_a_step_is_refused(tmp_path):
     [("23h50m", 85800), ("90m", 5400), ("1d", 86400), ("45s", 45), ("1h30m15s", 5415), (12.5, 12.5)],
 )
 def test_parse_time(text, seconds):
-    from runner.callbacks import parse_time
+    from runner.progress import parse_time
 
     assert parse_time(text) == seconds
 
 
 def test_parse_time_rejects_nonsense():
-    from runner.callbacks import parse_time
+    from runner.progress import parse_time
 
     with pytest.raises(ConfigError, match="23h50m"):
         parse_time("soon")
 
 
 def test_max_time_stops_after_the_step_without_an_extra_validation_or_log():
-    from runner.callbacks import TimeLimit
+    from runner.callbacks.time_limit import TimeLimit
 
     logger = ListLogger()
     run = make_run(max_duration="20st", val_interval="1st", callbacks=[TimeLimit(1e-9)])
-    run.log_interval = run.progress.resolve("2st")
+    run.settings = dataclasses.replace(run.settings, log_interval=run.progress.resolve("2st"))
     run.loggers.append(logger)
     fit(run)
     assert run.stop_reason == "max_time" and run.progress.step == 1

@@ -33,8 +33,9 @@ from experiments.sae.metrics import feature_recovery
 from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, geometric_median
 from runner import ConfigError
 from runner.build import build
-from runner.checkpoint import save_weights
-from runner.loop import Run, fit
+from runner.ckpt.files import save_weights
+from runner.loop import fit
+from runner.run import Run
 
 CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
 
@@ -432,8 +433,8 @@ def test_topk_sae_recovers_synthetic_features(compose_cfg: Callable[..., DictCon
     assert feature_recovery(run.task.W_dec.detach(), truth)["recovered_0.9"] < 0.2  # not there at the start
     fit(run)
     assert run.stop_reason == "max_duration" and run.progress.step == 600
-    assert run.nonfinite_steps == 0
-    m = run.metrics
+    assert run.state.nonfinite_steps == 0
+    m = run.state.metrics
     assert m["val/recovered_0.9"] >= 0.95, m
     assert m["val/mmcs"] >= 0.95
     assert m["val/fve"] > 0.8
@@ -495,7 +496,7 @@ def test_activation_files_config_builds(compose_cfg: Callable[..., DictConfig], 
         "trainer.max_duration=3st",
     )
     run = fit(build(cfg))
-    assert run.progress.step == 3 and 0 < run.metrics["val/fve"] <= 1
+    assert run.progress.step == 3 and 0 < run.state.metrics["val/fve"] <= 1
     with pytest.raises(ConfigError, match=r"shape \[300, 8\].*\[N, 16\]"):
         build(
             compose_cfg(
@@ -575,8 +576,8 @@ def test_sae_digits_end_to_end(compose_cfg: Callable[..., DictConfig], digits_ru
     (batch,) = next(iter(run.train_loader))
     assert batch.shape == (256, 512) and bool((batch >= 0).all())  # after the ReLU
     fit(run)
-    assert run.progress.step == 40 and run.nonfinite_steps == 0
-    m = run.metrics
+    assert run.progress.step == 40 and run.state.nonfinite_steps == 0
+    m = run.state.metrics
     assert "val/loss_recovered" in m, sorted(m)
     assert 0.0 <= m["val/loss_recovered"] <= 1.0
     assert m["val/ce_zero_ablated"] > m["val/ce_clean"]

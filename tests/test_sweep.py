@@ -15,7 +15,7 @@ import yaml
 from conftest import cli
 from test_wandb import jsonl, offline_run, same_history
 
-from runner.sweep import objective, parallel_jobs, threads_per_job
+from runner.sweeps.job import objective, parallel_jobs, threads_per_job
 
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=10st"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from test_checkpoint import StopAt
 
-from runner.__main__ import train
-from runner.wandb_logger import WandbLogger, has_api_key
+from runner.log.wandb_logger import WandbLogger, has_api_key
+from runner.train import train
 
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=10st", "trainer.log_interval=5st"]
 WANDB = "logger=[console,jsonl,wandb]"

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from experiments.sae.metrics import feature_recovery
-from runner.callbacks import Callback
 from runner.progress import parse_duration
+from runner.run import Callback
 
 if TYPE_CHECKING:
-    from runner.loop import Run
+    from runner.run import Run
 
 
 class GroundTruthRecovery(Callback):

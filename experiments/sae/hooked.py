@@ -12,8 +12,8 @@ from torch.utils.data import Dataset
 
 from runner import ConfigError
 from runner.build import build_data, load_trained
-from runner.callbacks import Callback
 from runner.data import DataModule, TensorData, to_device
+from runner.run import Callback
 
 
 class SourceModel:

@@ -11,7 +11,6 @@ return value for sweepers is the monitored value that rank 0 wrote to summary.js
 
 # No `from __future__ import annotations`: Hydra imports plugin modules outside sys.modules, where dataclasses
 # cannot resolve string annotations.
-import json
 import logging
 import os
 import signal
@@ -34,7 +33,6 @@ log = logging.getLogger(__name__)
 
 # Hydra overrides of the sweep that must not reach a job: a job is a plain run into the folder the launcher chose.
 _SWEEP_ONLY = ("hydra/launcher", "hydra.launcher", "hydra/sweeper", "hydra.sweeper", "hydra.mode", "hydra.run.dir")
-NONFINITE_EXIT = 3  # runner.__main__.EXIT_CODES["nonfinite"]: a diverged trial, not a failed job (as in a basic sweep)
 
 
 @dataclass
@@ -101,30 +99,33 @@ class TorchrunLauncher(Launcher):
         ]
         # The children are plain runs (RUN mode): this tells them they are job `idx` of this sweep (wandb's group
         # and name, summary.json's `failed` record; runner.build.sweep_job).
-        os.environ["RUNNER_SWEEP_DIR"] = str(Path(str(config.hydra.sweep.dir)).absolute())
+        from runner.sweeps.job import SWEEP_DIR_VARIABLE  # here, not at the top: Hydra imports every plugin at startup
+
+        os.environ[SWEEP_DIR_VARIABLE] = str(Path(str(config.hydra.sweep.dir)).absolute())
         try:
             failures = _elastic_run(args, self.nproc_per_node, self.max_restarts, self.monitor_interval)
         finally:
-            del os.environ["RUNNER_SWEEP_DIR"]
+            del os.environ[SWEEP_DIR_VARIABLE]
 
         ret = JobReturn(overrides=overrides, hydra_cfg=config, cfg=OmegaConf.masked_copy(config, _task_keys(config)))
         ret.working_dir, ret.task_name = os.getcwd(), str(config.hydra.job.name)
-        from runner.loggers import write_json  # here, not at the top: Hydra imports every plugin at startup
-        from runner.sweep import objective
+        from runner.run import StopReason
+        from runner.rundir import SUMMARY, read_json, write_json
+        from runner.sweeps.job import objective
 
         # As main() does in a sweep: a failed job is recorded (summary.json, then results.csv) and the sweep goes on.
-        summary = _read_summary(job_dir / "summary.json")
+        summary = read_json(job_dir / SUMMARY) or {}
         ret.status = JobStatus.COMPLETED
         if not failures:
             ret.return_value = (summary.get("best") or {}).get("value")
         elif _diverged(failures):
-            ret.return_value = objective("nonfinite", None, str(config.mode))
+            ret.return_value = objective(StopReason.NONFINITE, None, str(config.mode))
         else:
             error = f"job #{idx} failed ({_describe(failures)}); its output is above, its folder: {job_dir}"
             log.error(error)
-            if summary.get("stop_reason") != "failed":  # a rank died before rank 0 could say why
-                write_json(job_dir / "summary.json", {**summary, "stop_reason": "failed", "error": error})
-            ret.return_value = objective("failed", None, str(config.mode))
+            if summary.get("stop_reason") != StopReason.FAILED:  # a rank died before rank 0 could say why
+                write_json(job_dir / SUMMARY, {**summary, "stop_reason": StopReason.FAILED, "error": error})
+            ret.return_value = objective(StopReason.FAILED, None, str(config.mode))
         self.hydra_context.callbacks.on_job_end(config=config, job_return=ret)
         return ret
 
@@ -206,12 +207,7 @@ def _describe(failures: dict[int, int]) -> str:
 def _diverged(failures: dict[int, int]) -> bool:
     # The ranks stop on non-finite losses together, but the first to exit (code 3) makes the elastic agent stop the
     # others (SIGTERM), perhaps before rank 0 has written summary.json: the exit codes are what is sure.
-    codes = set(failures.values())
-    return NONFINITE_EXIT in codes and all(code in (NONFINITE_EXIT, -signal.SIGTERM) for code in codes)
+    from runner.run import StopReason
 
-
-def _read_summary(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    codes, diverged = set(failures.values()), StopReason.NONFINITE.exit_code
+    return diverged in codes and all(code in (diverged, -signal.SIGTERM) for code in codes)

@@ -1,42 +1,13 @@
-"""Loggers share one tiny interface: start(info), log(metrics, step), close(summary). Console, metrics.jsonl.
-
-wandb lives in runner.wandb_logger.
-"""
+"""The console logger: a startup table, a live bar in a terminal (plain lines elsewhere), validation lines, the
+summary."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import platform
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
-
-
-class Logger:
-    """Base class: a logger overrides what it needs."""
-
-    def start(self, info: dict[str, Any]) -> None:
-        """Called once before training with facts about the run (parameters, batch, steps, config...)."""
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Record metrics at an optimizer step."""
-
-    def close(self, summary: dict[str, Any] | None = None) -> None:
-        """Flush and release; `summary` is what summary.json holds (None if the run failed)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps so that a resumed run continues this log (e.g. a wandb run id)."""
-        return {}
-
-    def resume(self, step: int, state: dict[str, Any]) -> None:
-        """Before start(): the run resumes after `step` from a checkpoint that held state_dict()."""
+from runner.run import Logger
 
 
 def _fmt(value: Any) -> str:
@@ -169,82 +140,3 @@ class ConsoleLogger(Logger):
         table.add_row("wall time", f"{summary['wall_time_s']:.1f} s")
         table.add_row("samples/s", f"{summary['samples_per_s']:.0f}")
         self.console.print(table)
-
-
-class JsonlLogger(Logger):
-    """Writes one JSON object per logged step to `path`, flushed at once so a crash loses nothing logged.
-
-    A new run starts a new file; a resumed run keeps the rows up to the checkpoint's step and appends after them.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
-        self.file = None
-        self.resumed_at: int | None = None
-
-    def resume(self, step: int, state: dict[str, Any]) -> None:
-        """Keep rows up to `step`; later ones belong to the interrupted attempt and are written again."""
-        self.resumed_at = step
-
-    def start(self, info: dict[str, Any]) -> None:
-        """Open the file (truncated after the resume step when resuming)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.resumed_at is not None and self.path.exists():
-            kept = []
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    if json.loads(line)["step"] <= self.resumed_at:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError):  # a row cut in half by the crash
-                    continue
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
-            os.replace(tmp, self.path)
-        self.file = self.path.open("a" if self.resumed_at is not None else "w", encoding="utf-8")
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Write {'step': step, **metrics} as one line."""
-        if self.file is None:
-            self.start({})
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
-
-    def close(self, summary: dict[str, Any] | None = None) -> None:
-        """Close the file."""
-        if self.file is not None:
-            self.file.close()
-
-
-def write_json(path: str | Path, data: dict[str, Any]) -> None:
-    """Write `data` as indented JSON, atomically (a reader never sees half a file)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def run_metadata(device: str, world_size: int) -> dict[str, Any]:
-    """What run.json records: command line, git state, versions, host, device, world size."""
-    import hydra
-
-    commit = _git("rev-parse", "HEAD")
-    return {
-        "command": [sys.executable, *sys.argv],
-        "cwd": os.getcwd(),
-        "git": {"commit": commit, "dirty": bool(_git("status", "--porcelain")) if commit else None},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "hydra": hydra.__version__},
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": time.time(),  # with summary.json's wall_time_s: when the run ran (did parallel jobs overlap?)
-        "device": device,
-        "world_size": world_size,
-        "threads": torch.get_num_threads(),
-    }

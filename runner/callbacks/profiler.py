@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from runner import ConfigError
-from runner.callbacks import Callback
 from runner.progress import parse_duration
+from runner.run import Callback
 
 if TYPE_CHECKING:
-    from runner.loop import Run
+    from runner.run import Run
 
 
 class Profiler(Callback):
@@ -86,7 +86,7 @@ class Profiler(Callback):
             )
             self.profile = None
             return
-        rank, world = run.distributed.rank, run.world_size
+        rank, world = run.strategy.rank, run.world_size
         self.dir.mkdir(parents=True, exist_ok=True)
         trace = self.dir / ("trace.json" if world == 1 else f"trace_rank{rank}.json")
         self.profile.export_chrome_trace(str(trace))

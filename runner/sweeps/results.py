@@ -8,55 +8,20 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
-import yaml
+from runner.run import Best, StopReason
+from runner.rundir import CONFIG, METRICS, OVERRIDES, SUMMARY, read_json, read_jsonl, read_yaml, write_atomic
 
-# summary.json's stop_reason -> a row's status. No summary.json yet: "running" (or killed before it could write one).
-STATUS = {
-    "max_duration": "completed",
-    "early_stopping": "completed",
-    "nonfinite": "diverged",
-    "preempted": "stopped",
-    "max_time": "stopped",
-    "interrupted": "stopped",
-    "failed": "failed",
-}
 FIRST = ["job", "status", "stop_reason", "monitor", "mode", "best", "best_step", "step", "wall_time_s"]
 LAST = ["error", "overrides", "dir"]
 
 
-def _read_yaml(path: Path) -> Any:
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # not there yet, or being replaced
-        return None
-
-
 def read_curve(job_dir: Path) -> list[dict[str, Any]]:
     """The rows of a job's metrics.jsonl (a half-written last line, from a job still running, is skipped)."""
-    rows = []
-    try:
-        lines = (job_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    return read_jsonl(Path(job_dir) / METRICS)
 
 
 def _key(override: str) -> tuple[str, str]:
@@ -67,26 +32,28 @@ def _key(override: str) -> tuple[str, str]:
 def job_row(job_dir: Path) -> dict[str, Any]:
     """One job's row: overrides, status, stop reason, best and final metrics, wall time, error."""
     job_dir = Path(job_dir)
-    config = _read_yaml(job_dir / ".hydra" / "config.yaml") or {}
-    overrides = _read_yaml(job_dir / ".hydra" / "overrides.yaml") or []
+    config = read_yaml(job_dir / CONFIG) or {}
+    overrides = read_yaml(job_dir / OVERRIDES) or []
     monitor, mode = config.get("monitor", "val/loss"), config.get("mode", "min")
     row: dict[str, Any] = {"job": job_dir.name, "monitor": monitor, "mode": mode, "overrides": " ".join(overrides)}
     row.update({f"override:{k}": v for k, v in map(_key, overrides)})
-    summary = _read_json(job_dir / "summary.json")
+    summary = read_json(job_dir / SUMMARY)
     if summary is None:
         curve = read_curve(job_dir)
-        seen = [r[monitor] for r in curve if isinstance(r.get(monitor), (int, float)) and math.isfinite(r[monitor])]
-        best = (min if mode == "min" else max)(seen) if seen else None
+        best = Best(mode)
+        for r in curve:
+            if isinstance(r.get(monitor), (int, float)) and math.isfinite(r[monitor]):
+                best.update(r[monitor], r.get("step", 0))
         latest: dict[str, Any] = {}
         for r in curve:
             latest.update(r)
-        row.update(status="running", step=latest.get("step"), best=best)
+        row.update(status="running", step=latest.get("step"), best=best.value)
         row.update({k: v for k, v in latest.items() if "/" in k})
         return {**row, "dir": str(job_dir)}
     reason = summary.get("stop_reason")
     best = summary.get("best") or {}
     row.update(
-        status=STATUS.get(reason, reason),
+        status=StopReason.status_of(reason),
         stop_reason=reason,
         best=best.get("value"),
         best_step=best.get("step"),
@@ -101,7 +68,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 def find_jobs(path: str | Path) -> list[Path]:
     """The job folders of a sweep (its numbered subfolders, in job order), or [path] for a single run folder."""
     path = Path(path)
-    if (path / ".hydra").is_dir() or (path / "summary.json").is_file() or (path / "metrics.jsonl").is_file():
+    if (path / ".hydra").is_dir() or (path / SUMMARY).is_file() or (path / METRICS).is_file():
         return [path]
     jobs = [p for p in path.iterdir() if p.is_dir() and (p / ".hydra").is_dir()] if path.is_dir() else []
     return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
@@ -135,11 +102,7 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
 
 def write_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """Write results.csv atomically: a reader (`runner.report` on a live sweep, say) never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(to_csv(rows), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, to_csv(rows).encode())
 
 
 def rank(rows: list[dict[str, Any]], metric: str = "best", mode: str = "min") -> list[dict[str, Any]]:

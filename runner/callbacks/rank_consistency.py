@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.callbacks import Callback
 from runner.progress import parse_duration
+from runner.run import Callback
 
 if TYPE_CHECKING:
-    from runner.loop import Run
+    from runner.run import Run
 
 
 class RanksDiverged(RuntimeError):
@@ -62,7 +62,7 @@ class RankConsistency(Callback):
             self._compare(run, "gradient", grads, f"of optimizer step {p.step + 1}, after the all-reduce")
 
     def _compare(self, run: Run, kind: str, named: list[tuple[str, torch.Tensor]], when: str) -> None:
-        dist = run.distributed
+        dist = run.strategy
         if dist.world_size == 1:
             return
         self.checks += 1
@@ -81,6 +81,6 @@ class RankConsistency(Callback):
     def on_fit_end(self, run: Run) -> None:
         """Unhook the optimizer and say what was checked."""
         self.handle.remove()
-        if run.distributed.is_main and self.checks:
+        if run.strategy.is_main and self.checks:
             what = "parameters and gradients" if self.gradients else "parameters"
             print(f"rank consistency: {what} identical on every rank in {self.checks} checks", file=sys.stderr)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from runner import ConfigError
-from runner.distributed import DDP
+from runner.dist.strategies import DDP
 
 
 class FSDP(DDP):

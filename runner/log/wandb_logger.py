@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from runner.loggers import Logger
+from runner.run import Logger
 
 
 def has_api_key() -> bool:

@@ -1,9 +1,8 @@
-"""Sweeps (`-m`): the results.csv callback, the leaderboard at the end, and what a job reports to a sweeper."""
+"""Sweeps (`-m`): the Hydra callback that keeps results.csv up to date and prints the leaderboard at the end."""
 
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import sys
 from collections import Counter
@@ -14,40 +13,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.results import collect, job_row, leaderboard, table_console, write_csv
-
-
-def objective(stop_reason: str | None, best: float | None, mode: str) -> float | None:
-    """What a job returns to the sweeper: its best monitored value; the worst value if it diverged; None if it failed.
-
-    A diverged trial is a real (bad) result: +inf under `min` lets Optuna's sampler learn to avoid that region,
-    where NaN would make Optuna 2's tell() raise and end the study. None (no value) marks a failed job: Optuna
-    records the trial as FAIL and goes on.
-    """
-    if stop_reason == "nonfinite":
-        return math.inf if mode == "min" else -math.inf
-    if stop_reason == "failed":
-        return None
-    return best
-
-
-def threads_per_job(threads: int | None, parallel_jobs: int, cores: int | None = None) -> int | None:
-    """Torch threads for one job: `threads` if set, else the cores shared by the jobs that run at once (None: keep)."""
-    if threads is not None:
-        return threads
-    if parallel_jobs == 1:
-        return None
-    cores = cores or len(os.sched_getaffinity(0))
-    return max(1, cores // parallel_jobs)
-
-
-def parallel_jobs(launcher: DictConfig | dict[str, Any]) -> int:
-    """How many jobs the launcher runs at once: joblib's n_jobs (-1 = one per core), else one."""
-    n_jobs = launcher.get("n_jobs") if "joblib" in str(launcher.get("_target_", "")) else 1
-    if n_jobs is None or n_jobs == 0:
-        return 1
-    cores = len(os.sched_getaffinity(0))
-    return n_jobs if n_jobs > 0 else max(1, cores + 1 + n_jobs)  # joblib: -1 all cores, -2 all but one, ...
+from runner.sweeps.results import collect, job_row, leaderboard, table_console, write_csv
 
 
 class SweepResults(Callback):

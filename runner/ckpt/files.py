@@ -1,0 +1,185 @@
+"""Checkpoint files: write a checkpoint folder atomically, verify and read it; the bare model's weights as safetensors.
+
+A checkpoint is a folder `<dir>/step-00001000/` holding `model.safetensors` (the bare model's weights), `state.pt`
+(everything else: optimizer, schedule, precision, progress, data position, RNG, callbacks, loggers; tensors and plain
+Python values only, so it loads with `torch.load(weights_only=True)`) and `manifest.json` (step, metrics, wall time,
+config hash, and the size and sha256 of each file). It is written under a temporary name, fsynced, renamed into place
+and the folder fsynced: a crash leaves either the whole checkpoint or none. What the state holds is runner.ckpt.state's;
+when to save is runner.ckpt.callback's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner import ConfigError, rundir
+
+PREFIX = "step-"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used: missing, truncated, corrupted, unsafe, or from an incompatible run."""
+
+
+def bare_names(state: dict[str, Any]) -> dict[str, Any]:
+    """A model's state_dict under the names of the bare model: no DDP `module.`, no torch.compile `_orig_mod.`."""
+    bare = {}
+    for name, tensor in state.items():
+        while name.startswith(("module.", "_orig_mod.")):
+            name = name.split(".", 1)[1]
+        bare[name.replace("._orig_mod.", ".")] = tensor  # a compiled submodule
+    return bare
+
+
+def _safetensors(weights: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(v, DTensor) for v in weights.values()):  # would write this rank's shards as if whole
+        raise RuntimeError("these weights are FSDP shards: gather them first (runner.ckpt.state.model_weights)")
+
+    # clone: safetensors refuses tensors that share storage (tied weights); each key gets its own copy
+    return save({k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()})
+
+
+def save_weights(model: torch.nn.Module | dict[str, torch.Tensor], path: str | Path) -> None:
+    """The bare model's weights (or weights already gathered: model_weights) as safetensors, written atomically."""
+    weights = bare_names(model.state_dict()) if isinstance(model, torch.nn.Module) else model
+    rundir.write_atomic(path, _safetensors(weights), fsync=True)
+
+
+def write_checkpoint(folder: Path, model: dict[str, torch.Tensor], state: dict[str, Any], info: dict[str, Any]) -> None:
+    """Write a checkpoint folder atomically: temporary folder, fsync every file, rename, fsync the parent."""
+    tmp = folder.parent / f".tmp-{folder.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    files = {"model.safetensors": _safetensors(model), "state.pt": buffer.getvalue()}
+    manifest = {**info, "files": {}}
+    for name, data in files.items():
+        rundir.write_atomic(tmp / name, data, fsync=True)
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    rundir.write_atomic(tmp / "manifest.json", (json.dumps(manifest, indent=2, default=str) + "\n").encode(), True)
+    rundir.fsync_dir(tmp)
+    if folder.exists():  # the same step saved twice (an interval save, then the end of training): keep the new one
+        shutil.rmtree(folder)
+    os.rename(tmp, folder)
+    rundir.fsync_dir(folder.parent)
+
+
+# ---- reading --------------------------------------------------------------------------------------------------------
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder, or CheckpointError."""
+    try:
+        return json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {folder} has no readable manifest.json ({error})") from None
+
+
+def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
+    """The bytes of one file of a checkpoint, after checking its size and sha256 against the manifest."""
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise CheckpointError(f"checkpoint {folder}: its manifest lists no {name}")
+    try:
+        data = (folder / name).read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({error})") from None
+    if len(data) != expected["bytes"]:
+        raise CheckpointError(
+            f"checkpoint {folder}: {name} is {len(data)} bytes, expected {expected['bytes']} (truncated)"
+        )
+    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"checkpoint {folder}: {name} does not match its sha256 (corrupted)")
+    return data
+
+
+def load_checkpoint(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(model weights, training state, manifest) of a verified checkpoint; never unpickles Python objects."""
+    from safetensors.torch import load as safetensors_load
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    weights = safetensors_load(verified(folder, "model.safetensors", manifest))
+    try:
+        state = torch.load(io.BytesIO(verified(folder, "state.pt", manifest)), weights_only=True, map_location="cpu")
+    except Exception as error:  # weights_only refuses pickled objects (and anything that would run code)
+        raise CheckpointError(
+            f"checkpoint {folder}: state.pt is not a plain tensor file, refusing it ({error})"
+        ) from None
+    return weights, state, manifest
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint folders in `directory`, newest (highest step) first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and not p.is_symlink() and p.name.startswith(PREFIX)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def newest_valid(directory: Path) -> tuple[Path, tuple] | None:
+    """The newest checkpoint in `directory` that verifies, with its contents; corrupt ones are reported and skipped."""
+    for folder in checkpoints(directory):
+        try:
+            return folder, load_checkpoint(folder)
+        except CheckpointError as error:
+            print(f"warning: {error}; skipping it", file=sys.stderr)
+    return None
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The bare model's weights from a checkpoint folder (verified), a run folder or a .safetensors file."""
+    from safetensors.torch import load as safetensors_load
+
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return safetensors_load(verified(path, "model.safetensors", read_manifest(path)))
+    file = path / rundir.MODEL if path.is_dir() else path
+    try:
+        return safetensors_load(file.read_bytes())
+    except Exception as error:  # missing, truncated, not safetensors at all
+        raise CheckpointError(
+            f"cannot read weights from {path} ({error}); give a checkpoint folder, a run folder or a .safetensors file"
+        ) from None
+
+
+def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True, what: str = "init_from") -> dict:
+    """Load only weights into `model` from a checkpoint folder, a run folder or a .safetensors file.
+
+    Reports missing, unexpected and shape-mismatched keys; with `strict` any of them is an error (`what` names the
+    setting in it), otherwise the matching tensors are loaded and the rest keep their initial values.
+    """
+    weights = read_weights(path)
+    own = bare_names(model.state_dict())
+    report = {
+        "missing": sorted(set(own) - set(weights)),
+        "unexpected": sorted(set(weights) - set(own)),
+        "shape_mismatch": sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape),
+    }
+    problems = {k: v for k, v in report.items() if v}
+    if problems and strict:
+        details = "; ".join(f"{k}: {v[:5]}{' ...' if len(v) > 5 else ''}" for k, v in problems.items())
+        hint = " Set init_strict=false to load the tensors that fit and keep the others as initialised."
+        raise CheckpointError(f"{what}={path} does not fit the model ({details}).{hint if what == 'init_from' else ''}")
+    usable = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
+    with torch.no_grad():
+        for name, tensor in usable.items():
+            own[name].copy_(tensor)
+    if what == "init_from" or problems:
+        print(
+            f"{what}: loaded {len(usable)} of {len(own)} tensors from {path}"
+            + "".join(f"; {k}: {len(v)}" for k, v in problems.items()),
+            file=sys.stderr,
+        )
+    return report

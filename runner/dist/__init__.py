@@ -1,0 +1,1 @@
+"""Several processes: environment detection (env), Single and DDP (strategies), FSDP (fsdp)."""

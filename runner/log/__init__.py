@@ -1,0 +1,1 @@
+"""Loggers (runner.run.Logger): console, metrics.jsonl (jsonl), wandb (wandb_logger); run facts (info)."""

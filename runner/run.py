@@ -1,0 +1,306 @@
+"""The run: its settings, its components and its state, the interfaces they follow, and why a run stops.
+
+A leaf module: the loop, callbacks, checkpoints and loggers take a `Run`; nothing here knows any of them.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from runner import ConfigError
+from runner.meter import Meter
+from runner.progress import Duration, TrainingProgress
+
+
+class StopReason(str, enum.Enum):
+    """Why a run stopped: the one table of what each reason means. The value is what files (summary.json,
+    manifests, results.csv) record."""
+
+    MAX_DURATION = "max_duration"
+    EARLY_STOPPING = "early_stopping"
+    NONFINITE = "nonfinite"
+    PREEMPTED = "preempted"  # SIGTERM or SIGUSR1 (a cluster about to take the node back)
+    MAX_TIME = "max_time"
+    INTERRUPTED = "interrupted"  # Ctrl-C
+    STOPPED_ON_ANOTHER_RANK = "stopped_on_another_rank"
+    FAILED = "failed"  # an exception: written by the CLI for a sweep's results, never set by the loop
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def resumable(self) -> bool:
+        """The run goes on when resumed. No extra validation or log row at such a stop, so that the resumed run's
+        validations, schedules and metrics.jsonl rows are exactly those of a run that was never stopped."""
+        return self in (StopReason.PREEMPTED, StopReason.MAX_TIME)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing is left to train: a resume only completes the run's final files."""
+        return self in (StopReason.MAX_DURATION, StopReason.EARLY_STOPPING)
+
+    @property
+    def exit_code(self) -> int:
+        """The CLI's exit code: 3 diverged, 75 stopped to be resumed (EX_TEMPFAIL), 130 Ctrl-C, 1 failed."""
+        codes = {"nonfinite": 3, "preempted": 75, "max_time": 75, "interrupted": 130, "failed": 1}
+        return codes.get(self.value, 0)
+
+    @property
+    def status(self) -> str:
+        """A sweep's results.csv status for a job that stopped so."""
+        if self.finished:
+            return "completed"
+        return {"nonfinite": "diverged", "failed": "failed"}.get(self.value, "stopped")
+
+    @classmethod
+    def status_of(cls, reason: str | None) -> str | None:
+        """The status of a reason read from a file (an unknown string is its own status)."""
+        try:
+            return cls(reason).status
+        except ValueError:
+            return reason
+
+
+class Best:
+    """Tracks the best value of a metric under `mode` ('min' or 'max') with an improvement margin."""
+
+    def __init__(self, mode: str = "min", min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.mode, self.min_delta = mode, abs(min_delta)
+        self.value: float | None = None
+        self.step: int | None = None
+
+    def better(self, value: float, than: float | None, margin: float = 0.0) -> bool:
+        """Whether `value` beats `than` (None: nothing yet) by more than `margin` under this mode; NaN never does."""
+        if math.isnan(value):
+            return False
+        if than is None:
+            return True
+        return (than - value if self.mode == "min" else value - than) > margin
+
+    def update(self, value: float, step: int) -> bool:
+        """Record `value`; return True if it beats the best so far by more than min_delta."""
+        if not self.better(value, self.value, self.min_delta):
+            return False
+        self.value, self.step = value, step
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Best value and step."""
+        return {"value": self.value, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        self.value, self.step = state["value"], state["step"]
+
+
+# ---- the interfaces of the components -----------------------------------------------------------------------------
+class Precision(Protocol):
+    """Numeric precision (runner.precision): autocast for the forward, backward and the optimizer step."""
+
+    name: str
+    handles_overflow: bool  # it skips steps whose gradients overflowed itself (fp16 loss scaling)
+
+    def autocast(self) -> AbstractContextManager: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def skip(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Strategy(Protocol):
+    """Where the processes run and how they agree (runner.dist): one process, DDP or FSDP."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    is_main: bool
+    device: torch.device
+    backend: str
+    strategy: str
+
+    def wrap(self, task: nn.Module) -> Any: ...
+    def sync(self, enabled: bool) -> AbstractContextManager: ...
+    def norm(self, tensors: list[torch.Tensor]) -> torch.Tensor: ...
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor: ...
+    def model_state(self, task: nn.Module) -> dict[str, Any]: ...
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+    def load_model_state(self, task: nn.Module, state: dict[str, torch.Tensor]) -> None: ...
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None: ...
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def gather(self, value: Any) -> list[Any]: ...
+    def any(self, flags: list[bool]) -> list[bool]: ...
+    def barrier(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Schedule(Protocol):
+    """When the learning rate moves (runner.schedulers): per optimizer step, or on a validation metric."""
+
+    monitor: str | None
+
+    def on_optimizer_step(self) -> None: ...
+    def on_validation(self, metrics: dict[str, float]) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Callback(Protocol):
+    """Named hooks the loop calls; every hook is a no-op until a callback overrides it (subclass this).
+
+    Hooks run in the order the callbacks appear in the config, except on_validation_end, which runs in reverse so that
+    it unwinds on_validation_start (a callback that swaps weights in for validation swaps them back last).
+    """
+
+    monitor: str | None = None  # a callback that reads a validation metric names it here, so the loop can check it
+
+    def on_fit_start(self, run: Run) -> None:
+        """Before the first micro-batch (after a checkpoint, if any, was restored)."""
+
+    def on_optimizer_step(self, run: Run) -> None:
+        """After each optimizer step (skipped non-finite steps included) and the progress count."""
+
+    def on_validation_start(self, run: Run) -> None:
+        """Before a validation pass."""
+
+    def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """After a validation pass with its metrics (keys like 'val/loss')."""
+
+    def on_step_end(self, run: Run) -> None:
+        """At the very end of an optimizer step, after its validation and log: the state is complete (checkpoints)."""
+
+    def on_fit_end(self, run: Run) -> None:
+        """After the last step, whatever stopped the run."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """start(info), log(metrics, step), close(summary); a logger overrides what it needs (subclass this)."""
+
+    def start(self, info: dict[str, Any]) -> None:
+        """Called once before training with facts about the run (parameters, batch, steps, config...)."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record metrics at an optimizer step."""
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        """Flush and release; `summary` is what summary.json holds (None if the run failed)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run continues this log (e.g. a wandb run id)."""
+        return {}
+
+    def resume(self, step: int, state: dict[str, Any]) -> None:
+        """Before start(): the run resumes after `step` from a checkpoint that held state_dict()."""
+
+
+# ---- the run ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """What the config fixed for the loop; nothing changes it while the run trains."""
+
+    val_interval: Duration
+    log_interval: Duration
+    gradient_clip_val: float | None = None
+    max_nonfinite_steps: int = 10
+    monitor: str | None = "val/loss"  # the metric that `best` tracks (summary.json, a sweeper's objective)
+    config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
+
+
+@dataclass
+class State:
+    """Everything that changes while the run trains. A checkpoint holds every field (state_dict walks them), so a
+    field added here is saved and resumed by construction."""
+
+    progress: TrainingProgress
+    best: Best = field(default_factory=Best)
+    meter: Meter = None  # type: ignore[assignment]  # training sums since the last log row (default: a new one)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last logged value of every metric
+    nonfinite_steps: int = 0
+    nonfinite_in_a_row: int = 0  # the current streak; max_nonfinite_steps of them stop the run
+
+    def __post_init__(self) -> None:
+        self.meter = self.meter or Meter(self.progress)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field: a component's own state_dict, or the value."""
+        return {f.name: _state_of(getattr(self, f.name)) for f in fields(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict()."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if hasattr(value, "load_state_dict"):
+                value.load_state_dict(state[f.name])
+            else:
+                setattr(self, f.name, type(value)(state[f.name]))
+
+
+def _state_of(value: Any) -> Any:
+    return value.state_dict() if hasattr(value, "state_dict") else (dict(value) if isinstance(value, dict) else value)
+
+
+@dataclass
+class Run:
+    """Everything fit() needs, built from the config by runner.build; callbacks receive it too.
+
+    Components are the objects the config named; `settings` are fixed; `state` is what a checkpoint resumes;
+    `stop_reason` is why this launch stopped (not resumed: a resumed run goes on).
+    """
+
+    task: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    precision: Precision
+    strategy: Strategy
+    train_loader: Any
+    val_loader: Any
+    settings: Settings
+    state: State
+    forward: Any = None  # the training forward: task.training_step, or DDP around it (strategy.wrap)
+    callbacks: list[Callback] = field(default_factory=list)
+    loggers: list[Logger] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+
+    def __post_init__(self) -> None:
+        self.forward = self.forward or self.task.training_step
+
+    @property
+    def progress(self) -> TrainingProgress:
+        """The run's one clock."""
+        return self.state.progress
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank trains on."""
+        return self.strategy.device
+
+    @property
+    def world_size(self) -> int:
+        """Processes training together."""
+        return self.strategy.world_size
+
+    def request_stop(self, reason: StopReason | str) -> None:
+        """Ask the loop to stop after the current step; the first reason given wins."""
+        self.stop_reason = self.stop_reason or StopReason(reason)

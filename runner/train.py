@@ -1,0 +1,116 @@
+"""train(cfg): build the run, resume it, fit, write model.safetensors and summary.json, close. The library entry."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.build import build
+from runner.ckpt.callback import Checkpoint
+from runner.ckpt.files import load_checkpoint, newest_valid, save_weights
+from runner.ckpt.state import model_weights, restore
+from runner.log.info import run_info, run_metadata
+from runner.loop import fit
+from runner.run import Callback, Run, StopReason
+from runner.rundir import CHECKPOINTS, MODEL, RUN_INFO, SUMMARY, write_json
+from runner.sweeps.job import SweepJob
+
+
+def summarize(run: Run, wall_time_s: float) -> dict[str, Any]:
+    """What summary.json holds."""
+    p, best = run.progress, run.state.best
+    return {
+        "stop_reason": run.stop_reason,
+        "progress": {k: getattr(p, k) for k in ("step", "micro_batch", "epoch", "samples", "tokens")},
+        "metrics": run.state.metrics,
+        "best": {"monitor": run.settings.monitor, "value": best.value, "step": best.step}
+        if best.value is not None
+        else None,
+        "nonfinite_steps": run.state.nonfinite_steps,
+        "wall_time_s": wall_time_s,
+        "samples_per_s": p.samples / wall_time_s if wall_time_s > 0 else 0.0,
+    }
+
+
+def resume(run: Run, cfg: DictConfig) -> dict[str, Any] | None:
+    """Restore the checkpoint that `cfg.resume` names ('auto': the newest valid one of this run); its manifest."""
+    where = cfg.get("resume")
+    if where is None:
+        return None
+    say = print if run.strategy.is_main else lambda *a, **k: None
+    if where == "auto":
+        saver = next((cb for cb in run.callbacks if isinstance(cb, Checkpoint)), None)
+        directory = saver.dir if saver is not None else Path(cfg.run_dir) / CHECKPOINTS
+        found = newest_valid(directory)
+        if found is None:
+            say(f"resume=auto: no checkpoint in {directory}; starting from scratch", file=sys.stderr)
+            return None
+        folder, contents = found
+    else:
+        folder, contents = Path(where), load_checkpoint(where)
+    manifest = restore(run, contents, allow_changes=cfg.get("resume_allow_changes", False))
+    say(f"resuming from {folder} (step {manifest['step']})", file=sys.stderr)
+    return manifest
+
+
+@contextlib.contextmanager
+def _preemptible(run: Run) -> Iterator[None]:
+    # SIGTERM and SIGUSR1 (what SLURM sends before a time limit): finish the current optimizer step, save a
+    # checkpoint (the checkpoint callback saves whenever a run stops), write the summary, exit 75.
+    def handler(signum: int, frame: Any) -> None:
+        print(f"received {signal.Signals(signum).name}: stopping after this step", file=sys.stderr)
+        run.request_stop(StopReason.PREEMPTED)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: SweepJob | None = None) -> Run:
+    """Build the run, resume it if asked, fit, and write model.safetensors and summary.json (rank 0).
+
+    `sweep`: the job of a sweep this run is (its loggers name and group it so), or None.
+    """
+    run_dir = Path(cfg.run_dir)
+    run = build(cfg)
+    run.callbacks += list(extra_callbacks)
+    manifest = resume(run, cfg)
+    if manifest is not None and manifest["stop_reason"] is not None and StopReason(manifest["stop_reason"]).finished:
+        if run.strategy.is_main:
+            step, reason = manifest["step"], manifest["stop_reason"]
+            print(f"resume: this run already finished at step {step} ({reason}); nothing to do", file=sys.stderr)
+        run.stop_reason = StopReason(manifest["stop_reason"])
+        return run
+    if run.strategy.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless train() is called from Python
+        name = RUN_INFO if manifest is None else f"run-resumed-at-{manifest['step']}.json"
+        write_json(run_dir / name, run_metadata(str(run.device), run.world_size))
+    started, summary = time.perf_counter(), None
+    try:
+        with _preemptible(run):
+            for logger in run.loggers:
+                logger.start(run_info(run, cfg, sweep))
+            fit(run)
+        summary = summarize(run, time.perf_counter() - started)
+    except KeyboardInterrupt:
+        run.stop_reason = StopReason.INTERRUPTED
+        summary = summarize(run, time.perf_counter() - started)
+    finally:
+        weights = model_weights(run) if summary is not None else None  # collective under FSDP: every rank
+        if summary is not None and run.strategy.is_main:
+            save_weights(weights, run_dir / MODEL)
+            write_json(run_dir / SUMMARY, summary)
+        for logger in run.loggers:
+            logger.close(summary)
+        run.strategy.close()
+    return run
