@@ -27,7 +27,7 @@ def summarize(run: Run, wall_time_s: float) -> dict[str, Any]:
     """What summary.json holds."""
     p, best = run.progress, run.state.best
     return {
-        "stop_reason": run.stop_reason,
+        "stop_reason": None if run.stop_reason is None else run.stop_reason.value,  # a plain string for every reader
         "progress": {k: getattr(p, k) for k in ("step", "micro_batch", "epoch", "samples", "tokens")},
         "metrics": run.state.metrics,
         "best": {"monitor": run.settings.monitor, "value": best.value, "step": best.step}

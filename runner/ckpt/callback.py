@@ -16,7 +16,7 @@ from runner import ConfigError
 from runner.ckpt.files import PREFIX, CheckpointError, bare_names, checkpoints, read_manifest, write_checkpoint
 from runner.ckpt.state import model_weights, training_state
 from runner.progress import parse_duration
-from runner.run import Best, Callback, Run
+from runner.run import Best, Callback, Run, StopReason
 
 
 def _snapshot(value: Any, buffers: dict[str, torch.Tensor], path: str = "", copy: bool = True) -> Any:
@@ -143,12 +143,13 @@ class Checkpoint(Callback):
         state = _snapshot(state, self.buffers, "state")
         if any(t.is_cuda for t in run.task.parameters()):
             torch.cuda.synchronize()  # the non-blocking copies into pinned buffers must land before the writer reads
+        # the loop names max_duration only after the last step; a checkpoint of that step is of a finished run
+        reason = run.stop_reason or (StopReason.MAX_DURATION if p.finished else None)
         info = {
             "step": p.step,
             "epoch": p.epoch,
             "samples": p.samples,
-            # the loop names max_duration only after the last step; a checkpoint of that step is of a finished run
-            "stop_reason": run.stop_reason or ("max_duration" if p.finished else None),
+            "stop_reason": reason.value if reason else None,
             "metrics": dict(run.state.metrics),
             "monitor": self.monitor,
             "monitor_value": monitor_value,
@@ -156,11 +157,12 @@ class Checkpoint(Callback):
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "config_sha256": run.settings.config_hash,
         }
-        self.thread = threading.Thread(target=self._write, args=(folder, model, state, info), daemon=False)
+        self.thread = threading.Thread(target=self.write, args=(folder, model, state, info), daemon=False)
         self.thread.start()
         return folder
 
-    def _write(self, folder: Path, model: dict, state: dict, info: dict) -> None:
+    def write(self, folder: Path, model: dict, state: dict, info: dict) -> None:
+        """In the writer thread: write the checkpoint folder, point `last` at it, rotate; an error is kept for check()."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             write_checkpoint(folder, model, state, info)

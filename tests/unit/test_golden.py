@@ -1,0 +1,20 @@
+"""A seeded run writes the metrics.jsonl rows recorded before the code was reorganised (issue 15), bit for bit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import TESTS, metric_rows
+
+from runner.train import train
+
+GOLDEN = json.loads((TESTS / "data" / "golden_digits_metrics.json").read_text())
+
+
+@pytest.mark.parametrize("golden", GOLDEN["runs"], ids=lambda g: " ".join(g["overrides"][1:]))
+def test_a_seeded_digits_run_writes_the_recorded_rows(golden: dict, compose_cfg: Callable, tmp_path: Path) -> None:
+    train(compose_cfg(*golden["overrides"], "logger=jsonl", run_dir=tmp_path / "run"))
+    assert metric_rows(tmp_path / "run") == golden["rows"]

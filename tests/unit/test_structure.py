@@ -1,0 +1,118 @@
+"""The shape of the code: imports point one way (no cycle, found by parsing every import, including those inside
+functions and under TYPE_CHECKING), and every module imports on its own, first, in a fresh process."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("runner", "experiments", "hydra_plugins/runner_launchers")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The project modules that `module` imports anywhere in its source (the most specific module a name is in)."""
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+                break
+    return targets
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node], _ = 1, path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node], _ = 2, path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle() -> None:
+    graph = {module: _imports(module, path) for module, path in MODULES.items()}
+    assert graph["runner.train"] >= {"runner.build", "runner.loop"}  # the parser sees real edges
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+def test_run_and_the_leaf_modules_know_nothing_of_the_loop() -> None:
+    leaves = ["runner.run", "runner.progress", "runner.meter", "runner.rundir", "runner.precision", "runner.data"]
+    leaves += [m for m in MODULES if m.startswith(("runner.callbacks", "runner.ckpt", "runner.log"))]
+    for module in leaves:
+        assert "runner.loop" not in _imports(module, MODULES[module]), f"{module} imports runner.loop"
+        assert "runner.build" not in _imports(module, MODULES[module]), f"{module} imports runner.build"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_every_module_imports_alone_in_a_fresh_process() -> None:
+    # The heavy third-party packages are imported once here; each module is then imported first in a forked child,
+    # where no project module is loaded yet: an import-order dependency (a cycle hidden by who imported first) fails.
+    import hydra  # noqa: F401
+    import torch  # noqa: F401
+
+    failures = {}
+    for module in MODULES:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            os.close(read)
+            for loaded in [m for m in sys.modules if m.split(".")[0] in ("runner", "experiments", "hydra_plugins")]:
+                del sys.modules[loaded]
+            try:
+                importlib.import_module(module)
+                code, message = 0, b""
+            except BaseException as error:  # noqa: BLE001 - report whatever went wrong
+                code, message = 1, f"{type(error).__name__}: {error}".encode()
+            os.write(write, message)
+            os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            message = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            failures[module] = message
+    assert not failures, failures
