@@ -81,13 +81,20 @@ class Best:
         self.value: float | None = None
         self.step: int | None = None
 
+    def key(self, value: float) -> float:
+        """A sort key under this mode: smaller is better."""
+        return value if self.mode == "min" else -value
+
+    @property
+    def worst(self) -> float:
+        """The worst possible value under this mode (what a diverged run scores)."""
+        return self.key(math.inf)
+
     def better(self, value: float, than: float | None, margin: float = 0.0) -> bool:
         """Whether `value` beats `than` (None: nothing yet) by more than `margin` under this mode; NaN never does."""
         if math.isnan(value):
             return False
-        if than is None:
-            return True
-        return (than - value if self.mode == "min" else value - than) > margin
+        return than is None or self.key(than) - self.key(value) > margin
 
     def update(self, value: float, step: int) -> bool:
         """Record `value`; return True if it beats the best so far by more than min_delta."""

@@ -124,7 +124,7 @@ class Checkpoint(Callback):
         self.thread.start()
 
     def _among_best(self, value: float) -> bool:
-        kept = sorted((v for v, _ in self.scored), reverse=self.order.mode == "max")[: self.keep_best]  # best first
+        kept = sorted((v for v, _ in self.scored), key=self.order.key)[: self.keep_best]  # best first
         return len(kept) < self.keep_best or self.order.better(value, kept[-1])
 
     def save(self, run: Run, monitor_value: float | None = None) -> Path:
@@ -162,7 +162,7 @@ class Checkpoint(Callback):
         return folder
 
     def write(self, folder: Path, model: dict, state: dict, info: dict) -> None:
-        """In the writer thread: write the checkpoint folder, point `last` at it, rotate; an error is kept for check()."""
+        """In the writer thread: write the folder, point `last` at it, rotate; an error is kept for check()."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             write_checkpoint(folder, model, state, info)
@@ -188,7 +188,7 @@ class Checkpoint(Callback):
         manifests = self._manifests()  # newest first
         keep = {m["folder"] for m in manifests[: self.keep_last]}
         scored = [m for m in manifests if m.get("monitor_value") is not None]
-        scored.sort(key=lambda m: m["monitor_value"], reverse=self.order.mode == "max")
+        scored.sort(key=lambda m: self.order.key(m["monitor_value"]))
         keep |= {m["folder"] for m in scored[: self.keep_best]}
         for m in manifests:
             if m["folder"] not in keep:

@@ -80,10 +80,10 @@ def write_checkpoint(folder: Path, model: dict[str, torch.Tensor], state: dict[s
 # ---- reading --------------------------------------------------------------------------------------------------------
 def read_manifest(folder: Path) -> dict[str, Any]:
     """The manifest of a checkpoint folder, or CheckpointError."""
-    try:
-        return json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"checkpoint {folder} has no readable manifest.json ({error})") from None
+    manifest = rundir.read_json(folder / "manifest.json")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"checkpoint {folder} has no readable manifest.json (missing, cut short or not JSON)")
+    return manifest
 
 
 def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from runner.run import StopReason
+from runner.run import Best, StopReason
 
 SWEEP_DIR_VARIABLE = "RUNNER_SWEEP_DIR"  # set by runner's torchrun launcher for the processes of a job
 
@@ -50,7 +49,7 @@ def objective(stop_reason: str | None, best: float | None, mode: str) -> float |
     records the trial as FAIL and goes on.
     """
     if stop_reason == StopReason.NONFINITE:
-        return math.inf if mode == "min" else -math.inf
+        return Best(mode).worst
     if stop_reason == StopReason.FAILED:
         return None
     return best

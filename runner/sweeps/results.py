@@ -108,11 +108,13 @@ def write_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
 def rank(rows: list[dict[str, Any]], metric: str = "best", mode: str = "min") -> list[dict[str, Any]]:
     """Rows best first by `metric`; rows without a finite value (failed, diverged, not validated yet) last."""
 
+    order = Best(mode)
+
     def key(row: dict[str, Any]) -> tuple[int, float]:
         value = row.get(metric)
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             return (1, 0.0)
-        return (0, value if mode == "min" else -value)
+        return (0, order.key(value))
 
     return sorted(rows, key=key)
 
