@@ -29,6 +29,8 @@ from runner.rundir import SUMMARY, write_json
 from runner.sweeps.job import SweepJob, objective, parallel_jobs, sweep_job, threads_per_job
 from runner.train import train
 
+# Here, at import: every process that runs a job imports this module for main() (the command itself, and a joblib
+# worker that unpickles main), and the config's resolvers must exist before Hydra composes or resolves that config.
 resolvers.register()
 
 
