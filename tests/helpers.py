@@ -1,17 +1,139 @@
-"""Helpers shared by the unit and e2e tests (test files never import each other: what two of them need lives here)."""
+"""Helpers shared by the unit and e2e tests (test files never import each other: what two of them need lives here).
+
+Sections: paths; a run's files; in-process runs (compose_job, make_run, callbacks); subprocesses (the CLI, torchrun,
+several at once); wandb's offline files.
+"""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
+from torch import nn
 
 from runner.run import Callback, Run
 
+# ---- paths --------------------------------------------------------------------------------------------------------
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+CONF_DIR = ROOT / "conf"
 TIMING = {"train/samples_per_s", "sys/peak_memory_mb"}  # wall-clock figures: the only ones a resume may change
+
+# ---- shared command lines -----------------------------------------------------------------------------------------
+# Digits for runs of several processes: no dropout (the same training however the batch is split), validation every
+# 10 steps, no wandb, no callbacks unless a test asks.
+DIGITS_DDP = [
+    "+experiment=digits",
+    "model.dropout=0.0",
+    "trainer.val_interval=10st",
+    "logger=[console,jsonl]",
+    "callbacks=none",
+]
+# A sweep job of 2 ranks for the launchers: 10 optimizer steps of 2 x 16 samples, far inside the first epoch, so
+# every step sees 32 samples.
+LAUNCHER_TINY = [
+    "+experiment=digits",
+    "model.dropout=0.0",
+    "trainer.max_duration=10st",
+    "trainer.val_interval=5st",
+    "logger=[console,jsonl]",
+    "callbacks=none",
+    "data.batch_size=16",
+    "distributed=ddp",
+]
+
+
+# the slurm extra (pip install runner[slurm]); part of dev
+HAS_SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+needs_submitit = pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher")
+
+
+# ---- a run's files ------------------------------------------------------------------------------------------------
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    """A run's summary.json."""
+    return read_json(Path(run_dir) / "summary.json")
+
+
+def jsonl(run_dir: Path) -> list[dict[str, Any]]:
+    """Every row of a run's metrics.jsonl, as written."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl without the wall-clock figures."""
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in jsonl(run_dir)]
+
+
+def values(run_dir: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of every metrics.jsonl row that has `key`."""
+    return [(row["step"], row[key]) for row in jsonl(run_dir) if key in row]
+
+
+def results_csv(path: Path) -> dict[str, dict[str, str]]:
+    """A results.csv (or the one in the folder `path`) by job."""
+    path = Path(path)
+    with (path / "results.csv" if path.is_dir() else path).open(newline="") as f:
+        return {row["job"]: row for row in csv.DictReader(f)}
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The final weights a run wrote (model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "model.safetensors"))
+
+
+def assert_same_weights(run_dir: Path, reference: Path) -> None:
+    """The two runs wrote bit-identical weights under the same names."""
+    got, expected = weights(run_dir), weights(reference)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def assert_close_weights(run_dir: Path, reference: Path, atol: float) -> None:
+    """The same names, every value within `atol` (runs that sum the same gradients in another order)."""
+    got, expected = weights(run_dir), weights(reference)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=atol, msg=name)
+
+
+# ---- in-process runs ----------------------------------------------------------------------------------------------
+def compose_job(run_dir: Path, *overrides: str) -> Any:
+    """The job config as the CLI would see it, with ${hydra:runtime.output_dir} resolving to `run_dir`. Hydra's
+    choices stay available through HydraConfig.get().runtime.choices (the compose_cfg fixture clears them)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True
+        )
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # the job config of a real run has no hydra node
+    return cfg
 
 
 class StopAt(Callback):
@@ -25,14 +147,289 @@ class StopAt(Callback):
             run.request_stop("preempted")
 
 
-def metric_rows(run_dir: Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl without the wall-clock figures."""
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+class CountSteps(Callback):
+    """Counts the optimizer steps this process trained."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_optimizer_step(self, run: Run) -> None:
+        self.steps += 1
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The final weights a run wrote (model.safetensors)."""
-    from safetensors.torch import load_file
+def assert_same_state(a: Run, b: Run) -> None:
+    """Two runs hold bit-identical weights, optimizer state and learning rates."""
+    for (name, x), (_, y) in zip(a.task.state_dict().items(), b.task.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    for key in sa["state"]:
+        for field, value in sa["state"][key].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["state"][key][field])), (key, field)
+    assert [g["lr"] for g in a.optimizer.param_groups] == [g["lr"] for g in b.optimizer.param_groups]
 
-    return load_file(str(Path(run_dir) / "model.safetensors"))
+
+class Regression(nn.Module):
+    """Linear regression; training_step returns NaN losses after its first `poison_from` calls."""
+
+    def __init__(self, poison_from: int | None = None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.poison_from = poison_from
+        self.calls = 0
+
+    def training_step(self, batch):
+        x, y = batch
+        self.calls += 1
+        loss = ((self.linear(x) - y) ** 2).mean()
+        if self.poison_from is not None and self.calls > self.poison_from:
+            loss = loss * float("nan")
+        return {"loss": loss}
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"loss": ((self.linear(x) - y) ** 2).mean()}
+
+
+def regression_data(n: int = 64, seed: int = 0) -> dict[str, Any]:
+    """A seeded linear-regression data set: n train samples, the first 16 of them as validation."""
+    from runner.data import TensorData
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1
+    return {"train": TensorData(x, y), "val": TensorData(x[:16], y[:16])}
+
+
+def make_run(
+    task: nn.Module | None = None,
+    *,
+    max_duration: str = "20st",
+    batch_size: int = 8,
+    accumulate: int = 1,
+    lr: float = 0.05,
+    val_interval: str = "1ep",
+    shuffle: bool = True,
+    callbacks=(),
+    schedule=None,
+    max_nonfinite_steps: int = 10,
+    splits=None,
+    clip: float | None = None,
+) -> Run:
+    """A Run assembled by hand (no Hydra): SGD on Regression, one process, fp32, no loggers."""
+    from runner.data import DataModule
+    from runner.dist.strategies import Single
+    from runner.precision import FP32
+    from runner.progress import TrainingProgress
+    from runner.run import Settings, State
+    from runner.schedulers import constant
+
+    torch.manual_seed(0)
+    task = task or Regression()
+    data = DataModule(splits or regression_data(), batch_size=batch_size, shuffle=shuffle, seed=0)
+    train, val = data.train_loader(accumulate=accumulate), data.val_loader()
+    opt = torch.optim.SGD(task.parameters(), lr=lr)
+    progress = TrainingProgress(
+        max_duration,
+        batch_size=batch_size,
+        batches_per_epoch=len(train),
+        samples_per_epoch=train.batch_sampler.samples_per_epoch,
+        accumulate=accumulate,
+    )
+    schedule = (schedule or constant)(optimizer=opt, progress=progress)
+    settings = Settings(
+        val_interval=progress.resolve(val_interval),
+        log_interval=progress.resolve("1st"),
+        gradient_clip_val=clip,
+        max_nonfinite_steps=max_nonfinite_steps,
+    )
+    return Run(
+        task=task,
+        optimizer=opt,
+        schedule=schedule,
+        precision=FP32(),
+        strategy=Single("cpu"),
+        train_loader=train,
+        val_loader=val,
+        settings=settings,
+        state=State(progress),
+        callbacks=list(callbacks),
+    )
+
+
+# ---- subprocesses -------------------------------------------------------------------------------------------------
+TIMEOUT_S = 300  # generous: the machine may be shared; a healthy run takes a few seconds
+# what a launcher (torchrun, SLURM, submitit) sets: inherited by a test's child, it would make the child a rank
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's `python -m runner`, torchrun or script: this one without HYDRA_FULL_ERROR (errors
+    look as a user sees them) or a launcher's variables, with wandb offline, one thread per process (runs share
+    the cores) and tests/ on PYTHONPATH (for _tasks); `extra` adds or replaces variables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "HYDRA_FULL_ERROR" and k not in LAUNCH_VARS and not k.startswith(LAUNCH_PREFIXES)
+    }
+    path = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    return {**env, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
+def python(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S):
+    """`python *args` in `cwd`, output captured (child_env() plus `env`)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=child_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def with_run_dir(overrides: tuple[str, ...] | list[str], run_dir: Path | None) -> list[str]:
+    """`overrides` plus hydra.run.dir=`run_dir`, unless they set one or `run_dir` is None."""
+    if run_dir is None or any(o.lstrip("+").startswith("hydra.run.dir=") for o in overrides):
+        return list(overrides)
+    return [*overrides, f"hydra.run.dir={run_dir}"]
+
+
+def cli(*overrides: str, cwd: Path, run_dir: Path | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+    """`python -m runner *overrides` in `cwd`; adds hydra.run.dir=`run_dir` unless the overrides set one."""
+    return python("-m", "runner", *with_run_dir(overrides, run_dir), cwd=cwd, **kwargs)
+
+
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+
+
+def torchrun(*overrides: str, cwd: Path, **kwargs: Any) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 -m runner *overrides` in `cwd`."""
+    return python(*TORCHRUN, "-m", "runner", *overrides, cwd=cwd, **kwargs)
+
+
+def popen(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python *args` started in the background; stdout dropped, stderr kept (proc.communicate()[1])."""
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=child_env(**(env or {})),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(proc: subprocess.Popen, pattern: str, cwd: Path, timeout: float = 120) -> Path:
+    """The first path matching the glob `pattern` under `cwd`, waited for while `proc` runs."""
+    deadline = time.monotonic() + timeout
+    while not (found := sorted(Path(cwd).glob(pattern))):
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"exited ({proc.returncode}) before {pattern} appeared:\n{proc.communicate()[1][-3000:]}"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{pattern} never appeared under {cwd}:\n{proc.communicate()[1][-3000:]}")
+        time.sleep(0.02)
+    return found[0]
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    """What a failed process said: its exit code and the ends of its output."""
+    return f"--- rc={proc.returncode}\n--- stdout:\n{proc.stdout[-3000:]}\n--- stderr:\n{proc.stderr[-3000:]}"
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """`proc`, which must have exited 0."""
+    assert proc.returncode == 0, explain(proc)
+    return proc
+
+
+# Independent runs of a module start together (most of a tiny run is interpreter and import time, one core each).
+WORKERS = max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2)
+
+
+def start_all(jobs: dict[str, Callable[[], Any]], workers: int | None = None) -> dict[str, Future]:
+    """Start every job (a function that runs processes and returns what the tests check) in worker threads;
+    name -> its future. A test that needs a job's outcome calls .result(): the job's error fails that test only."""
+    pool = ThreadPoolExecutor(max_workers=workers or min(len(jobs), WORKERS), thread_name_prefix="e2e")
+    futures = {name: pool.submit(job) for name, job in jobs.items()}
+    pool.shutdown(wait=False)
+    return futures
+
+
+# ---- wandb's offline files ----------------------------------------------------------------------------------------
+def records(path: Path) -> Iterator[Any]:
+    """The protobuf records of a `.wandb` file: wandb's LevelDB-style log (32 KiB blocks, 7-byte chunk headers)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block = path.read_bytes(), 32768
+    if len(data) < 7:  # still being written
+        return
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), "not a wandb transaction log"
+    pos, parts = 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if left < 7 or (length, kind) == (0, 0):  # the padded end of a block
+            pos += left
+            continue
+        if pos + 7 + length > len(data):  # a chunk still being written
+            return
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = pb.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def offline_run(folder: Path) -> dict[str, Any]:
+    """What the one offline run under `folder/wandb` holds: run facts, config, history rows by step, summary, exit."""
+    (run_dir,) = (Path(folder) / "wandb").glob("offline-run-*")
+    return read_run(run_dir)
+
+
+def read_run(run_dir: Path, timeout_s: float = 30.0) -> dict[str, Any]:
+    """What an offline run folder (`wandb/offline-run-*`) holds, once its exit record is there.
+
+    In the process that logged it, wandb's service may still be flushing the file when finish() returns (the service
+    outlives the run); a process that has exited has written all of it.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (out := _read_log(run_dir))["exit"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return out
+
+
+def _read_log(run_dir: Path) -> dict[str, Any]:
+    (log,) = run_dir.glob("run-*.wandb")
+    out: dict[str, Any] = {"dir": run_dir, "history": {}, "summary": {}, "exit": None}
+    for record in records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            r = record.run
+            out.update(id=r.run_id, name=r.display_name, group=r.run_group, job_type=r.job_type, project=r.project)
+            out["config"] = {i.key: json.loads(i.value_json) for i in r.config.update}
+        elif kind == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            out["history"].setdefault(row["_step"], {}).update(row)
+        elif kind == "summary":
+            out["summary"].update(
+                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.summary.update}
+            )
+        elif kind == "exit":
+            out["exit"] = record.exit.exit_code
+    return out
+
+
+def same_history(run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Every metrics.jsonl value is in wandb's history at the same optimizer step."""
+    assert {row["step"] for row in rows} == set(run["history"])
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":
+                assert run["history"][row["step"]][key] == value, (row["step"], key)

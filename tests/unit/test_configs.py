@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_job
+from helpers import CONF_DIR, compose_job
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +30,6 @@ from runner.progress import Duration, parse_duration
 from runner.run import Callback, Logger, Run
 from runner.schedulers import OnMetric, PerStep
 
-CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
 EXPECTED_GROUPS = {
     "model",
     "data",

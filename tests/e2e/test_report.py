@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli
+from helpers import cli, explain, python, read_json, results_csv
 
 from runner.report import PLOT_DPI, PLOT_SIZE, main
 
@@ -24,14 +22,9 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("report")
     folder = root / "sweep"
     proc = cli("-m", *TINY, "logger=jsonl", "optimizer.lr=1e-3,3e-2", f"hydra.sweep.dir={folder}", cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     (folder / "results.csv").unlink()
     return folder
-
-
-def rows(path: Path) -> dict[str, dict[str, str]]:
-    with path.open(newline="") as f:
-        return {row["job"]: row for row in csv.DictReader(f)}
 
 
 def image(path: Path) -> np.ndarray:
@@ -52,10 +45,10 @@ def test_a_finished_sweep_gets_its_leaderboard_csv_and_curves(finished: Path, ca
     pytest.importorskip("matplotlib")
     assert main([str(finished)]) == 0
     out = capsys.readouterr().out
-    table = rows(finished / "results.csv")
+    table = results_csv(finished / "results.csv")
     assert set(table) == {"0", "1"}
     for job, row in table.items():
-        done = json.loads((finished / job / "summary.json").read_text())
+        done = read_json(finished / job / "summary.json")
         assert row["status"] == "completed" and float(row["best"]) == done["best"]["value"]
         assert row["optimizer.lr"] == ["0.001", "0.03"][int(job)]
     # best first: the table's first row is the job with the lower best val/loss
@@ -77,7 +70,7 @@ def test_sort_by_another_metric_and_top(finished: Path, tmp_path: Path, capsys: 
         == 0
     )
     out = capsys.readouterr().out
-    table = rows(tmp_path / "results.csv")
+    table = results_csv(tmp_path / "results.csv")
     winner = max(table, key=lambda job: float(table[job]["val/acc"]))
     body = [line for line in out.splitlines() if line.startswith("│")]
     assert len(body) == 1 and body[0].split("│")[1].strip() == winner  # --top 1: the best job only
@@ -94,7 +87,7 @@ def test_a_sweep_still_running_is_reported(finished: Path, tmp_path: Path, capsy
     lines = (live / "1" / "metrics.jsonl").read_text().splitlines()
     (live / "1" / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:10])
     assert main([str(live), "--plot", "val/loss"]) == 0
-    table = rows(live / "results.csv")
+    table = results_csv(live / "results.csv")
     assert table["0"]["status"] == "completed" and table["1"]["status"] == "running"
     seen = [json.loads(line) for line in lines[:2]]
     assert int(table["1"]["step"]) == seen[-1]["step"]
@@ -106,7 +99,7 @@ def test_a_sweep_still_running_is_reported(finished: Path, tmp_path: Path, capsy
 def test_a_single_run_folder_is_a_one_row_report(finished: Path, capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("matplotlib")
     assert main([str(finished / "1"), "--plot", "val/acc"]) == 0
-    assert list(rows(finished / "1" / "results.csv")) == ["1"]
+    assert list(results_csv(finished / "1" / "results.csv")) == ["1"]
     assert has_colour(image(finished / "1" / "plots" / "val_acc.png"), BLUE)
 
 
@@ -120,9 +113,7 @@ def test_without_matplotlib_the_table_and_csv_still_come(
 
 
 def test_bad_input_exits_2_with_the_reason(finished: Path, tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "runner.report", str(tmp_path / "missing")], capture_output=True, text=True, check=False
-    )
+    proc = python("-m", "runner.report", str(tmp_path / "missing"), cwd=tmp_path)
     assert proc.returncode == 2 and f"error: {tmp_path / 'missing'} is not a folder" in proc.stderr
     assert main([str(tmp_path)]) == 2  # an empty folder: no runs
     assert main([str(finished), "--metric", "val/bogus", "--no-plot", "--out", str(tmp_path / "x")]) == 2

@@ -1,63 +1,23 @@
-"""Checkpoints: exact resume, atomic and verified files, rotation, safe loading, init_from."""
+"""Checkpoints in-process: exact resume, verified files, rotation, safe loading, init_from, a failed background save.
+Killed and signalled CLI runs: tests/e2e/test_checkpoint_cli.py."""
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import CountSteps, StopAt, assert_same_state, make_run, metric_rows
 
+from runner.ckpt.callback import Checkpoint
 from runner.ckpt.files import CheckpointError, checkpoints, load_checkpoint, load_weights, newest_valid, read_manifest
-from runner.run import Callback, Run
+from runner.loop import fit
+from runner.run import Run
 from runner.train import train
-
-TIMING = {"train/samples_per_s", "sys/peak_memory_mb"}  # wall-clock figures: the only ones a resume may change
-
-
-class StopAt(Callback):
-    """Asks the loop to stop at `step` as a preemption would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_optimizer_step(self, run: Run) -> None:
-        if run.progress.step == self.step:
-            run.request_stop("preempted")
-
-
-class CountSteps(Callback):
-    """Counts the optimizer steps this process trained."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def on_optimizer_step(self, run: Run) -> None:
-        self.steps += 1
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
-
-
-def _same_state(a: Run, b: Run) -> None:
-    for (name, x), (_, y) in zip(a.task.state_dict().items(), b.task.state_dict().items(), strict=True):
-        assert torch.equal(x, y), name
-    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
-    for key in sa["state"]:
-        for field, value in sa["state"][key].items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["state"][key][field])), (key, field)
-    assert [g["lr"] for g in a.optimizer.param_groups] == [g["lr"] for g in b.optimizer.param_groups]
-
 
 EXACT_CASES = [  # every value of each factor at least once: accumulation, loader workers, scheduler
     pytest.param(1, 0, "cosine", 30, id="acc1-workers0-cosine"),
@@ -93,8 +53,8 @@ def test_stop_and_resume_equals_the_uninterrupted_run(
     second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"), extra_callbacks=[counter])
     assert second.progress.step == 2 * n and second.stop_reason == "max_duration"
     assert counter.steps == n  # it did resume: only the second half was trained here
-    _same_state(whole, second)
-    assert _rows(tmp_path / "split") == _rows(tmp_path / "whole")  # no duplicate or orphaned rows either
+    assert_same_state(whole, second)
+    assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")  # no duplicate or orphaned rows either
 
 
 def test_sae_resume_is_exact(compose_cfg: Callable, tmp_path: Path) -> None:
@@ -114,8 +74,8 @@ def test_sae_resume_is_exact(compose_cfg: Callable, tmp_path: Path) -> None:
     assert whole.task.n_dead > 0
     train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(5)])
     second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"))
-    _same_state(whole, second)
-    assert _rows(tmp_path / "split") == _rows(tmp_path / "whole")
+    assert_same_state(whole, second)
+    assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
 
 
 def _trained(compose_cfg: Callable, run_dir: Path, *overrides: str) -> Run:
@@ -144,7 +104,7 @@ def test_rotation_keeps_the_last_k_and_the_best_k(compose_cfg: Callable, tmp_pat
         "monitor=val/acc",
         "mode=max",
     )
-    validations = {r["step"]: r["val/acc"] for r in _rows(tmp_path) if "val/acc" in r}
+    validations = {r["step"]: r["val/acc"] for r in metric_rows(tmp_path) if "val/acc" in r}
     assert sorted(validations) == [3, 6, 9, 12]
     # ties broken towards the later step, as a rotation that sorts by value and keeps the newest first would
     best_two = sorted(validations, key=lambda s: (validations[s], s), reverse=True)[:2]
@@ -245,95 +205,7 @@ def test_init_from_loads_weights_and_reports_mismatches(compose_cfg: Callable, t
         assert torch.equal(x, y), name
 
 
-def _launch(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """The CLI (through tests/_launch.py and its test-only slowdowns) on digits with checkpoints every 10 steps."""
-    args = [
-        "+experiment=digits",
-        "trainer.max_duration=60st",
-        "trainer.val_interval=10st",
-        "logger=jsonl",
-        "callbacks.checkpoint.interval=10st",
-        f"hydra.run.dir={run_dir}",
-        *overrides,
-    ]
-    return subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "_launch.py"), *args],
-        env={**os.environ, "WANDB_MODE": "offline", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
-
-
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    proc = _launch(run_dir)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    return run_dir
-
-
-@pytest.mark.slow
-def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path) -> None:
-    proc = _launch(tmp_path, env={"RUNNER_TEST_SLOW_SAVE": "step-00000020:60"})
-    _wait_for(tmp_path / "checkpoints" / ".tmp-step-00000020", proc)
-    proc.kill()  # SIGKILL while the checkpoint of step 20 is being written
-    proc.wait()
-    assert [p.name for p in checkpoints(tmp_path / "checkpoints")] == ["step-00000010"]
-    resumed = _launch(tmp_path, "resume=auto")
-    _, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err[-2000:]
-    assert "resuming from" in err and "step-00000010" in err
-    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the half-written folder was cleaned up
-    for name, tensor in _weights(uninterrupted).items():
-        assert torch.equal(tensor, _weights(tmp_path)[name]), name
-    assert _rows(tmp_path) == _rows(uninterrupted)
-
-
-@pytest.mark.slow
-def test_sigterm_checkpoints_exits_75_and_resumes(uninterrupted: Path, tmp_path: Path) -> None:
-    proc = _launch(tmp_path, env={"RUNNER_TEST_STEP_SLEEP": "0.03"})
-    _wait_for(tmp_path / "checkpoints" / "step-00000010", proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err[-2000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["stop_reason"] == "preempted" and 10 <= summary["progress"]["step"] < 60
-    stopped_at = summary["progress"]["step"]
-    assert checkpoints(tmp_path / "checkpoints")[0].name == f"step-{stopped_at:08d}"
-    assert "resume=auto" in err
-    resumed = _launch(tmp_path, "resume=auto")
-    _, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err[-2000:]
-    assert json.loads((tmp_path / "summary.json").read_text())["stop_reason"] == "max_duration"
-    assert (tmp_path / ".hydra" / "config.yaml").is_file()  # the first launch's config is kept
-    assert list((tmp_path / ".hydra").glob("resume-*/overrides.yaml"))
-    for name, tensor in _weights(uninterrupted).items():
-        assert torch.equal(tensor, _weights(tmp_path)[name]), name
-    assert _rows(tmp_path) == _rows(uninterrupted)
-
-
 def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path: Path) -> None:
-    from test_loop import make_run
-
-    from runner.ckpt.callback import Checkpoint
-    from runner.loop import fit
-
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")  # the checkpoint folder would have to live inside a file: the writer thread fails
     steps = CountSteps()

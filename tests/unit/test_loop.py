@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import Regression, make_run, regression_data
 from torch import nn
 
 from runner import ConfigError
@@ -15,87 +16,8 @@ from runner.callbacks.ema import EMA
 from runner.data import DataModule, TensorData
 from runner.dist.strategies import Single
 from runner.loop import check_monitors, fit
-from runner.precision import FP32
-from runner.progress import TrainingProgress
-from runner.run import Callback, Run, Settings, State
-from runner.schedulers import constant, plateau
-
-
-class Regression(nn.Module):
-    """Linear regression; `poison` makes training_step return NaN losses at the given optimizer steps."""
-
-    def __init__(self, poison_from: int | None = None) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 1)
-        self.poison_from = poison_from
-        self.calls = 0
-
-    def training_step(self, batch):
-        x, y = batch
-        self.calls += 1
-        loss = ((self.linear(x) - y) ** 2).mean()
-        if self.poison_from is not None and self.calls > self.poison_from:
-            loss = loss * float("nan")
-        return {"loss": loss}
-
-    def validation_step(self, batch):
-        x, y = batch
-        return {"loss": ((self.linear(x) - y) ** 2).mean()}
-
-
-def _data(n: int = 64, seed: int = 0) -> dict[str, TensorData]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1
-    return {"train": TensorData(x, y), "val": TensorData(x[:16], y[:16])}
-
-
-def make_run(
-    task: nn.Module | None = None,
-    *,
-    max_duration: str = "20st",
-    batch_size: int = 8,
-    accumulate: int = 1,
-    lr: float = 0.05,
-    val_interval: str = "1ep",
-    shuffle: bool = True,
-    callbacks=(),
-    schedule=None,
-    max_nonfinite_steps: int = 10,
-    splits=None,
-    clip: float | None = None,
-) -> Run:
-    torch.manual_seed(0)
-    task = task or Regression()
-    data = DataModule(splits or _data(), batch_size=batch_size, shuffle=shuffle, seed=0)
-    train, val = data.train_loader(accumulate=accumulate), data.val_loader()
-    opt = torch.optim.SGD(task.parameters(), lr=lr)
-    progress = TrainingProgress(
-        max_duration,
-        batch_size=batch_size,
-        batches_per_epoch=len(train),
-        samples_per_epoch=train.batch_sampler.samples_per_epoch,
-        accumulate=accumulate,
-    )
-    schedule = (schedule or constant)(optimizer=opt, progress=progress)
-    settings = Settings(
-        val_interval=progress.resolve(val_interval),
-        log_interval=progress.resolve("1st"),
-        gradient_clip_val=clip,
-        max_nonfinite_steps=max_nonfinite_steps,
-    )
-    return Run(
-        task=task,
-        optimizer=opt,
-        schedule=schedule,
-        precision=FP32(),
-        strategy=Single("cpu"),
-        train_loader=train,
-        val_loader=val,
-        settings=settings,
-        state=State(progress),
-        callbacks=list(callbacks),
-    )
+from runner.run import Callback, Run
+from runner.schedulers import plateau
 
 
 class Recorder(Callback):
@@ -153,7 +75,7 @@ def test_short_epoch_end_window_is_a_mean_over_its_own_micro_batches():
     acc.optimizer.register_step_pre_hook(lambda *_: grads.append(acc.task.linear.weight.grad.detach().clone()))
     fit(acc)
     assert acc.progress.step == 3 and acc.progress.micro_batch == 8
-    x, y = _data()["train"].tensors
+    x, y = regression_data()["train"].tensors
     ref = Regression()
     ref.load_state_dict(acc.task.state_dict())
     loss = ((ref.linear(x[48:]) - y[48:]) ** 2).mean()
@@ -166,7 +88,7 @@ def test_the_short_last_step_of_an_epoch_is_the_mean_over_its_samples_however_it
     # 50 samples in global batches of 32: the epoch's second step has 18 samples, cut into micro-batches of unequal
     # sizes (16 x 2: 9 + 9; 8 x 4: 6 + 6 + 6; 4 x 8: 4 + 4 + 4 + 3 + 3). Each micro-batch's loss is weighted by its
     # share of the 18, so both steps equal those of one batch of 32 and one of 18, over two epochs.
-    splits = _data(50)
+    splits = regression_data(50)
     one = make_run(max_duration="2ep", batch_size=32, splits=splits, lr=0.1)
     split = make_run(max_duration="2ep", batch_size=batch_size, accumulate=accumulate, splits=splits, lr=0.1)
     fit(one)
@@ -235,7 +157,7 @@ def test_plateau_steps_once_per_validation_and_needs_a_validation_metric():
     fit(run)
     # the validation loss never improves after the first of 4 validations (+1 final, unhooked): 3 halvings, not 3 x 8
     assert run.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**3)
-    no_val = make_run(schedule=plateau, splits={"train": _data()["train"]})
+    no_val = make_run(schedule=plateau, splits={"train": regression_data()["train"]})
     with pytest.raises(ConfigError, match="never validates"):
         check_monitors(no_val)
 
@@ -313,7 +235,7 @@ class _TwoIdenticalRanks(Single):
 
 
 def test_tokens_are_summed_over_ranks_once_per_step():
-    x, y = _data(48)["train"].tensors
+    x, y = regression_data(48)["train"].tensors
     task = Regression()
     task.training_step = lambda batch: {"loss": ((task.linear(batch["x"]) - batch["y"]) ** 2).mean()}
     run = make_run(task, max_duration="3st", batch_size=8, accumulate=2, splits={"train": _Tokens(x, y)})
@@ -361,7 +283,7 @@ def _hand_loop(steps: int, clip: float, accumulate: int = 1) -> tuple[torch.Tens
     """The same training as make_run(), written by hand with clip_grad_norm_: weights, losses and grad norms."""
     torch.manual_seed(0)
     task = Regression()
-    train = DataModule(_data(), batch_size=8, seed=0).train_loader()
+    train = DataModule(regression_data(), batch_size=8, seed=0).train_loader()
     opt = torch.optim.SGD(task.parameters(), lr=0.05)
     losses, norms, step, epoch, window = [], [], 0, 0, []
     while step < steps:

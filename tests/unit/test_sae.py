@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_job
+from helpers import compose_job
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -36,8 +36,6 @@ from runner.build import build
 from runner.ckpt.files import save_weights
 from runner.loop import fit
 from runner.run import Run
-
-CONF_DIR = (Path(__file__).resolve().parents[1] / "conf").resolve()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -2,34 +2,46 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import pytest
+from helpers import ROOT, ok, python, read_json, start_all
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
-
-
-def _run(script: str, *args: str, tmp_path: Path, timeout: int = 300) -> dict:
-    out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(out.read_text())
+# script -> its smoke arguments (the slowest first: they start in this order, two at a time)
+SMOKE = {
+    # DDP with no_sync accumulation, runner and hand-written, and their one-process baselines: four jobs, two of them
+    # torchrun with 2 processes (all nine take over a minute of startup on 2 busy cores)
+    "ddp": ["--smoke", "--contenders", "ddp_acc", "hand_ddp_acc"],
+    "overhead": ["--steps", "30", "--warmup", "5", "--reps", "1", "--sizes", "tiny"],
+    "startup": ["--steps", "3", "--reps", "1"],
+    "sae_throughput": ["--steps", "4", "--reps", "1", "--batch", "256"],
+    "checkpoint": ["--sizes", "5", "--reps", "2"],
+}
 
 
-def test_overhead_smoke(tmp_path: Path) -> None:
-    result = _run("overhead.py", "--steps", "30", "--warmup", "5", "--reps", "1", "--sizes", "tiny", tmp_path=tmp_path)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
+    """Every script of SMOKE run once (figures on one thread per process): name -> future of its --json output."""
+    root = tmp_path_factory.mktemp("benchmarks")
+
+    def job(name: str) -> Callable[[], dict]:
+        def run() -> dict:
+            (root / name).mkdir()
+            out, args = root / name / "out.json", SMOKE[name]
+            extra = ["--dir", str(root / name)] if name == "checkpoint" else []
+            script = str(ROOT / "benchmarks" / f"{name}.py")
+            ok(python(script, *args, *extra, "--json", str(out), cwd=root / name, timeout=600))
+            return read_json(out)
+
+        return run
+
+    return start_all({name: job(name) for name in SMOKE})
+
+
+def test_overhead_smoke(results: dict[str, Future]) -> None:
+    result = results["overhead"].result()
     tiny = result["sizes"]["tiny"]
     assert set(tiny["contenders"]) == {"hand", "runner", "lightning", "runner_usual", "lightning_usual"}
     # The same arithmetic in every contender: a correctness check, not only a speed one.
@@ -41,8 +53,8 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     assert tiny["contenders"]["hand"]["ratio_to_hand"]["median"] == 1.0
 
 
-def test_startup_smoke(tmp_path: Path) -> None:
-    result = _run("startup.py", "--steps", "3", "--reps", "1", tmp_path=tmp_path)
+def test_startup_smoke(results: dict[str, Future]) -> None:
+    result = results["startup"].result()
     for name in ("hand", "runner", "runner_usual"):
         row = result["contenders"][name]
         assert 0 < row["to_first_step_s"]["median"] < row["wall_s"]["median"]
@@ -50,24 +62,22 @@ def test_startup_smoke(tmp_path: Path) -> None:
     assert result["compose_compose_s"]["median"] > 0
 
 
-def test_sae_throughput_smoke(tmp_path: Path) -> None:
-    result = _run("sae_throughput.py", "--steps", "4", "--reps", "1", "--batch", "256", tmp_path=tmp_path)
+def test_sae_throughput_smoke(results: dict[str, Future]) -> None:
+    result = results["sae_throughput"].result()
     assert result["max_decoder_diff"] == 0.0
     assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0
 
 
-def test_checkpoint_smoke(tmp_path: Path) -> None:
-    result = _run("checkpoint.py", "--sizes", "5", "--reps", "2", "--dir", str(tmp_path), tmp_path=tmp_path)
+def test_checkpoint_smoke(results: dict[str, Future]) -> None:
+    result = results["checkpoint"].result()
     row = result["sizes"]["5.0"]
     assert 3 < row["state_mb"] < 8
     assert 0 < row["blocked_ms"] and 0 < row["sync_ms"] and row["written_ms"] >= row["blocked_ms"]
     assert row["resume_ms"] > 0
 
 
-def test_ddp_smoke(tmp_path: Path) -> None:
-    # DDP with no_sync accumulation, runner and hand-written, and their one-process baselines: four jobs, two of them
-    # torchrun with 2 processes (all nine take over a minute of startup on 2 busy cores)
-    result = _run("ddp.py", "--smoke", "--contenders", "ddp_acc", "hand_ddp_acc", tmp_path=tmp_path, timeout=600)
+def test_ddp_smoke(results: dict[str, Future]) -> None:
+    result = results["ddp"].result()
     rows = result["contenders"]
     assert set(rows) == {"ddp_acc", "single_acc", "hand_ddp_acc", "hand_single_acc"}
     assert rows["ddp_acc"]["layout"] == "2 x 32 x 4" and rows["single_acc"]["layout"] == "1 x 64 x 4"

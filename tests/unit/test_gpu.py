@@ -3,13 +3,12 @@ pinned checkpoint buffers, and an exact resume that restores the CUDA RNG state.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import CountSteps, StopAt, _rows, _same_state
+from helpers import CountSteps, StopAt, assert_same_state, jsonl, metric_rows, summary
 
 from runner.ckpt.callback import Checkpoint
 from runner.train import train
@@ -28,9 +27,9 @@ def test_digits_trains_on_the_gpu_in_every_precision(compose_cfg: Callable, tmp_
         )
     )
     assert run.device.type == "cuda" and next(run.task.parameters()).is_cuda
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["stop_reason"] == "max_duration" and summary["metrics"]["val/acc"] > 0.9, summary
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    done = summary(tmp_path / "run")
+    assert done["stop_reason"] == "max_duration" and done["metrics"]["val/acc"] > 0.9, done
+    rows = jsonl(tmp_path / "run")
     assert all(r["sys/peak_memory_mb"] > 0 for r in rows if "sys/peak_memory_mb" in r)  # the CUDA allocator's peak
     saver = next(cb for cb in run.callbacks if isinstance(cb, Checkpoint))
     # copies from the GPU go to page-locked memory (the weights; RNG states and counters are CPU tensors anyway)
@@ -58,5 +57,5 @@ def test_stop_and_resume_on_the_gpu_is_exact(compose_cfg: Callable, tmp_path: Pa
     counter = CountSteps()
     second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"), extra_callbacks=[counter])
     assert counter.steps == 20 and second.progress.step == 40
-    _same_state(whole, second)
-    assert _rows(tmp_path / "split") == _rows(tmp_path / "whole")
+    assert_same_state(whole, second)
+    assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")

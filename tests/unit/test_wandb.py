@@ -1,109 +1,22 @@
 """wandb: offline runs inside the job folder with the config and the history, the run id kept across a resume, and
-wandb failing (no key, no network, a broken init) never stops training. One run per sweep job: tests/test_sweep.py."""
+wandb failing (no key, no network, a broken init) never stops training. One run per sweep job:
+tests/e2e/test_sweep.py."""
 
 from __future__ import annotations
 
-import json
-import struct
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_checkpoint import StopAt
+from helpers import StopAt, jsonl, offline_run, read_run, same_history, summary
 
 from runner.log.wandb_logger import WandbLogger, has_api_key
 from runner.train import train
 
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=10st", "trainer.log_interval=5st"]
-WANDB = "logger=[console,jsonl,wandb]"
 
 
-def records(path: Path) -> Iterator[Any]:
-    """The protobuf records of a `.wandb` file: wandb's LevelDB-style log (32 KiB blocks, 7-byte chunk headers)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, block = path.read_bytes(), 32768
-    if len(data) < 7:  # still being written
-        return
-    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), "not a wandb transaction log"
-    pos, parts = 7, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if left < 7 or (length, kind) == (0, 0):  # the padded end of a block
-            pos += left
-            continue
-        if pos + 7 + length > len(data):  # a chunk still being written
-            return
-        parts += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a full record, or the last chunk of one
-            record = pb.Record()
-            record.ParseFromString(parts)
-            parts = b""
-            yield record
-
-
-def offline_run(folder: Path) -> dict[str, Any]:
-    """What the one offline run under `folder/wandb` holds: run facts, config, history rows by step, summary, exit."""
-    (run_dir,) = (folder / "wandb").glob("offline-run-*")
-    return read_run(run_dir)
-
-
-def read_run(run_dir: Path, timeout_s: float = 30.0) -> dict[str, Any]:
-    """What an offline run folder (`wandb/offline-run-*`) holds, once its exit record is there.
-
-    In the process that logged it, wandb's service may still be flushing the file when finish() returns (the service
-    outlives the run); a process that has exited has written all of it.
-    """
-    deadline = time.monotonic() + timeout_s
-    while (out := _read_log(run_dir))["exit"] is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return out
-
-
-def _read_log(run_dir: Path) -> dict[str, Any]:
-    (log,) = run_dir.glob("run-*.wandb")
-    out: dict[str, Any] = {"dir": run_dir, "history": {}, "summary": {}, "exit": None}
-    for record in records(log):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            r = record.run
-            out.update(id=r.run_id, name=r.display_name, group=r.run_group, job_type=r.job_type, project=r.project)
-            out["config"] = {i.key: json.loads(i.value_json) for i in r.config.update}
-        elif kind == "history":
-            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-            out["history"].setdefault(row["_step"], {}).update(row)
-        elif kind == "summary":
-            out["summary"].update(
-                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.summary.update}
-            )
-        elif kind == "exit":
-            out["exit"] = record.exit.exit_code
-    return out
-
-
-def jsonl(folder: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WANDB_MODE", "offline")
-
-
-def same_history(run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """Every metrics.jsonl value is in wandb's history at the same optimizer step."""
-    assert {row["step"] for row in rows} == set(run["history"])
-    for row in rows:
-        for key, value in row.items():
-            if key != "step":
-                assert run["history"][row["step"]][key] == value, (row["step"], key)
-
-
-@pytest.mark.slow
 def test_a_run_logs_offline_in_its_folder_and_a_resumed_run_continues_it(
     offline: None, compose_cfg: Callable, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -126,7 +39,7 @@ def test_a_run_logs_offline_in_its_folder_and_a_resumed_run_continues_it(
     resumed = read_run(after)
     assert resumed["id"] == run["id"]  # one wandb run, two launches: `wandb sync` uploads both into it
     same_history(resumed, jsonl(tmp_path / "run")[2:])  # steps 15 and 20, after the checkpoint's step
-    done = json.loads((tmp_path / "run" / "summary.json").read_text())
+    done = summary(tmp_path / "run")
     assert resumed["summary"]["stop_reason"] == "max_duration" and resumed["exit"] == 0
     assert resumed["summary"]["best/val/loss"] == done["best"]["value"]
 
@@ -207,7 +120,6 @@ def test_without_an_api_key_it_logs_offline_and_says_how_to_sync(
     assert f"logging offline to {where}; upload it with `wandb sync {where}`" in err
 
 
-@pytest.mark.slow
 def test_without_a_network_it_falls_back_to_offline(
     no_credentials: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -1,0 +1,99 @@
+"""Checkpoints of the real CLI under fire: SIGKILL in the middle of a save, SIGTERM (a preemption) and resume=auto,
+each equal in the end to a run that was never interrupted. The slowdowns are test callbacks (tests/_tasks.py)."""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import assert_same_weights, cli, metric_rows, ok, popen, start_all, summary, wait_for, with_run_dir
+
+from runner.ckpt.files import checkpoints
+
+# digits with a checkpoint every 10 steps
+ARGS = [
+    "+experiment=digits",
+    "trainer.max_duration=60st",
+    "trainer.val_interval=10st",
+    "logger=jsonl",
+    "callbacks.checkpoint.interval=10st",
+]
+# The checkpoint callback whose writer stalls in the middle of writing step 20 (tests/_tasks.py). The resumed launch
+# names the same class, without the stall: callback states are restored by position and class.
+SLOW_CHECKPOINT = ["callbacks.checkpoint._target_=_tasks.SlowCheckpoint"]
+STALL_AT_20 = ["+callbacks.checkpoint.slow_folder=step-00000020", "+callbacks.checkpoint.seconds=60"]
+# 50 ms after every optimizer step: the run is still training when the test signals it
+SLOW_STEPS = ["+callbacks.slow._target_=_tasks.SleepEachStep", "+callbacks.slow.seconds=0.05"]
+
+
+def launch(run_dir: Path, *overrides: str):
+    """The CLI on ARGS in the background."""
+    return popen("-m", "runner", *with_run_dir([*ARGS, *overrides], run_dir), cwd=run_dir.parent)
+
+
+def uninterrupted(run_dir: Path) -> Path:
+    ok(cli(*ARGS, cwd=run_dir.parent, run_dir=run_dir))
+    return run_dir
+
+
+def killed_during_a_save(run_dir: Path) -> dict[str, Any]:
+    """SIGKILL while the checkpoint of step 20 is being written, then resume=auto."""
+    proc = launch(run_dir, *SLOW_CHECKPOINT, *STALL_AT_20)
+    wait_for(proc, "checkpoints/.tmp-step-00000020", run_dir)
+    proc.kill()
+    proc.wait()
+    left = [p.name for p in checkpoints(run_dir / "checkpoints")]
+    half_written = sorted(p.name for p in (run_dir / "checkpoints").glob(".tmp-*"))
+    resumed = cli(*ARGS, *SLOW_CHECKPOINT, "resume=auto", cwd=run_dir.parent, run_dir=run_dir)
+    return {"left": left, "half_written": half_written, "resumed": resumed}
+
+
+def preempted(run_dir: Path) -> dict[str, Any]:
+    """SIGTERM once the checkpoint of step 10 exists, then resume=auto."""
+    proc = launch(run_dir, *SLOW_STEPS)
+    wait_for(proc, "checkpoints/step-00000010", run_dir)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    stopped = {"code": proc.returncode, "err": err, "summary": summary(run_dir)}
+    stopped["newest"] = checkpoints(run_dir / "checkpoints")[0].name
+    resumed = cli(*ARGS, "resume=auto", cwd=run_dir.parent, run_dir=run_dir)
+    return {"stopped": stopped, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
+    """The three at once, each in <tmp>/<name>: name -> future of what its function returns."""
+    root = tmp_path_factory.mktemp("checkpoint_cli")
+    jobs = {"uninterrupted": uninterrupted, "killed": killed_during_a_save, "preempted": preempted}
+    return start_all({name: (lambda job=job, name=name: job(root / name)) for name, job in jobs.items()}, workers=3)
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(runs: dict[str, Future]) -> None:
+    reference, outcome = runs["uninterrupted"].result(), runs["killed"].result()
+    run_dir = reference.parent / "killed"
+    assert outcome["left"] == ["step-00000010"]  # step 20 never became a checkpoint
+    assert outcome["half_written"] == [".tmp-step-00000020"]  # but its folder was begun
+    resumed = ok(outcome["resumed"])
+    assert "resuming from" in resumed.stderr and "step-00000010" in resumed.stderr
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # the half-written folder was cleaned up
+    assert_same_weights(run_dir, reference)
+    assert metric_rows(run_dir) == metric_rows(reference)
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes(runs: dict[str, Future]) -> None:
+    reference, outcome = runs["uninterrupted"].result(), runs["preempted"].result()
+    run_dir = reference.parent / "preempted"
+    stopped = outcome["stopped"]
+    assert stopped["code"] == 75, stopped["err"][-2000:]
+    assert stopped["summary"]["stop_reason"] == "preempted" and 10 <= stopped["summary"]["progress"]["step"] < 60
+    assert stopped["newest"] == f"step-{stopped['summary']['progress']['step']:08d}"
+    assert "resume=auto" in stopped["err"]
+    ok(outcome["resumed"])
+    assert summary(run_dir)["stop_reason"] == "max_duration"
+    assert (run_dir / ".hydra" / "config.yaml").is_file()  # the first launch's config is kept
+    assert list((run_dir / ".hydra").glob("resume-*/overrides.yaml"))
+    assert_same_weights(run_dir, reference)
+    assert metric_rows(run_dir) == metric_rows(reference)

@@ -1,0 +1,200 @@
+"""The real CLI, `python -m runner ...`, in subprocesses: files written, exact step counts, reproducibility, --help,
+mixed precision, and what a user sees of a configuration error. The module's runs start together (runs below)."""
+
+from __future__ import annotations
+
+import math
+import socket
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import CONF_DIR, cli, explain, jsonl, metric_rows, ok, read_json, start_all
+
+# The digits data: 1797 images; the stratified split rounds each class's 20% share, giving 359 val and 1438 train
+# samples, i.e. 45 micro-batches of 32 per epoch (44 full ones and one of 30).
+TRAIN_SAMPLES, BATCHES_PER_EPOCH, BATCH = 1438, 45, 32
+TRAIN_LOG_KEYS = {
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "train/param_norm",
+    "train/samples_per_s",
+    "sys/peak_memory_mb",
+}
+SUMMARY_KEYS = {"stop_reason", "progress", "metrics", "best", "wall_time_s", "samples_per_s"}
+
+# name -> the command line of one run (longest first: they start in this order)
+RUNS = {
+    "default": ["+experiment=digits"],
+    "two_epochs": ["+experiment=digits", "trainer.max_duration=2ep", "trainer.log_interval=5st"],
+    "accumulate": ["+experiment=digits", "trainer.accumulate_grad_batches=4", "trainer.max_duration=1ep"],
+    # three 30-step runs: seed 0 twice, seed 1 once
+    "seed_a": ["+experiment=digits", "trainer.max_duration=30st", "seed=0"],
+    "seed_b": ["+experiment=digits", "trainer.max_duration=30st", "seed=0"],
+    "seed_other": ["+experiment=digits", "trainer.max_duration=30st", "seed=1"],
+    "bf16": ["+experiment=digits", "precision=bf16", "trainer.max_duration=10st"],
+    "fp16": ["+experiment=digits", "precision=fp16", "trainer.max_duration=10st"],
+    "help": ["--help"],
+    "config_error": ["+experiment=digits", "trainer.accumulate_grad_batches=1000"],
+}
+Runs = dict[str, Future]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every run of RUNS, started together: name -> future (process, its run folder <tmp>/<name>)."""
+    root = tmp_path_factory.mktemp("cli")
+
+    def job(name: str):
+        return lambda: (cli(*RUNS[name], cwd=root, run_dir=root / name), root / name)
+
+    return start_all({name: job(name) for name in RUNS})
+
+
+def finished(runs: Runs, name: str) -> Path:
+    """The folder of run `name`, which must have exited 0."""
+    proc, run_dir = runs[name].result()
+    ok(proc)
+    return run_dir
+
+
+def samples_at(step: int) -> int:
+    """Samples seen after `step` optimizer steps without accumulation: each epoch's last micro-batch is short."""
+    epochs, rest = divmod(step, BATCHES_PER_EPOCH)
+    return epochs * TRAIN_SAMPLES + rest * BATCH
+
+
+def test_two_epochs_write_every_file_with_exact_counts(runs: Runs) -> None:
+    run = finished(runs, "two_epochs")
+
+    config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    assert config["trainer"]["max_duration"] == "2ep" and config["trainer"]["log_interval"] == "5st"
+    hydra_cfg = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
+    assert hydra_cfg["runtime"]["output_dir"] == str(run)
+
+    meta = read_json(run / "run.json")
+    assert {"command", "git", "versions", "hostname", "device", "world_size"} <= set(meta)
+    assert "+experiment=digits" in meta["command"] and "trainer.max_duration=2ep" in meta["command"]
+    assert isinstance(meta["git"], dict) and "commit" in meta["git"]
+    assert meta["versions"]["torch"] == torch.__version__
+    assert meta["hostname"] == socket.gethostname()
+    assert meta["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert meta["world_size"] == 1
+
+    summary = read_json(run / "summary.json")
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["stop_reason"] == "max_duration"
+    progress = summary["progress"]
+    assert (progress["step"], progress["micro_batch"], progress["epoch"]) == (90, 90, 2)
+    assert progress["samples"] == 2 * TRAIN_SAMPLES == 2876
+    assert summary["wall_time_s"] > 0
+    assert summary["samples_per_s"] == pytest.approx(progress["samples"] / summary["wall_time_s"])
+
+    rows = jsonl(run)
+    assert all({"step", "epoch", "samples"} <= set(row) for row in rows)
+    steps = [row["step"] for row in rows]
+    assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), steps
+    assert steps == list(range(5, 91, 5))  # one row per logged step, validations folded into their step's row
+    for row in rows:
+        assert TRAIN_LOG_KEYS <= set(row), row
+        assert all(math.isfinite(row[k]) for k in TRAIN_LOG_KEYS)
+        assert row["samples"] == samples_at(row["step"])
+        assert row["epoch"] == pytest.approx(row["step"] / BATCHES_PER_EPOCH)
+        assert row["train/lr"] == pytest.approx(1e-3)  # plateau cannot drop the LR within two validations
+        has_val = {"val/loss", "val/acc"} <= set(row)
+        assert has_val == (row["step"] in (45, 90)), row
+    val_rows = [row for row in rows if "val/loss" in row]
+    assert val_rows[1]["val/acc"] > val_rows[0]["val/acc"] - 0.05 and val_rows[1]["val/acc"] > 0.8
+
+    best = summary["best"]
+    assert best["monitor"] == "val/loss"
+    assert best["value"] == pytest.approx(min(r["val/loss"] for r in val_rows))
+    assert best["step"] in (45, 90)
+    # early stopping restores the best weights; the final metrics are measured on them
+    assert summary["metrics"]["val/loss"] == pytest.approx(best["value"], rel=1e-5)
+    assert summary["metrics"]["train/loss"] == rows[-1]["train/loss"]
+
+
+def test_gradient_accumulation_counts(runs: Runs) -> None:
+    run = finished(runs, "accumulate")
+    summary = read_json(run / "summary.json")
+    assert summary["stop_reason"] == "max_duration"
+    progress = summary["progress"]
+    assert progress["step"] == math.ceil(BATCHES_PER_EPOCH / 4) == 12
+    assert progress["micro_batch"] == BATCHES_PER_EPOCH
+    assert (progress["epoch"], progress["samples"]) == (1, TRAIN_SAMPLES)
+    rows = jsonl(run)
+    assert [row["step"] for row in rows] == [10, 12]
+    assert rows[0]["samples"] == 10 * 4 * BATCH and "val/loss" not in rows[0]
+    assert rows[1]["epoch"] == pytest.approx(1.0) and "val/loss" in rows[1]
+
+
+def test_same_seed_gives_identical_metrics(runs: Runs) -> None:
+    a, b = jsonl(finished(runs, "seed_a")), jsonl(finished(runs, "seed_b"))
+    assert len(a) >= 3 and [r["step"] for r in a] == [r["step"] for r in b]
+    assert {k for row in a for k in row} >= {"train/loss", "train/grad_norm", "val/loss", "val/acc"}
+    assert metric_rows(finished(runs, "seed_a")) == metric_rows(finished(runs, "seed_b"))
+
+
+def test_different_seed_gives_different_loss(runs: Runs) -> None:
+    loss = [r["train/loss"] for r in jsonl(finished(runs, "seed_a")) if "train/loss" in r]
+    other = [r["train/loss"] for r in jsonl(finished(runs, "seed_other")) if "train/loss" in r]
+    assert len(loss) == len(other) == 3
+    assert loss != other
+
+
+def test_one_metrics_row_per_step_when_run_ends_between_validations(runs: Runs) -> None:
+    steps = [r["step"] for r in jsonl(finished(runs, "seed_a"))]
+    assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), steps
+
+
+def test_a_config_error_is_one_line_on_stderr_exit_code_2_and_no_files(runs: Runs) -> None:
+    # Every configuration error, in-process: tests/unit/test_cli_errors.py. Here, what a user sees of one.
+    proc, run_dir = runs["config_error"].result()
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.startswith("error: "), explain(proc)
+    for fragment in ("accumulate_grad_batches=1000", "does not fit", "45 micro-batches"):
+        assert fragment in proc.stderr, explain(proc)
+    assert "Traceback" not in proc.stdout + proc.stderr, explain(proc)
+    assert len((proc.stdout + proc.stderr).strip().splitlines()) <= 15, explain(proc)
+    # only what Hydra writes before the job starts: no run.json, metrics, summary, checkpoints or wandb
+    assert {p.name for p in run_dir.iterdir()} <= {".hydra", "runner.log"}, sorted(run_dir.iterdir())
+
+
+def test_help_lists_every_group_and_option(runs: Runs) -> None:
+    proc = ok(runs["help"].result()[0])
+    assert "== Configuration groups ==" in proc.stdout and "== Config ==" in proc.stdout
+    section = proc.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
+    lines = {line.split(":", 1)[0]: line.split(":", 1)[1] for line in section.splitlines() if ":" in line}
+    groups = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
+    assert "scheduler" in groups
+    for group in groups:
+        options = {f.stem for f in (CONF_DIR / group).glob("*.yaml")}
+        assert group in lines, proc.stdout
+        assert {o.strip() for o in lines[group].split(",")} == options, lines[group]
+    assert "cosine" in lines["scheduler"] and "plateau" in lines["scheduler"]
+    assert "Durations" in proc.stdout
+
+
+def test_default_digits_run_reaches_97_percent(runs: Runs) -> None:
+    summary = read_json(finished(runs, "default") / "summary.json")
+    assert summary["stop_reason"] in ("early_stopping", "max_duration")
+    assert summary["metrics"]["val/acc"] >= 0.97, summary["metrics"]
+    # measured on the restored best weights: the final val/loss is the best one
+    assert summary["metrics"]["val/loss"] == pytest.approx(summary["best"]["value"], rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs(precision: str, runs: Runs) -> None:
+    proc, run = runs[precision].result()
+    ok(proc)
+    summary = read_json(run / "summary.json")
+    assert summary["stop_reason"] == "max_duration" and summary["progress"]["step"] == 10
+    assert all(math.isfinite(v) for v in summary["metrics"].values()), summary["metrics"]
+    assert summary["nonfinite_steps"] == 0
+    config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    assert config["precision"]["dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    assert any(line.split() == ["precision", precision] for line in proc.stderr.splitlines()), explain(proc)
