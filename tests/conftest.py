@@ -7,12 +7,32 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import CONF_DIR, compose_job
+import torch
+from helpers import CONF_DIR, compose_job, module_runs, run_in_background, stop_runs
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.build import build
 from runner.run import Run
+
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_and_e2e_runs_in_the_background(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator:
+    """In-process tests run on one intra-op thread (tiny models gain nothing from more), and the runs of every
+    selected e2e module start in the background on the other core (helpers.module_runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    modules = dict.fromkeys(item.module for item in request.session.items if E2E in item.path.parents)
+    for module in modules:
+        module_runs(module, tmp_path_factory)
+    run_in_background(1 if modules else 0)
+    yield
+    stop_runs()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -10,12 +10,14 @@ import csv
 import importlib.util
 import json
 import os
+import queue
 import struct
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -261,15 +263,18 @@ TIMEOUT_S = 300  # generous: the machine may be shared; a healthy run takes a fe
 # what a launcher (torchrun, SLURM, submitit) sets: inherited by a test's child, it would make the child a rank
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
+# The environment as the session started: e2e jobs start children in the background while unit tests monkeypatch
+# os.environ (a fake HOME, RANK, WANDB_BASE_URL...), which those children must not inherit.
+SESSION_ENV = dict(os.environ)
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a test's `python -m runner`, torchrun or script: this one without HYDRA_FULL_ERROR (errors
-    look as a user sees them) or a launcher's variables, with wandb offline, one thread per process (runs share
-    the cores) and tests/ on PYTHONPATH (for _tasks); `extra` adds or replaces variables."""
+    """The environment of a test's `python -m runner`, torchrun or script: the session's (SESSION_ENV) without
+    HYDRA_FULL_ERROR (errors look as a user sees them) or a launcher's variables, with wandb offline, one thread per
+    process (runs share the cores) and tests/ on PYTHONPATH (for _tasks); `extra` adds or replaces variables."""
     env = {
         k: v
-        for k, v in os.environ.items()
+        for k, v in SESSION_ENV.items()
         if k != "HYDRA_FULL_ERROR" and k not in LAUNCH_VARS and not k.startswith(LAUNCH_PREFIXES)
     }
     path = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
@@ -347,17 +352,60 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
-# Independent runs of a module start together (most of a tiny run is interpreter and import time, one core each).
-WORKERS = max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2)
+# ---- the e2e tier's runs: started in the background, shared by the tests that check them -----------------------
+# Each e2e module defines `jobs(root, runs) -> {name: job}`: a job is a function that runs processes in its own
+# folder under `root` and returns what the tests check (a job that needs another's outcome calls runs[name].result();
+# it must come after that one). Every selected e2e module's jobs are queued when the session starts (conftest.py):
+# one thread runs them while the unit tier runs in-process on one core, WORKERS threads once the e2e tier starts.
+# Most of a tiny run is interpreter and import time, one core per process; one more job than cores, since some jobs
+# mostly wait (for a signal, a rendezvous, another job).
+WORKERS = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2) + 1
+_QUEUE: queue.SimpleQueue = queue.SimpleQueue()
+_THREADS: list[threading.Thread] = []
+_STARTED: dict[str, dict[str, Future]] = {}
 
 
-def start_all(jobs: dict[str, Callable[[], Any]], workers: int | None = None) -> dict[str, Future]:
-    """Start every job (a function that runs processes and returns what the tests check) in worker threads;
-    name -> its future. A test that needs a job's outcome calls .result(): the job's error fails that test only."""
-    pool = ThreadPoolExecutor(max_workers=workers or min(len(jobs), WORKERS), thread_name_prefix="e2e")
-    futures = {name: pool.submit(job) for name, job in jobs.items()}
-    pool.shutdown(wait=False)
-    return futures
+def module_runs(module: Any, tmp_path_factory: Any) -> dict[str, Future]:
+    """The runs of an e2e module (its `jobs`), queued once: name -> future of the job's outcome. A test calls
+    .result(): a job's error fails the tests that need it, not the others."""
+    if module.__name__ not in _STARTED:
+        runs: dict[str, Future] = {}
+        root = tmp_path_factory.mktemp(module.__name__.rpartition(".")[2].removeprefix("test_"))
+        for name, job in module.jobs(root, runs).items():
+            runs[name] = Future()
+            _QUEUE.put((runs[name], job))
+        _STARTED[module.__name__] = runs
+    return _STARTED[module.__name__]
+
+
+def _work() -> None:
+    while (item := _QUEUE.get()) is not None:
+        future, job = item
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(job())
+            except BaseException as error:  # noqa: BLE001 - the test that needs the outcome raises it
+                future.set_exception(error)
+
+
+def run_in_background(threads: int) -> None:
+    """Let `threads` threads (at least) take queued jobs."""
+    while len(_THREADS) < threads:
+        _THREADS.append(threading.Thread(target=_work, name=f"e2e-{len(_THREADS)}"))
+        _THREADS[-1].start()
+
+
+def stop_runs() -> None:
+    """Cancel the jobs not started yet (a session cut short) and let the threads end after their current job."""
+    while True:
+        try:
+            item = _QUEUE.get_nowait()
+        except queue.Empty:
+            break
+        if item is not None:
+            item[0].cancel()
+    for _ in _THREADS:
+        _QUEUE.put(None)
 
 
 # ---- wandb's offline files ----------------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""The e2e tier: every test here is `slow` (subprocesses of the real CLI, torchrun, launchers, sweeps, benchmarks)."""
+"""The e2e tier: every test here is `slow` (subprocesses of the real CLI, torchrun, launchers, sweeps, benchmarks).
+
+A module's runs are its `jobs(root, runs)` (see helpers.module_runs); its tests get them from the `runs` fixture."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from helpers import WORKERS, module_runs, run_in_background
 
 E2E = Path(__file__).resolve().parent
 
@@ -13,3 +17,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if E2E in item.path.parents:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
+    """This module's runs (queued when the session started, or now): name -> future of what its job returned. From
+    the first e2e module on, WORKERS jobs run at once."""
+    run_in_background(WORKERS)
+    return module_runs(request.module, tmp_path_factory)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 
-import pytest
-from helpers import ROOT, ok, python, read_json, start_all
+from helpers import ROOT, ok, python, read_json
 
-# script -> its smoke arguments (the slowest first: they start in this order, two at a time)
+# script -> its smoke arguments (the slowest first: they start in this order)
 SMOKE = {
     # DDP with no_sync accumulation, runner and hand-written, and their one-process baselines: four jobs, two of them
     # torchrun with 2 processes (all nine take over a minute of startup on 2 busy cores)
@@ -21,10 +21,8 @@ SMOKE = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
-    """Every script of SMOKE run once (figures on one thread per process): name -> future of its --json output."""
-    root = tmp_path_factory.mktemp("benchmarks")
+def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], dict]]:
+    """The module's runs (helpers.module_runs): every script of SMOKE once (one thread per process), its --json."""
 
     def job(name: str) -> Callable[[], dict]:
         def run() -> dict:
@@ -37,11 +35,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
 
         return run
 
-    return start_all({name: job(name) for name in SMOKE})
+    return {name: job(name) for name in SMOKE}
 
 
-def test_overhead_smoke(results: dict[str, Future]) -> None:
-    result = results["overhead"].result()
+def test_overhead_smoke(runs: dict[str, Future]) -> None:
+    result = runs["overhead"].result()
     tiny = result["sizes"]["tiny"]
     assert set(tiny["contenders"]) == {"hand", "runner", "lightning", "runner_usual", "lightning_usual"}
     # The same arithmetic in every contender: a correctness check, not only a speed one.
@@ -53,8 +51,8 @@ def test_overhead_smoke(results: dict[str, Future]) -> None:
     assert tiny["contenders"]["hand"]["ratio_to_hand"]["median"] == 1.0
 
 
-def test_startup_smoke(results: dict[str, Future]) -> None:
-    result = results["startup"].result()
+def test_startup_smoke(runs: dict[str, Future]) -> None:
+    result = runs["startup"].result()
     for name in ("hand", "runner", "runner_usual"):
         row = result["contenders"][name]
         assert 0 < row["to_first_step_s"]["median"] < row["wall_s"]["median"]
@@ -62,22 +60,22 @@ def test_startup_smoke(results: dict[str, Future]) -> None:
     assert result["compose_compose_s"]["median"] > 0
 
 
-def test_sae_throughput_smoke(results: dict[str, Future]) -> None:
-    result = results["sae_throughput"].result()
+def test_sae_throughput_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_throughput"].result()
     assert result["max_decoder_diff"] == 0.0
     assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0
 
 
-def test_checkpoint_smoke(results: dict[str, Future]) -> None:
-    result = results["checkpoint"].result()
+def test_checkpoint_smoke(runs: dict[str, Future]) -> None:
+    result = runs["checkpoint"].result()
     row = result["sizes"]["5.0"]
     assert 3 < row["state_mb"] < 8
     assert 0 < row["blocked_ms"] and 0 < row["sync_ms"] and row["written_ms"] >= row["blocked_ms"]
     assert row["resume_ms"] > 0
 
 
-def test_ddp_smoke(results: dict[str, Future]) -> None:
-    result = results["ddp"].result()
+def test_ddp_smoke(runs: dict[str, Future]) -> None:
+    result = runs["ddp"].result()
     rows = result["contenders"]
     assert set(rows) == {"ddp_acc", "single_acc", "hand_ddp_acc", "hand_single_acc"}
     assert rows["ddp_acc"]["layout"] == "2 x 32 x 4" and rows["single_acc"]["layout"] == "1 x 64 x 4"

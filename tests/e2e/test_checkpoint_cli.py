@@ -4,12 +4,12 @@ each equal in the end to a run that was never interrupted. The slowdowns are tes
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import pytest
-from helpers import assert_same_weights, cli, metric_rows, ok, popen, start_all, summary, wait_for, with_run_dir
+from helpers import assert_same_weights, cli, metric_rows, ok, popen, summary, wait_for, with_run_dir
 
 from runner.ckpt.files import checkpoints
 
@@ -63,12 +63,10 @@ def preempted(run_dir: Path) -> dict[str, Any]:
     return {"stopped": stopped, "resumed": resumed}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
-    """The three at once, each in <tmp>/<name>: name -> future of what its function returns."""
-    root = tmp_path_factory.mktemp("checkpoint_cli")
-    jobs = {"uninterrupted": uninterrupted, "killed": killed_during_a_save, "preempted": preempted}
-    return start_all({name: (lambda job=job, name=name: job(root / name)) for name, job in jobs.items()}, workers=3)
+def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
+    """The module's runs (helpers.module_runs), each in <root>/<name>."""
+    flows = {"uninterrupted": uninterrupted, "killed": killed_during_a_save, "preempted": preempted}
+    return {name: (lambda flow=flow, name=name: flow(root / name)) for name, flow in flows.items()}
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(runs: dict[str, Future]) -> None:

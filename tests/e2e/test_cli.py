@@ -1,17 +1,19 @@
 """The real CLI, `python -m runner ...`, in subprocesses: files written, exact step counts, reproducibility, --help,
-mixed precision, and what a user sees of a configuration error. The module's runs start together (runs below)."""
+mixed precision, and what a user sees of a configuration error. The module's runs: jobs() below."""
 
 from __future__ import annotations
 
 import math
 import socket
+import subprocess
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import CONF_DIR, cli, explain, jsonl, metric_rows, ok, read_json, start_all
+from helpers import CONF_DIR, cli, explain, jsonl, metric_rows, ok, read_json
 
 # The digits data: 1797 images; the stratified split rounds each class's 20% share, giving 359 val and 1438 train
 # samples, i.e. 45 micro-batches of 32 per epoch (44 full ones and one of 30).
@@ -43,15 +45,13 @@ RUNS = {
 Runs = dict[str, Future]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """Every run of RUNS, started together: name -> future (process, its run folder <tmp>/<name>)."""
-    root = tmp_path_factory.mktemp("cli")
+def jobs(root: Path, runs: Runs) -> dict[str, Callable[[], tuple[subprocess.CompletedProcess, Path]]]:
+    """The module's runs (helpers.module_runs): each of RUNS, (process, its run folder <root>/<name>)."""
 
     def job(name: str):
         return lambda: (cli(*RUNS[name], cwd=root, run_dir=root / name), root / name)
 
-    return start_all({name: job(name) for name in RUNS})
+    return {name: job(name) for name in RUNS}
 
 
 def finished(runs: Runs, name: str) -> Path:

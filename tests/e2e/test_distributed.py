@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ from helpers import (
     metric_rows,
     ok,
     popen,
-    start_all,
     summary,
     torchrun,
     values,
@@ -162,12 +162,10 @@ def without_rendezvous(root: Path) -> tuple[subprocess.CompletedProcess, Path]:
     return cli("+experiment=digits", cwd=root, run_dir=root / "alone", env=env, timeout=120), root / "alone"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
-    """Every run of the module, started together (three at a time: two of them mostly sleep): name -> future."""
-    root = tmp_path_factory.mktemp("distributed")
+def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
+    """The module's runs (helpers.module_runs)."""
     digits20 = [*DIGITS_DDP, "trainer.max_duration=20st"]
-    jobs = {
+    return {
         "whole": lambda: whole(root),
         "preempted": lambda: preempted(root),
         "restarted": lambda: restarted(root),
@@ -179,7 +177,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
         "acc": lambda: single(root, "acc", *digits20, "data.batch_size=16", "trainer.accumulate_grad_batches=2"),
         "without_rendezvous": lambda: without_rendezvous(root),
     }
-    return start_all(jobs, workers=3)
 
 
 def the_whole_run(runs: dict[str, Future]) -> Path:

@@ -4,6 +4,7 @@ gradient norm for clipping, and full checkpoints: resumable under FSDP, loadable
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ from helpers import (
     cli,
     metric_rows,
     ok,
-    start_all,
     summary,
     torchrun,
 )
@@ -75,23 +75,17 @@ def resumed_in_one_process(root: Path, fsdp: Future) -> Path:
     return single(root, "resumed_one", *args)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
-    """Every run of the module, started together (the resumes once the FSDP run is done): name -> future."""
-    root = tmp_path_factory.mktemp("fsdp")
-    futures: dict[str, Future] = {}
-    jobs = {
+def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
+    """The module's runs (helpers.module_runs); the resumes wait for the FSDP run."""
+    clipped_fsdp = [*CLIPPED, "distributed=fsdp", "data.batch_size=8", "trainer.accumulate_grad_batches=2"]
+    return {
         "fsdp": lambda: fsdp_run(root),
-        "clipped_fsdp": lambda: two_ranks(
-            root, "clipped_fsdp", *CLIPPED, "distributed=fsdp", "data.batch_size=8", "trainer.accumulate_grad_batches=2"
-        ),
+        "clipped_fsdp": lambda: two_ranks(root, "clipped_fsdp", *clipped_fsdp),
         "one": lambda: single(root, "one", *DIGITS_DDP, "data.batch_size=32", "trainer.max_duration=40st"),
         "clipped_one": lambda: single(root, "clipped_one", *CLIPPED, "data.batch_size=32"),
-        "resumed": lambda: resumed_under_fsdp(root, futures["fsdp"]),
-        "resumed_one": lambda: resumed_in_one_process(root, futures["fsdp"]),
+        "resumed": lambda: resumed_under_fsdp(root, runs["fsdp"]),
+        "resumed_one": lambda: resumed_in_one_process(root, runs["fsdp"]),
     }
-    futures.update(start_all(jobs))
-    return futures
 
 
 def test_fsdp_trains_like_one_process_with_exact_counts(runs: dict[str, Future]) -> None:

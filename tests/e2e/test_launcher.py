@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import (
@@ -21,7 +23,6 @@ from helpers import (
     ok,
     read_json,
     results_csv,
-    start_all,
     summary,
     torchrun,
 )
@@ -57,14 +58,12 @@ def plain_torchrun(root: Path) -> Path:
     return root / "reference"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
-    """The module's sweeps and the reference run, started together: name -> future."""
-    root = tmp_path_factory.mktemp("launcher")
-    jobs = {"reference": plain_torchrun, "torchrun_sweep": torchrun_sweep}
+def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
+    """The module's runs (helpers.module_runs): the reference run and the sweeps that must reproduce it."""
+    found = {"reference": plain_torchrun, "torchrun_sweep": torchrun_sweep}
     if HAS_SUBMITIT:
-        jobs["slurm_local"] = slurm_local
-    return start_all({name: (lambda job=job: job(root)) for name, job in jobs.items()})
+        found["slurm_local"] = slurm_local
+    return {name: (lambda job=job: job(root)) for name, job in found.items()}
 
 
 def test_torchrun_launcher_one_folder_per_job_trained_by_two_processes_and_a_failed_job_is_a_row(

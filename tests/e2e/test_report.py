@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,15 +19,26 @@ from runner.report import PLOT_DPI, PLOT_SIZE, main
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=5st", "trainer.log_interval=5st"]
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def finished_sweep(root: Path) -> Path:
     """A finished 2-job sweep (two learning rates), without the results.csv its callback wrote."""
-    root = tmp_path_factory.mktemp("report")
     folder = root / "sweep"
     proc = cli("-m", *TINY, "logger=jsonl", "optimizer.lr=1e-3,3e-2", f"hydra.sweep.dir={folder}", cwd=root)
     assert proc.returncode == 0, explain(proc)
     (folder / "results.csv").unlink()
     return folder
+
+
+def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
+    """The module's runs (helpers.module_runs): the sweep, and the command on a folder that does not exist."""
+    return {
+        "sweep": lambda: finished_sweep(root),
+        "missing": lambda: python("-m", "runner.report", str(root / "missing"), cwd=root),
+    }
+
+
+@pytest.fixture(scope="module")
+def finished(runs: dict[str, Future]) -> Path:
+    return runs["sweep"].result()
 
 
 def image(path: Path) -> np.ndarray:
@@ -112,8 +126,9 @@ def test_without_matplotlib_the_table_and_csv_still_come(
     assert (tmp_path / "results.csv").is_file() and not (tmp_path / "plots").exists()
 
 
-def test_bad_input_exits_2_with_the_reason(finished: Path, tmp_path: Path) -> None:
-    proc = python("-m", "runner.report", str(tmp_path / "missing"), cwd=tmp_path)
-    assert proc.returncode == 2 and f"error: {tmp_path / 'missing'} is not a folder" in proc.stderr
+def test_bad_input_exits_2_with_the_reason(finished: Path, runs: dict[str, Future], tmp_path: Path) -> None:
+    proc = runs["missing"].result()
+    missing = proc.args[-1]
+    assert proc.returncode == 2 and f"error: {missing} is not a folder" in proc.stderr, explain(proc)
     assert main([str(tmp_path)]) == 2  # an empty folder: no runs
     assert main([str(finished), "--metric", "val/bogus", "--no-plot", "--out", str(tmp_path / "x")]) == 2

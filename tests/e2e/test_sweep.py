@@ -1,5 +1,5 @@
 """Sweeps (`-m`): results.csv as jobs finish, failed and diverged jobs, fail_fast, Optuna, joblib in parallel. The
-module's sweeps start together (runs below). What a job decides in-process: tests/unit/test_sweep.py."""
+module's sweeps: jobs() below. What a job decides in-process: tests/unit/test_sweep.py."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import json
 import math
 import os
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from helpers import cli, explain, jsonl, offline_run, results_csv, same_history, start_all, summary
+from helpers import cli, explain, jsonl, offline_run, results_csv, same_history, summary
 
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=10st"]
 WANDB = "logger=[console,jsonl,wandb]"
@@ -83,11 +84,9 @@ def joblib(root: Path) -> Sweep:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """Every sweep of the module, started together (the longest first): name -> future (process, sweep folder)."""
-    root = tmp_path_factory.mktemp("sweep")
-    jobs = {
+def jobs(root: Path, runs: Runs) -> dict[str, Callable[[], Any]]:
+    """The module's runs (helpers.module_runs), the longest first: name -> (process, sweep folder)."""
+    found = {
         "grid": lambda: sweep(
             root, "grid", *TINY, "logger=[console,jsonl,wandb]", "optimizer.lr=1e-3,3e-3", "seed=0,1"
         ),
@@ -98,10 +97,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         "all_failed": lambda: sweep(root, "all_failed", *TINY, "model.hidden=[-3],[-4]"),
     }
     if HAS_OPTUNA:
-        jobs = {"optuna": lambda: optuna_and_more(root), "optuna_mixed": lambda: optuna_mixed(root), **jobs}
+        found = {"optuna": lambda: optuna_and_more(root), "optuna_mixed": lambda: optuna_mixed(root), **found}
     if HAS_JOBLIB:
-        jobs["joblib"] = lambda: joblib(root)
-    return start_all(jobs)
+        found["joblib"] = lambda: joblib(root)
+    return found
 
 
 def _study(folder: Path, name: str) -> Any:
