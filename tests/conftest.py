@@ -22,11 +22,12 @@ E2E = Path(__file__).resolve().parent / "e2e"
 def _one_thread_and_e2e_runs_in_the_background(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator:
-    """In-process tests run on one intra-op thread (tiny models gain nothing from more), and the runs of every
-    selected e2e module start in the background on the other core (helpers.module_runs)."""
+    """In-process tests run on one intra-op thread (tiny models gain nothing from more), and the runs of the e2e
+    modules whose selected tests need them start in the background on the other core (helpers.module_runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    modules = dict.fromkeys(item.module for item in request.session.items if E2E in item.path.parents)
+    items = [item for item in request.session.items if E2E in item.path.parents and "runs" in item.fixturenames]
+    modules = dict.fromkeys(item.module for item in items)
     for module in modules:
         module_runs(module, tmp_path_factory)
     run_in_background(1 if modules else 0)

@@ -1,7 +1,7 @@
 """Helpers shared by the unit and e2e tests (test files never import each other: what two of them need lives here).
 
-Sections: paths; a run's files; in-process runs (compose_job, make_run, callbacks); subprocesses (the CLI, torchrun,
-several at once); wandb's offline files.
+Sections: paths and shared command lines; a run's files; in-process runs (compose_job, make_run, callbacks);
+subprocesses (the CLI, torchrun, a script); the e2e tier's runs in the background; wandb's offline files.
 """
 
 from __future__ import annotations
@@ -23,9 +23,17 @@ from typing import Any
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
 from torch import nn
 
-from runner.run import Callback, Run
+from runner.data import DataModule, TensorData
+from runner.dist.strategies import Single
+from runner.precision import FP32
+from runner.progress import TrainingProgress
+from runner.run import Callback, Run, Settings, State
+from runner.schedulers import constant
 
 # ---- paths --------------------------------------------------------------------------------------------------------
 TESTS = Path(__file__).resolve().parent
@@ -64,6 +72,7 @@ needs_submitit = pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-lau
 
 # ---- a run's files ------------------------------------------------------------------------------------------------
 def read_json(path: Path) -> Any:
+    """A JSON file's contents."""
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
@@ -119,13 +128,9 @@ def assert_close_weights(run_dir: Path, reference: Path, atol: float) -> None:
 
 
 # ---- in-process runs ----------------------------------------------------------------------------------------------
-def compose_job(run_dir: Path, *overrides: str) -> Any:
+def compose_job(run_dir: Path, *overrides: str) -> DictConfig:
     """The job config as the CLI would see it, with ${hydra:runtime.output_dir} resolving to `run_dir`. Hydra's
     choices stay available through HydraConfig.get().runtime.choices (the compose_cfg fixture clears them)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
             config_name="config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True
@@ -194,8 +199,6 @@ class Regression(nn.Module):
 
 def regression_data(n: int = 64, seed: int = 0) -> dict[str, Any]:
     """A seeded linear-regression data set: n train samples, the first 16 of them as validation."""
-    from runner.data import TensorData
-
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g)
     y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1
@@ -218,13 +221,6 @@ def make_run(
     clip: float | None = None,
 ) -> Run:
     """A Run assembled by hand (no Hydra): SGD on Regression, one process, fp32, no loggers."""
-    from runner.data import DataModule
-    from runner.dist.strategies import Single
-    from runner.precision import FP32
-    from runner.progress import TrainingProgress
-    from runner.run import Settings, State
-    from runner.schedulers import constant
-
     torch.manual_seed(0)
     task = task or Regression()
     data = DataModule(splits or regression_data(), batch_size=batch_size, shuffle=shuffle, seed=0)

@@ -90,10 +90,10 @@ def test_torchrun_launcher_one_folder_per_job_trained_by_two_processes_and_a_fai
 
 
 def test_torchrun_launcher_returns_the_monitored_value_and_inf_for_a_diverged_job(
-    runs: dict[str, Future], tmp_path: Path, launcher_for, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, launcher_for, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # What a sweeper (Optuna) reads: JobReturn.return_value, the best val/loss that rank 0 wrote to summary.json.
-    # In-process (the launcher's own return values), while the module's other runs go on in the background.
+    # In-process (the launcher's own return values), while the other runs go on in the background.
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the launcher's torchrun inherits this process's environment
     launcher = launcher_for("hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", *TINY)
