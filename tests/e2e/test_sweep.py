@@ -87,9 +87,7 @@ def joblib(root: Path) -> Sweep:
 def jobs(root: Path, runs: Runs) -> dict[str, Callable[[], Any]]:
     """The module's runs (helpers.module_runs), the longest first: name -> (process, sweep folder)."""
     found = {
-        "grid": lambda: sweep(
-            root, "grid", *TINY, "logger=[console,jsonl,wandb]", "optimizer.lr=1e-3,3e-3", "seed=0,1"
-        ),
+        "grid": lambda: sweep(root, "grid", *TINY, WANDB, "optimizer.lr=1e-3,3e-3", "seed=0,1"),
         "failed_job": lambda: sweep(
             root, "failed_job", "+experiment=digits", "trainer.val_interval=10st", "trainer.max_duration=3x,20st"
         ),
@@ -133,12 +131,12 @@ def test_a_2x2_sweep_has_4_job_folders_and_a_results_row_each(runs: Runs) -> Non
     assert "4 jobs: 4 completed." in proc.stdout
 
     # wandb: one finished run per job (none logged into another's), grouped by the sweep, named by the job
-    runs = [offline_run(folder / job) for job in "0123"]
-    assert len({run["id"] for run in runs}) == 4 and all(run["exit"] == 0 for run in runs)
-    assert {(run["group"], run["job_type"]) for run in runs} == {(f"{folder.parent.name}/grid", "digits")}
+    wandb_runs = [offline_run(folder / job) for job in "0123"]
+    assert len({run["id"] for run in wandb_runs}) == 4 and all(run["exit"] == 0 for run in wandb_runs)
+    assert {(run["group"], run["job_type"]) for run in wandb_runs} == {(f"{folder.parent.name}/grid", "digits")}
     names = [f"{job}: optimizer.lr={lr} seed={seed}" for job, (lr, seed) in expected.items()]
-    assert [run["name"] for run in runs] == names
-    for run, job in zip(runs, "0123", strict=True):
+    assert [run["name"] for run in wandb_runs] == names
+    for run, job in zip(wandb_runs, "0123", strict=True):
         assert run["config"]["seed"] == int(rows[job]["seed"])
         same_history(run, jsonl(folder / job))  # each run holds its own job's numbers
         assert f"wandb: logging offline to {run['dir']}; upload it with `wandb sync {run['dir']}`" in proc.stderr
