@@ -53,7 +53,7 @@ def compose(out: str) -> None:
     from hydra import initialize_config_dir
 
     started = time.perf_counter()
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(ROOT / "runner" / "conf"), version_base="1.3"):
         hydra_compose(
             "config", [f"hydra.searchpath=[file://{ROOT / 'benchmarks' / 'conf'}]", "+experiment=bench", "bench.out=x"]
         )

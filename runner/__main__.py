@@ -51,7 +51,7 @@ def _record_failure(cfg: DictConfig, error: BaseException, wall_time_s: float) -
         write_json(path, {"stop_reason": StopReason.FAILED, "error": error_text, "wall_time_s": wall_time_s})
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Train one run; return the best value of `monitor` so that sweepers can optimize it (runner.sweeps.job)."""
     hydra_cfg = HydraConfig.get()

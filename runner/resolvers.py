@@ -29,7 +29,7 @@ def _hydra_subdir(output_dir: str, resume: Any) -> str:
 
 
 def _direction(mode: str) -> str:
-    # Optuna's direction from the config's `mode` of `monitor` (conf/hparams_search/): one setting, not two
+    # Optuna's direction from the config's `mode` of `monitor` (runner/conf/hparams_search/): one setting, not two
     return {"min": "minimize", "max": "maximize"}[str(mode)]
 
 

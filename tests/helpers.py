@@ -38,7 +38,7 @@ from runner.schedulers import constant
 # ---- paths --------------------------------------------------------------------------------------------------------
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-CONF_DIR = ROOT / "conf"
+CONF_DIR = ROOT / "runner" / "conf"
 TIMING = {"train/samples_per_s", "sys/peak_memory_mb"}  # wall-clock figures: the only ones a resume may change
 
 # ---- shared command lines -----------------------------------------------------------------------------------------

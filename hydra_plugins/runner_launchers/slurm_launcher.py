@@ -1,5 +1,5 @@
-"""`hydra/launcher=slurm` and `slurm_local` (conf/hydra/launcher/): submitit's launchers, with the tasks of a job as the
-ranks of one run (one task per GPU).
+"""`hydra/launcher=slurm` and `slurm_local` (runner/conf/hydra/launcher/): submitit's launchers, with the tasks of a
+job as the ranks of one run (one task per GPU).
 
 Submitit runs Hydra's task function, main(), in every task of a job, not runner's cli(). So each task here does first
 what cli() does under torchrun: it learns its rank (submitit's job environment, exported as torch's RANK, WORLD_SIZE,

@@ -1,0 +1,73 @@
+"""An installed runner (a wheel, not the editable checkout) finds its configs and trains, from any directory."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from helpers import ROOT, child_env, summary
+
+SOURCES = ("pyproject.toml", "README.md", "runner", "experiments", "hydra_plugins")
+
+
+def test_a_wheel_installed_into_a_fresh_venv_runs_from_another_directory(tmp_path: Path) -> None:
+    # Build from a copy: the checkout stays clean (no build/ folder) and only what the wheel ships is installed.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
+    wheels = tmp_path / "wheels"
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        str(source),
+        "-w",
+        str(wheels),
+    ]
+    subprocess.run(build, check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = wheels.glob("*.whl")
+    assert "runner/conf/experiment/digits.yaml" in zipfile.ZipFile(wheel).namelist()
+
+    # The venv sees the dependencies of this one (torch, hydra...) but gets runner from the wheel alone.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", str(wheel)], check=True, capture_output=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
+    where = subprocess.run(
+        [venv / "bin" / "python", "-c", "import runner; print(runner.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert where.stdout.startswith(str(venv)), where.stdout
+
+    helped = subprocess.run([venv / "bin" / "runner", "--help"], cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert helped.returncode == 0, helped.stderr
+    assert "experiment: digits, sae, sae_digits" in helped.stdout  # the groups come from the installed configs
+
+    run_dir = elsewhere / "run"
+    trained = subprocess.run(
+        [venv / "bin" / "runner", "+experiment=digits", "trainer.max_duration=5st", f"hydra.run.dir={run_dir}"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert summary(run_dir)["progress"]["step"] == 5
