@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +141,53 @@ def _build(cfg: DictConfig) -> Run:
     return run
 
 
-def load_trained(checkpoint: str | Path) -> tuple[nn.Module, DictConfig]:
-    """A model trained by runner, frozen in eval mode: `checkpoint` is a run folder or its model.safetensors."""
+# What another run's .hydra/config.yaml may name as `_target_`s when runner rebuilds its model and data
+# (source.checkpoint): module paths of the project's own tasks. Overridden by the config key `trusted_targets`.
+TRUSTED_TARGETS = ("experiments", "runner.data")
+
+
+def _untrusted_targets(node: Any, trusted: Sequence[str], path: str) -> list[str]:
+    # Every _target_ in a resolved config tree that is not under one of the trusted module paths (whole components:
+    # `experiments` trusts experiments.digits.MLPClassifier, not experimentsX.evil).
+    found = []
+    if isinstance(node, dict):
+        target = node.get("_target_")
+        if target is not None and not any(
+            isinstance(target, str) and target.split(".")[: len(t.split("."))] == t.split(".") for t in trusted
+        ):
+            found.append(f"{path}._target_={target}")
+        for key, value in node.items():
+            found += _untrusted_targets(value, trusted, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _untrusted_targets(value, trusted, f"{path}[{i}]")
+    return found
+
+
+def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str]) -> DictConfig:
+    """`cfg[key]` resolved, after checking that every `_target_` in it is trusted: a run folder from elsewhere may be
+    anybody's, and instantiating its config would run whatever it names (torch.load of a pickle, builtins.open...)."""
+    try:
+        node = OmegaConf.to_container(cfg[key], resolve=True)  # an interpolated `_target_: ${x}` is checked resolved
+    except Exception as error:
+        raise ConfigError(f"cannot read `{key}` of {config}: {error}") from None
+    untrusted = _untrusted_targets(node, trusted, key)
+    if untrusted:
+        raise ConfigError(
+            f"refusing to build the {key} of {config}: it names {', '.join(untrusted)}, which is not under the "
+            f"trusted module paths {list(trusted)}. A run folder's config could run any code it names; if this run "
+            "is yours and its classes live in your own package, add that package: "
+            f"trusted_targets=[{','.join(trusted)},mypackage]"
+        )
+    return OmegaConf.create(node)
+
+
+def load_trained(checkpoint: str | Path, trusted: Sequence[str] = TRUSTED_TARGETS) -> tuple[nn.Module, DictConfig]:
+    """A model trained by runner, frozen in eval mode: `checkpoint` is a run folder or its model.safetensors.
+
+    The model is built from that run's own config only if every `_target_` in it is under `trusted` module paths;
+    the returned config's `data` is checked the same way before build_data may use it.
+    """
     path = Path(checkpoint)
     run_dir = path if path.is_dir() else path.parent
     weights = run_dir / MODEL if path.is_dir() else path
@@ -152,15 +198,22 @@ def load_trained(checkpoint: str | Path) -> tuple[nn.Module, DictConfig]:
                 f"{needed} does not exist: give the folder of a finished runner run (or its "
                 "model.safetensors), e.g. source.checkpoint=outputs/2026-01-01/12-00-00"
             )
-    cfg = OmegaConf.load(config)
-    model = instantiate(cfg.model)
+    try:
+        cfg = OmegaConf.load(config)
+    except Exception as error:
+        raise ConfigError(f"{config} is not a readable YAML config ({error})") from None
+    for key in ("model", "data"):
+        if key not in cfg:
+            raise ConfigError(f"{config} has no `{key}`: is {run_dir} the folder of a runner run?")
+    source = OmegaConf.create({k: _trusted_node(cfg, k, config, trusted) for k in ("model", "data")})
+    model = instantiate(source.model)
     try:
         load_weights(model, weights, strict=True, what="source.checkpoint")
     except ConfigError as error:  # a truncated file or weights of another architecture
         raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
-    return model.eval().requires_grad_(False), cfg
+    return model.eval().requires_grad_(False), source
 
 
 def build_data(cfg: DictConfig) -> Any:
-    """The data component of a (possibly other run's) config."""
+    """The data component of a config that load_trained returned (its targets already checked)."""
     return instantiate(cfg.data)

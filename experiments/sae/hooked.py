@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from runner import ConfigError
-from runner.build import build_data, load_trained
+from runner.build import TRUSTED_TARGETS, build_data, load_trained
 from runner.data import DataModule, TensorData, to_device
 from runner.run import Callback
 
@@ -19,8 +19,14 @@ from runner.run import Callback
 class SourceModel:
     """A frozen runner-trained model, the data it was trained on, and a forward hook on one of its modules."""
 
-    def __init__(self, checkpoint: str, module: str, device: torch.device | str = "cpu") -> None:
-        self.model, cfg = load_trained(checkpoint)
+    def __init__(
+        self,
+        checkpoint: str,
+        module: str,
+        device: torch.device | str = "cpu",
+        trusted_targets: Sequence[str] = TRUSTED_TARGETS,
+    ) -> None:
+        self.model, cfg = load_trained(checkpoint, trusted_targets)
         self.device = torch.device(device)
         self.model.to(self.device)
         modules = dict(self.model.named_modules())
@@ -121,6 +127,7 @@ class HookedData(DataModule):
         buffer_size: int = 16384,
         samples_per_epoch: int = 65536,
         d: int | None = None,
+        trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         **loader,
     ) -> None:
         if loader.get("num_workers", 0) != 0:
@@ -130,7 +137,7 @@ class HookedData(DataModule):
                 f"data.buffer_size={buffer_size} must hold at least two batches "
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
             )
-        source = SourceModel(checkpoint, module)
+        source = SourceModel(checkpoint, module, trusted_targets=trusted_targets)
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
         if d is not None and val.shape[1] != d:
             raise ConfigError(f"{module} outputs {val.shape[1]} features but model.d_in={d}")
@@ -142,14 +149,14 @@ class SpliceEval(Callback):
     """Callback: the source model's validation loss with the SAE's reconstruction spliced into `module`, and the
     fraction of loss recovered relative to zero-ablating the module: (L_zero - L_sae) / (L_zero - L_clean)."""
 
-    def __init__(self, checkpoint: str, module: str) -> None:
-        self.checkpoint, self.module = checkpoint, module
+    def __init__(self, checkpoint: str, module: str, trusted_targets: Sequence[str] = TRUSTED_TARGETS) -> None:
+        self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
         self.source: SourceModel | None = None
 
     def on_validation_end(self, run, metrics: dict[str, float]) -> None:
         """Add val/ce_clean, val/ce_zero_ablated, val/ce_spliced and val/loss_recovered."""
         if self.source is None:
-            self.source = SourceModel(self.checkpoint, self.module, run.device)
+            self.source = SourceModel(self.checkpoint, self.module, run.device, self.trusted_targets)
             self.clean, self.zero = self.source.loss(), self.source.loss(torch.zeros_like)
         sae: nn.Module = run.task
         sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used

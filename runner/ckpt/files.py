@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import shutil
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ import torch
 from runner import ConfigError, rundir
 
 PREFIX = "step-"
+FILES = ("model.safetensors", "state.pt")
+MANIFEST_SHA256 = "manifest_sha256"
 
 
 class CheckpointError(ConfigError):
@@ -69,7 +72,9 @@ def write_checkpoint(folder: Path, model: dict[str, torch.Tensor], state: dict[s
     for name, data in files.items():
         rundir.write_atomic(tmp / name, data, fsync=True)
         manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    rundir.write_atomic(tmp / "manifest.json", (json.dumps(manifest, indent=2, default=str) + "\n").encode(), True)
+    manifest = json.loads(json.dumps(manifest, default=str))  # what a reader will see: the checksum is of that
+    manifest[MANIFEST_SHA256] = manifest_checksum(manifest)
+    rundir.write_atomic(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode(), True)
     rundir.fsync_dir(tmp)
     if folder.exists():  # the same step saved twice (an interval save, then the end of training): keep the new one
         shutil.rmtree(folder)
@@ -77,20 +82,35 @@ def write_checkpoint(folder: Path, model: dict[str, torch.Tensor], state: dict[s
     rundir.fsync_dir(folder.parent)
 
 
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """The manifest's own checksum: sha256 of its other keys in a canonical order (a flipped bit or edited step)."""
+    rest = {k: v for k, v in manifest.items() if k != MANIFEST_SHA256}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
 # ---- reading --------------------------------------------------------------------------------------------------------
 def read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint folder, or CheckpointError."""
+    """The manifest of a checkpoint folder, checked against its own checksum and for the fields a resume reads."""
     manifest = rundir.read_json(folder / "manifest.json")
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {folder} has no readable manifest.json (missing, cut short or not JSON)")
+    if manifest.get(MANIFEST_SHA256) != manifest_checksum(manifest):
+        raise CheckpointError(
+            f"checkpoint {folder}: manifest.json does not match its own checksum (edited, corrupted, or written by a "
+            "runner older than the checksum)"
+        )
+    files = manifest.get("files")
+    entries = [files.get(name) for name in FILES] if isinstance(files, dict) else [None]
+    if not isinstance(manifest.get("step"), int) or not all(
+        isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str) for e in entries
+    ):
+        raise CheckpointError(f"checkpoint {folder}: manifest.json lacks its step or the size and sha256 of {FILES}")
     return manifest
 
 
 def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
     """The bytes of one file of a checkpoint, after checking its size and sha256 against the manifest."""
-    expected = manifest["files"].get(name)
-    if expected is None:
-        raise CheckpointError(f"checkpoint {folder}: its manifest lists no {name}")
+    expected = manifest["files"][name]  # read_manifest checked that every file is listed
     try:
         data = (folder / name).read_bytes()
     except OSError as error:
@@ -113,9 +133,14 @@ def load_checkpoint(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict[s
     weights = safetensors_load(verified(folder, "model.safetensors", manifest))
     try:
         state = torch.load(io.BytesIO(verified(folder, "state.pt", manifest)), weights_only=True, map_location="cpu")
-    except Exception as error:  # weights_only refuses pickled objects (and anything that would run code)
+    except pickle.UnpicklingError as error:  # weights_only refuses pickled objects (and anything that would run code)
         raise CheckpointError(
-            f"checkpoint {folder}: state.pt is not a plain tensor file, refusing it ({error})"
+            f"checkpoint {folder}: state.pt holds Python objects, not only tensors and plain values; refusing to "
+            f"unpickle it ({str(error).splitlines()[0]})"
+        ) from None
+    except Exception as error:  # cut short or not a torch.save file (its manifest was rewritten to match)
+        raise CheckpointError(
+            f"checkpoint {folder}: state.pt cannot be read: truncated or not written by torch.save ({error})"
         ) from None
     return weights, state, manifest
 
@@ -124,8 +149,13 @@ def checkpoints(directory: Path) -> list[Path]:
     """Checkpoint folders in `directory`, newest (highest step) first."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if p.is_dir() and not p.is_symlink() and p.name.startswith(PREFIX)]
-    return sorted(found, key=lambda p: p.name, reverse=True)
+    found = [
+        p
+        for p in directory.iterdir()
+        if p.is_dir() and not p.is_symlink() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
+    ]
+    # By step number, not by name: past step 99,999,999 the names outgrow their 8 digits and sort wrong.
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
 
 
 def newest_valid(directory: Path) -> tuple[Path, tuple] | None:
