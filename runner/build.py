@@ -60,6 +60,14 @@ def _named(group: DictConfig | None, what: str, quiet: bool = False) -> list[Any
     return components
 
 
+def _plain(cfg: DictConfig) -> dict[str, Any]:
+    # Resolved where it can be (a resume compares values, not the interpolations that produced them).
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an interpolation that only resolves inside Hydra, in a run built from Python
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
 def _interval(progress: TrainingProgress, text: str, name: str) -> Duration:
     interval = progress.resolve(text)
     if interval.value <= 0:
@@ -120,6 +128,7 @@ def _build(cfg: DictConfig) -> Run:
         max_nonfinite_steps=trainer.max_nonfinite_steps,
         monitor=cfg.get("monitor"),
         config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
+        config=_plain(cfg),
     )
     run = Run(
         task=task,

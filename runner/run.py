@@ -233,6 +233,7 @@ class Settings:
     max_nonfinite_steps: int = 10
     monitor: str | None = "val/loss"  # the metric that `best` tracks (summary.json, a sweeper's objective)
     config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
+    config: dict[str, Any] | None = None  # the job config (unresolved), in manifests: a resume compares it
 
 
 @dataclass

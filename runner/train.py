@@ -57,6 +57,8 @@ def resume(run: Run, cfg: DictConfig) -> dict[str, Any] | None:
         folder, contents = Path(where), load_checkpoint(where)
     manifest = restore(run, contents, allow_changes=cfg.get("resume_allow_changes", False))
     say(f"resuming from {folder} (step {manifest['step']})", file=sys.stderr)
+    for key, (old, new) in manifest["config_changes"].items():
+        say(f"resume_allow_changes: {key} changed from {old!r} to {new!r}", file=sys.stderr)
     return manifest
 
 
@@ -86,15 +88,22 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
     run.callbacks += list(extra_callbacks)
     manifest = resume(run, cfg)
     if manifest is not None and manifest["stop_reason"] is not None and StopReason(manifest["stop_reason"]).finished:
+        # A kill after the final checkpoint may have cost the final outputs: fit() trains no step but ends the run
+        # again from the checkpoint (restore_best, EMA, the final evaluation), and the outputs are written as then.
         if run.strategy.is_main:
             step, reason = manifest["step"], manifest["stop_reason"]
-            print(f"resume: this run already finished at step {step} ({reason}); nothing to do", file=sys.stderr)
+            print(
+                f"resume: this run already finished at step {step} ({reason}); writing its final outputs "
+                f"({MODEL}, {SUMMARY}) from that checkpoint again",
+                file=sys.stderr,
+            )
         run.stop_reason = StopReason(manifest["stop_reason"])
-        return run
     if run.strategy.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless train() is called from Python
-        name = RUN_INFO if manifest is None else f"run-resumed-at-{manifest['step']}.json"
-        write_json(run_dir / name, run_metadata(str(run.device), run.world_size))
+        info = run_metadata(str(run.device), run.world_size)
+        if manifest is not None:
+            info["config_changes"] = manifest["config_changes"]  # resume_allow_changes: what differs, honestly
+        write_json(run_dir / (RUN_INFO if manifest is None else f"run-resumed-at-{manifest['step']}.json"), info)
     started, summary = time.perf_counter(), None
     try:
         with _preemptible(run):

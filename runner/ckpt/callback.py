@@ -156,6 +156,7 @@ class Checkpoint(Callback):
             "wall_time_s": time.time() - self.started,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "config_sha256": run.settings.config_hash,
+            "config": run.settings.config,
         }
         self.thread = threading.Thread(target=self.write, args=(folder, model, state, info), daemon=False)
         self.thread.start()

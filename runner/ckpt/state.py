@@ -76,17 +76,78 @@ def _key(index: int, callback: Any) -> str:
     return f"{index}:{type(callback).__name__}"
 
 
+# Settings that change what is logged, saved or how fast, never the training itself: a resume may change them.
+INERT = (
+    "resume",
+    "resume_allow_changes",
+    "run_dir",
+    "threads",
+    "fail_fast",
+    "logger",
+    "trainer.log_interval",
+    "trainer.max_time",
+    "data.num_workers",
+    "callbacks.checkpoint",
+    "callbacks.profiler",
+    "init_from",  # the checkpoint's weights replace what init_from loaded
+    "init_strict",
+)
+ABSENT = "<absent>"
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def config_changes(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ between a checkpoint's config and this run's: (saved, now); INERT keys aside."""
+    if saved is None or now is None:  # a run built without a config (from Python): nothing to compare
+        return {}
+    a, b = _flat(saved), _flat(now)
+    inert = [k.split(".") for k in INERT]
+    return {
+        k: (a.get(k, ABSENT), b.get(k, ABSENT))
+        for k in sorted(set(a) | set(b))
+        if a.get(k, ABSENT) != b.get(k, ABSENT) and not any(k.split(".")[: len(i)] == i for i in inert)
+    }
+
+
+def _apply_optimizer_changes(run: Run, fresh: list[dict[str, Any]], lr_ratio: float) -> None:
+    # The loaded optimizer state carries the old hyperparameters: put the new config's back (weight decay, betas,
+    # momentum...), and scale the learning rate where the schedule has brought it (its warmup, decay or plateau
+    # reductions apply to the new base LR from here on).
+    for group, new in zip(run.optimizer.param_groups, fresh, strict=True):
+        group.update({k: v for k, v in new.items() if k not in ("lr", "initial_lr")})
+        group["lr"] *= lr_ratio
+        if "initial_lr" in group:
+            group["initial_lr"] *= lr_ratio
+    scheduler = getattr(run.schedule, "scheduler", None)
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * lr_ratio for lr in scheduler.base_lrs]
+
+
 def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str, Any]:
-    """Put a loaded checkpoint's state into `run`; returns its manifest. Refuses a resume that cannot be exact."""
+    """Put a loaded checkpoint's state into `run`; returns its manifest, with `config_changes` (key: [saved, now]).
+
+    Refuses a resume that would not continue the same training (another batch size, world size or accumulation, or
+    any config change outside INERT) unless `allow_changes`; then the new optimizer settings are applied.
+    """
     weights, state, manifest = contents
     now = exactness(run)
     changed = {k: (v, now.get(k)) for k, v in state["exactness"].items() if now.get(k) != v}
-    if changed and not allow_changes:
-        details = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+    config = config_changes(manifest.get("config"), run.settings.config)
+    if (changed or config) and not allow_changes:
+        details = [f"{k} {old} -> {new}" for k, (old, new) in changed.items()]
+        details += [f"{k}: {old!r} -> {new!r}" for k, (old, new) in config.items()]
+        more = f" (and {len(details) - 8} more)" if len(details) > 8 else ""
         raise CheckpointError(
-            f"this run differs from the checkpoint in {details}: the resume would not continue the same training. "
-            "Set resume_allow_changes=true to resume anyway."
+            f"this run differs from the checkpoint in {'; '.join(details[:8])}{more}: the resume would not continue "
+            "the same training. Resume with the checkpoint's settings (see .hydra/config.yaml of the run), or set "
+            "resume_allow_changes=true to resume with the new ones (recorded in run-resumed-at-STEP.json)."
         )
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
     shapes = _shapes(run)
     if shapes != state["shapes"]:
         diff = sorted(k for k in set(shapes) | set(state["shapes"]) if shapes.get(k) != state["shapes"].get(k))
@@ -97,6 +158,10 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
     run.strategy.load_model_state(run.task, weights)  # FSDP: each rank keeps its shards of the full tensors
     run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
     run.schedule.load_state_dict(state["schedule"])
+    if any(k.startswith("optimizer.") for k in config):
+        old, new = (manifest["config"].get("optimizer", {}).get("lr"), run.settings.config["optimizer"].get("lr"))
+        ratio = new / old if isinstance(old, (int, float)) and isinstance(new, (int, float)) and old else 1.0
+        _apply_optimizer_changes(run, fresh, ratio)
     run.precision.load_state_dict(state["precision"])
     # another world size only with resume_allow_changes: ranks beyond the checkpoint's reuse its ranks' values
     run.state.load_state_dict(_own(state["state"], run.strategy.rank))
@@ -106,7 +171,7 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
             cb.load_state_dict(state["callbacks"][_key(i, cb)])
     for logger in run.loggers:
         logger.resume(run.progress.step, state["loggers"].get(type(logger).__name__, {}))
-    return manifest
+    return {**manifest, "config_changes": {k: list(v) for k, v in config.items()}}
 
 
 def _own(per_rank: list[Any], rank: int) -> Any:

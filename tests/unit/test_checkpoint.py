@@ -14,7 +14,15 @@ import torch
 from helpers import CountSteps, StopAt, assert_same_state, make_run, metric_rows
 
 from runner.ckpt.callback import Checkpoint
-from runner.ckpt.files import CheckpointError, checkpoints, load_checkpoint, load_weights, newest_valid, read_manifest
+from runner.ckpt.files import (
+    CheckpointError,
+    checkpoints,
+    load_checkpoint,
+    load_weights,
+    manifest_checksum,
+    newest_valid,
+    read_manifest,
+)
 from runner.loop import fit
 from runner.run import Run
 from runner.train import train
@@ -155,8 +163,9 @@ def test_a_pickled_object_is_refused_without_running_it(compose_cfg: Callable, t
         "bytes": len(buffer.getvalue()),
         "sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
     }
+    manifest["manifest_sha256"] = manifest_checksum(manifest)
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="refusing"):
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
         load_checkpoint(folder)
     assert not marker.exists()
 
