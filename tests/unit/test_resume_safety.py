@@ -3,6 +3,7 @@ outputs, a changed config is refused or applied and recorded, a broken manifest 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -146,3 +147,18 @@ def test_checkpoints_sort_and_rotate_by_step_number_past_eight_digits(tmp_path: 
     assert saver.error is None
     assert [p.name for p in checkpoints(tmp_path)] == ["step-100000001", "step-100000000"]  # the newest two survive
     assert (tmp_path / "last").resolve().name == "step-100000001"
+
+
+def test_a_truncated_state_with_a_matching_manifest_is_reported_as_truncated(
+    compose_cfg: Callable, tmp_path: Path
+) -> None:
+    _train(compose_cfg, tmp_path, "callbacks.checkpoint.interval=12st")
+    folder = checkpoints(tmp_path / "checkpoints")[0]
+    state = (folder / "state.pt").read_bytes()[:-200]
+    (folder / "state.pt").write_bytes(state)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = {"bytes": len(state), "sha256": hashlib.sha256(state).hexdigest()}
+    manifest["manifest_sha256"] = manifest_checksum(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="state.pt cannot be read: truncated or not written by torch.save"):
+        load_checkpoint(folder)
