@@ -59,7 +59,8 @@ def preempted(run_dir: Path) -> dict[str, Any]:
     _, err = proc.communicate(timeout=120)
     stopped = {"code": proc.returncode, "err": err, "summary": summary(run_dir)}
     stopped["newest"] = checkpoints(run_dir / "checkpoints")[0].name
-    resumed = cli(*ARGS, "resume=auto", cwd=run_dir.parent, run_dir=run_dir)
+    # the same callbacks as the stopped launch: a resume refuses another config (test_resume_safety)
+    resumed = cli(*ARGS, *SLOW_STEPS, "resume=auto", cwd=run_dir.parent, run_dir=run_dir)
     return {"stopped": stopped, "resumed": resumed}
 
 

@@ -72,7 +72,8 @@ def preempted(root: Path) -> dict[str, Any]:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     stopped = {"err": err, "summary": summary(split)}
-    resumed = torchrun(*CHECKPOINTED, f"hydra.run.dir={split}", "resume=auto", cwd=root)
+    # the same callbacks as the stopped launch (a resume refuses another config): at most 10 steps of 0.2 s
+    resumed = torchrun(*CHECKPOINTED, *SLOW_STEPS, f"hydra.run.dir={split}", "resume=auto", cwd=root)
     return {"stopped": stopped, "resumed": resumed, "run_dir": split}
 
 
