@@ -4,14 +4,21 @@ turns the outcome into an exit code: 2 configuration error, 3 non-finite losses,
 
 from __future__ import annotations
 
+import difflib
+import os
+import shlex
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hydra
+import hydra._internal.utils as hydra_utils
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -39,6 +46,40 @@ def _fail(error: Exception, code: int) -> None:
     rank = environment()["rank"]
     print(f"error{f' on rank {rank}' if rank else ''}: {error}", file=sys.stderr)
     sys.exit(code)
+
+
+def _one_paragraph(error: Exception) -> str:
+    """Hydra's composition error as one paragraph; a misspelled key names its nearest valid sibling."""
+    cause = error.__cause__
+    parent, key = getattr(cause, "parent_node", None), getattr(cause, "key", None)
+    if parent is not None and key is not None and str(error).startswith("Could not override"):
+        full = getattr(cause, "full_key", key)
+        siblings = [str(k) for k in parent.keys()]
+        close = difflib.get_close_matches(str(key), siblings, n=1, cutoff=0.5)
+        scope = full.rpartition(".")[0]
+        hint = f"did you mean {scope + '.' if scope else ''}{close[0]}?" if close else f"keys: {', '.join(siblings)}"
+        return (
+            f"{full} is not a key of the config ({hint}). `python -m runner ... --cfg job` prints every key; "
+            f"a key of your own that some component reads is added with +{full}=..."
+        )
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and "provider=" not in line]
+    lines = [line for line in lines if not line.startswith(("Config search path", "See https://"))]
+    return " ".join(lines)
+
+
+def _hydra_user_errors(run_and_report: Callable[[Callable[[], Any]], Any]) -> Callable[[Callable[[], Any]], Any]:
+    """Hydra's reporter, with a command-line mistake (unknown option, misspelled key, bad override) as one paragraph
+    and exit code 2 like every other configuration error, instead of Hydra's exit 1."""
+
+    def translated(func: Callable[[], Any]) -> Any:
+        try:
+            return func()
+        except (ConfigCompositionException, MissingConfigException, OverrideParseException) as error:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            _fail(ConfigError(_one_paragraph(error)), 2)
+
+    return lambda func: run_and_report(lambda: translated(func))
 
 
 def _record_failure(cfg: DictConfig, error: BaseException, wall_time_s: float) -> None:
@@ -78,7 +119,7 @@ def main(cfg: DictConfig) -> float | None:
         if reason.resumable and run.strategy.is_main:
             print(
                 f"stopped ({reason}) at step {run.progress.step}: continue with resume=auto "
-                f"hydra.run.dir={cfg.run_dir}",
+                f"{shlex.quote(f'hydra.run.dir={cfg.run_dir}')}",
                 file=sys.stderr,
             )
         sys.exit(reason.exit_code)
@@ -100,6 +141,8 @@ def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s
 
 def cli() -> None:
     """The command: under torchrun or SLURM, join the process group first and agree on one run folder."""
+    # hydra-core is pinned to 1.3.x, whose _run_hydra reports errors through this module-level function.
+    hydra_utils.run_and_report = _hydra_user_errors(hydra_utils.run_and_report)
     try:
         resolvers.set_launch_time(shared_launch_time())
     except ConfigError as error:  # a launch that cannot form its process group (no rendezvous address, say)

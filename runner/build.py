@@ -18,8 +18,9 @@ from torch import nn
 
 from runner import ConfigError
 from runner.callbacks.time_limit import TimeLimit
+from runner.checks import check_config
 from runner.ckpt.files import load_weights
-from runner.loop import check_monitors
+from runner.loop import check_monitored_metrics, check_monitors
 from runner.progress import Duration, TrainingProgress
 from runner.run import Best, Run, Settings, State
 from runner.rundir import CONFIG, MODEL
@@ -87,6 +88,7 @@ def build(cfg: DictConfig) -> Run:
 
 
 def _build(cfg: DictConfig) -> Run:
+    check_config(cfg)
     dist = instantiate(cfg.distributed)
     seed_everything(cfg.seed)
     data = instantiate(cfg.data)
@@ -145,6 +147,7 @@ def _build(cfg: DictConfig) -> Run:
         + ([TimeLimit(trainer.max_time)] if trainer.get("max_time") else []),
     )
     check_monitors(run)
+    check_monitored_metrics(run)
     # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
     run.loggers = _named(cfg.get("logger"), "logger") if dist.is_main else []
     return run

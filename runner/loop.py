@@ -169,6 +169,38 @@ def check_monitors(run: Run) -> None:
             )
 
 
+def _wanted(run: Run) -> set[str]:
+    return {run.settings.monitor, run.schedule.monitor, *(cb.monitor for cb in run.callbacks)} - {None}
+
+
+@torch.no_grad()
+def _probe(run: Run) -> set[str]:
+    # One validation_step on the first validation batch, before training, to learn the metric names: a monitor that
+    # names none of them fails now, not at the first validation. The RNG is restored: training starts as without it.
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        run.task.eval()
+        batch = to_device(next(iter(run.val_loader)), run.device)
+        with run.precision.autocast():
+            names = {f"val/{k}" for k in run.task.validation_step(batch)}
+        run.task.train()
+    return names
+
+
+def check_monitored_metrics(run: Run) -> None:
+    """Refuse a monitor (summary's best, a scheduler, a callback) that names no metric validation will produce."""
+    wanted = _wanted(run)
+    if not wanted or run.val_loader is None:
+        return
+    produced = {name for cb in run.callbacks for name in cb.provides}
+    if not wanted <= produced:
+        produced |= _probe(run)
+    for name in sorted(wanted - produced):
+        raise ConfigError(
+            f"the monitored metric {name!r} is not produced by validation (it gives {sorted(produced)}); set "
+            f"monitor= (and scheduler.monitor, callbacks.*.monitor) to one of them"
+        )
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
     """One pass over the validation loader; metrics are means weighted by batch size, named 'val/<key>'."""
@@ -198,7 +230,7 @@ def validate(run: Run) -> dict[str, float]:
         cb.on_validation_start(run)
     metrics = evaluate(run)
     monitor = run.settings.monitor
-    for name in {monitor, run.schedule.monitor, *(cb.monitor for cb in run.callbacks)} - {None}:
+    for name in _wanted(run):
         if name not in metrics:
             raise ConfigError(
                 f"monitored metric {name!r} is not produced by validation_step; it returns {sorted(metrics)}"

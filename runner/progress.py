@@ -42,6 +42,8 @@ def parse_duration(text: str | Duration) -> Duration:
             f"'3ep', '1e6sa', '0.25dur'. Units: {units}."
         )
     value, unit = float(match.group(1)), match.group(2)
+    if not math.isfinite(value) or value >= 2**62:
+        raise DurationError(f"duration {text!r} is too large to count (at most 2^62 {UNITS[unit]}): e.g. '1e12{unit}'")
     if unit == "st" and value != int(value):
         raise DurationError(f"duration {text!r}: optimizer steps must be a whole number")
     if unit == "dur" and value > 1:

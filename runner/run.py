@@ -174,6 +174,7 @@ class Callback(Protocol):
     """
 
     monitor: str | None = None  # a callback that reads a validation metric names it here, so the loop can check it
+    provides: tuple[str, ...] = ()  # validation metrics a callback adds (on_validation_end): a monitor may name them
 
     def on_fit_start(self, run: Run) -> None:
         """Before the first micro-batch (after a checkpoint, if any, was restored)."""

@@ -20,6 +20,7 @@ class GroundTruthRecovery(Callback):
 
     def __init__(self, thresholds: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)) -> None:
         self.thresholds = tuple(thresholds)
+        self.provides = ("val/mmcs", *(f"val/recovered_{t:g}" for t in self.thresholds))
 
     def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
         """Score the decoder against the truth (metrics added here are logged with the validation's row)."""

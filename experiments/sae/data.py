@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -154,11 +155,18 @@ def load_matrix(path: str | Path, key: str | None = None, d: int | None = None) 
             array = load_file(str(path))
         else:
             raise ConfigError(f"activation file {path}: unknown format {suffix!r}; use .npy, .pt or .safetensors")
-    except (ValueError, RuntimeError, OSError) as error:
-        raise ConfigError(f"activation file {path} cannot be read: {error}") from None
+    except pickle.UnpicklingError:
+        raise ConfigError(
+            f"activation file {path} holds pickled Python objects, which runner never unpickles (they could run "
+            "code); save a plain tensor: torch.save(tensor, path), or a dict of tensors"
+        ) from None
+    except ConfigError:
+        raise
+    except Exception as error:  # empty, truncated or not the format its suffix says
+        raise ConfigError(f"activation file {path} cannot be read ({type(error).__name__}: {error})") from None
     if isinstance(array, dict):
         if key is None and len(array) != 1:
-            raise ConfigError(f"activation file {path} holds {sorted(array)}: set data.splits.key to one of them")
+            raise ConfigError(f"activation file {path} holds {sorted(array)}: set data.key to one of them")
         if key is not None and key not in array:
             raise ConfigError(f"activation file {path} has no tensor {key!r}; it holds {sorted(array)}")
         array = array[key] if key is not None else next(iter(array.values()))
@@ -171,7 +179,27 @@ def load_matrix(path: str | Path, key: str | None = None, d: int | None = None) 
             f"activation file {path} holds a {array.dtype} array of shape {list(array.shape)}; "
             f"expected a floating-point {want} matrix (one activation vector per row)"
         )
+    _check_finite(array, path)
     return array
+
+
+FINITE_SAMPLE_ROWS = 65536
+
+
+def _check_finite(array: np.ndarray | torch.Tensor, path: Path) -> None:
+    # Up to FINITE_SAMPLE_ROWS rows spread evenly over the file, read before training: a file with NaN or inf rows
+    # would otherwise train only skipped steps and stop late (trainer.max_nonfinite_steps).
+    rows = np.unique(np.linspace(0, len(array) - 1, min(len(array), FINITE_SAMPLE_ROWS)).astype(np.int64))
+    sample = torch.as_tensor(
+        np.asarray(array[rows]) if isinstance(array, np.ndarray) else array[torch.from_numpy(rows)]
+    )
+    bad = (~torch.isfinite(sample.float())).any(dim=1)
+    if bool(bad.any()):
+        first = int(rows[bad.nonzero()[0, 0]])
+        raise ConfigError(
+            f"activation file {path} holds NaN or inf values ({int(bad.sum())} of {len(rows)} sampled rows, the "
+            f"first at row {first}); clean or regenerate the file"
+        )
 
 
 def file_splits(
@@ -186,7 +214,7 @@ def file_splits(
     if val_path:
         return {"train": RowData(train), "val": RowData(load_matrix(val_path, key, train.shape[1]))}
     if not 0 <= val_fraction < 1:
-        raise ConfigError(f"data.splits.val_fraction must be in [0, 1), got {val_fraction}")
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
     n_val = int(len(train) * val_fraction)
     if n_val == 0:
         return {"train": RowData(train)}

@@ -152,6 +152,7 @@ class SpliceEval(Callback):
     def __init__(self, checkpoint: str, module: str, trusted_targets: Sequence[str] = TRUSTED_TARGETS) -> None:
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
         self.source: SourceModel | None = None
+        self.provides = ("val/ce_clean", "val/ce_zero_ablated", "val/ce_spliced", "val/loss_recovered")
 
     def on_validation_end(self, run, metrics: dict[str, float]) -> None:
         """Add val/ce_clean, val/ce_zero_ablated, val/ce_spliced and val/loss_recovered."""

@@ -41,6 +41,15 @@ RUNS = {
     "fp16": ["+experiment=digits", "precision=fp16", "trainer.max_duration=10st"],
     "help": ["--help"],
     "config_error": ["+experiment=digits", "trainer.accumulate_grad_batches=1000"],
+    # Hydra's own composition errors: the CLI turns them into the same one paragraph and exit code 2
+    "misspelled_key": ["+experiment=digits", "trainer.max_duraton=3ep"],
+    "unknown_option": ["+experiment=digits", "model=nope"],
+    "experiment_twice": ["+experiment=digits", "+experiment=sae"],
+}
+HYDRA_ERRORS = {
+    "misspelled_key": ["trainer.max_duraton is not a key", "did you mean trainer.max_duration?"],
+    "unknown_option": ["Could not find 'model/nope'", "mlp"],
+    "experiment_twice": ["Multiple values for experiment"],
 }
 Runs = dict[str, Future]
 
@@ -162,6 +171,16 @@ def test_a_config_error_is_one_line_on_stderr_exit_code_2_and_no_files(runs: Run
     assert len((proc.stdout + proc.stderr).strip().splitlines()) <= 15, explain(proc)
     # only what Hydra writes before the job starts: no run.json, metrics, summary, checkpoints or wandb
     assert {p.name for p in run_dir.iterdir()} <= {".hydra", "runner.log"}, sorted(run_dir.iterdir())
+
+
+@pytest.mark.parametrize("name", list(HYDRA_ERRORS))
+def test_hydra_composition_errors_are_one_paragraph_and_exit_code_2(name: str, runs: Runs) -> None:
+    proc, _ = runs[name].result()
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, explain(proc)
+    assert "Traceback" not in proc.stderr and "+trainer.max_duraton=3ep" not in proc.stderr, explain(proc)
+    for fragment in HYDRA_ERRORS[name]:
+        assert fragment in proc.stderr, explain(proc)
 
 
 def test_help_lists_every_group_and_option(runs: Runs) -> None:

@@ -4,10 +4,13 @@ tests/e2e/test_cli.py."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from hydra.errors import CompactHydraException
 
 from runner import ConfigError
@@ -34,6 +37,38 @@ ERROR_CASES: dict[str, tuple[list[str], type[Exception], list[str]]] = {
         ConfigError,
         ["accumulate_grad_batches=1000", "does not fit", "45 micro-batches"],
     ),
+    "negative-lr": (
+        ["+experiment=digits", "optimizer.lr=-1"],
+        ConfigError,
+        ["optimizer.lr", "got -1", "optimizer.lr="],
+    ),
+    "text-lr": (["+experiment=digits", "optimizer.lr=abc"], ConfigError, ["optimizer.lr", "'abc'"]),
+    "nan-lr": (["+experiment=digits", "optimizer.lr=nan"], ConfigError, ["optimizer.lr", "nan"]),
+    "text-seed": (["+experiment=digits", "seed=abc"], ConfigError, ["seed must be a whole number", "seed=0"]),
+    "huge-steps": (["+experiment=digits", "trainer.max_duration=1e400st"], ConfigError, ["too large", "1e12st"]),
+    "huge-samples": (["+experiment=digits", "trainer.max_duration=1e400sa"], ConfigError, ["too large", "1e12sa"]),
+    "negative-workers": (["+experiment=digits", "data.num_workers=-1"], ConfigError, ["data.num_workers", "got -1"]),
+    "added-optimizer-key": (
+        ["+experiment=digits", "+optimizer.learning_rate=0.5"],
+        ConfigError,
+        ["optimizer.learning_rate is not a parameter of torch.optim.AdamW", "did you mean optimizer.lr?"],
+    ),
+    "added-trainer-key": (
+        ["+experiment=digits", "+trainer.max_duraton=60st"],
+        ConfigError,
+        ["trainer.max_duraton is not a trainer setting", "did you mean trainer.max_duration?"],
+    ),
+    "added-model-key": (
+        ["+experiment=digits", "+model.widths=[3]"],
+        ConfigError,
+        ["model.widths is not a parameter of experiments.digits.MLPClassifier"],
+    ),
+    "unknown-monitor": (
+        ["+experiment=digits", "monitor=val/nosuch"],
+        ConfigError,
+        ["'val/nosuch' is not produced by validation", "val/acc", "val/loss"],
+    ),
+    "source-not-given": (["+experiment=sae_digits"], ConfigError, ["source.checkpoint must be set"]),
     "plateau-on-train-metric": (
         ["+experiment=digits", "scheduler=plateau", "scheduler.monitor=train/loss"],
         ConfigError,
@@ -54,3 +89,33 @@ def test_config_errors_are_refused_with_a_clear_message_before_any_file_is_writt
         assert fragment in message, message
     assert len(message.strip().splitlines()) <= 15, message
     assert not (tmp_path / "run").exists()  # train() refused before making the run folder
+
+
+def _bad_activation_file(kind: str, folder: Path) -> Path:
+    if kind == "zero-byte .npy":
+        (folder / "a.npy").write_bytes(b"")
+        return folder / "a.npy"
+    if kind == "pickled .pt":
+        torch.save({"acts": object()}, folder / "a.pt")  # needs unpickling to load
+        return folder / "a.pt"
+    rows = np.random.default_rng(0).standard_normal((3000, 256)).astype(np.float32)
+    rows[2999, 7] = np.nan  # the last row: the sample spreads over the whole file
+    np.save(folder / "a.npy", rows)
+    return folder / "a.npy"
+
+
+@pytest.mark.parametrize(
+    ("kind", "fragment"),
+    [
+        ("zero-byte .npy", "cannot be read"),
+        ("pickled .pt", "never unpickles"),
+        ("NaN rows", "holds NaN or inf values (1 of 3000 sampled rows, the first at row 2999)"),
+    ],
+)
+def test_a_bad_activation_file_is_refused_before_training(
+    kind: str, fragment: str, compose_cfg: Callable, tmp_path: Path
+) -> None:
+    path = _bad_activation_file(kind, tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as caught:
+        train(compose_cfg("+experiment=sae", "data=activations_file", f"data.train_path={path}"))
+    assert len(str(caught.value).splitlines()) == 1

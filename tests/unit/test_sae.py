@@ -531,14 +531,14 @@ def test_activation_files_refuse_bad_contents(tmp_path: Path, matrix: torch.Tens
         file_splits(str(tmp_path / "acts.csv"))
 
     torch.save({"resid": matrix, "mlp": matrix * 2}, tmp_path / "two.pt")
-    with pytest.raises(ConfigError, match=r"\['mlp', 'resid'\].*data.splits.key"):
+    with pytest.raises(ConfigError, match=r"\['mlp', 'resid'\].*data.key"):
         file_splits(str(tmp_path / "two.pt"))
     with pytest.raises(ConfigError, match=r"no tensor 'attn'"):
         file_splits(str(tmp_path / "two.pt"), key="attn")
     chosen = file_splits(str(tmp_path / "two.pt"), key="mlp", val_fraction=0.0)
     assert torch.equal(_rows(chosen["train"], [5]), matrix[[5]] * 2)
     save_file({"a": matrix, "b": matrix.clone()}, str(tmp_path / "two.safetensors"))
-    with pytest.raises(ConfigError, match=r"data.splits.key"):
+    with pytest.raises(ConfigError, match=r"data.key"):
         file_splits(str(tmp_path / "two.safetensors"))
 
 
