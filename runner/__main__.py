@@ -115,8 +115,8 @@ def main(cfg: DictConfig) -> float | None:
         if not in_sweep:  # in a sweep, one diverged trial must not end the others
             _fail(message, reason.exit_code)
         print(f"error: {message}", file=sys.stderr)
-    elif reason.resumable or reason == StopReason.INTERRUPTED:
-        if reason.resumable and run.strategy.is_main:
+    elif reason.resumable:  # preempted, max_time, Ctrl-C: a checkpoint of this step exists
+        if run.strategy.is_main:
             print(
                 f"stopped ({reason}) at step {run.progress.step}: continue with resume=auto "
                 f"{shlex.quote(f'hydra.run.dir={cfg.run_dir}')}",

@@ -93,3 +93,32 @@ def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class WallClock:
+    """Wall time of training over every launch of a run: the earlier launches' (restored from the checkpoint) plus
+    this launch's since start()."""
+
+    def __init__(self) -> None:
+        self.earlier_s, self.started = 0.0, time.perf_counter()
+
+    def start(self) -> None:
+        """This launch starts training now."""
+        self.started = time.perf_counter()
+
+    def launch_s(self) -> float:
+        """Seconds since this launch's start()."""
+        return time.perf_counter() - self.started
+
+    def total_s(self) -> float:
+        """Seconds over every launch."""
+        return self.earlier_s + self.launch_s()
+
+    def state_dict(self) -> dict[str, float]:
+        """The total so far: a resumed launch adds its own to it."""
+        return {"total_s": self.total_s()}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore state_dict()."""
+        self.earlier_s = float(state["total_s"])
+

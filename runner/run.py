@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from runner import ConfigError
-from runner.meter import Meter
+from runner.meter import Meter, WallClock
 from runner.progress import Duration, TrainingProgress
 
 
@@ -42,7 +42,7 @@ class StopReason(str, enum.Enum):
     def resumable(self) -> bool:
         """The run goes on when resumed. No extra validation or log row at such a stop, so that the resumed run's
         validations, schedules and metrics.jsonl rows are exactly those of a run that was never stopped."""
-        return self in (StopReason.PREEMPTED, StopReason.MAX_TIME)
+        return self in (StopReason.PREEMPTED, StopReason.MAX_TIME, StopReason.INTERRUPTED)
 
     @property
     def finished(self) -> bool:
@@ -248,6 +248,7 @@ class State:
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged value of every metric
     nonfinite_steps: int = 0
     nonfinite_in_a_row: int = 0  # the current streak; max_nonfinite_steps of them stop the run
+    clock: WallClock = field(default_factory=WallClock)  # wall time over every launch
 
     def __post_init__(self) -> None:
         self.meter = self.meter or Meter(self.progress)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,11 @@ from runner.rundir import CHECKPOINTS, MODEL, RUN_INFO, SUMMARY, write_json
 from runner.sweeps.job import SweepJob
 
 
-def summarize(run: Run, wall_time_s: float) -> dict[str, Any]:
-    """What summary.json holds."""
+def summarize(run: Run, samples_at_start: int = 0) -> dict[str, Any]:
+    """What summary.json holds. Wall time and rate are this launch's (a resumed launch trained only its own samples);
+    total_wall_time_s adds the earlier launches' training time."""
     p, best = run.progress, run.state.best
+    wall_time_s = run.state.clock.launch_s()
     return {
         "stop_reason": None if run.stop_reason is None else run.stop_reason.value,  # a plain string for every reader
         "progress": {k: getattr(p, k) for k in ("step", "micro_batch", "epoch", "samples", "tokens")},
@@ -35,7 +36,8 @@ def summarize(run: Run, wall_time_s: float) -> dict[str, Any]:
         else None,
         "nonfinite_steps": run.state.nonfinite_steps,
         "wall_time_s": wall_time_s,
-        "samples_per_s": p.samples / wall_time_s if wall_time_s > 0 else 0.0,
+        "total_wall_time_s": run.state.clock.total_s(),
+        "samples_per_s": (p.samples - samples_at_start) / wall_time_s if wall_time_s > 0 else 0.0,
     }
 
 
@@ -65,12 +67,19 @@ def resume(run: Run, cfg: DictConfig) -> dict[str, Any] | None:
 @contextlib.contextmanager
 def _preemptible(run: Run) -> Iterator[None]:
     # SIGTERM and SIGUSR1 (what SLURM sends before a time limit): finish the current optimizer step, save a
-    # checkpoint (the checkpoint callback saves whenever a run stops), write the summary, exit 75.
+    # checkpoint (the checkpoint callback saves whenever a run stops), write the summary, exit 75. The first Ctrl-C
+    # does the same with exit 130; a second one raises KeyboardInterrupt at once.
     def handler(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
+            run.request_stop(StopReason.INTERRUPTED)
+            return
         print(f"received {signal.Signals(signum).name}: stopping after this step", file=sys.stderr)
         run.request_stop(StopReason.PREEMPTED)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
@@ -104,16 +113,17 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
         if manifest is not None:
             info["config_changes"] = manifest["config_changes"]  # resume_allow_changes: what differs, honestly
         write_json(run_dir / (RUN_INFO if manifest is None else f"run-resumed-at-{manifest['step']}.json"), info)
-    started, summary = time.perf_counter(), None
+    samples_at_start, summary = run.progress.samples, None
+    run.state.clock.start()
     try:
         with _preemptible(run):
             for logger in run.loggers:
                 logger.start(run_info(run, cfg, sweep))
             fit(run)
-        summary = summarize(run, time.perf_counter() - started)
-    except KeyboardInterrupt:
+        summary = summarize(run, samples_at_start)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once, with the summary of what was trained
         run.stop_reason = StopReason.INTERRUPTED
-        summary = summarize(run, time.perf_counter() - started)
+        summary = summarize(run, samples_at_start)
     finally:
         weights = model_weights(run) if summary is not None else None  # collective under FSDP: every rank
         if summary is not None and run.strategy.is_main:

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import assert_same_weights, cli, metric_rows, ok, popen, summary, wait_for, with_run_dir
 
 from runner.ckpt.files import checkpoints
@@ -51,11 +52,12 @@ def killed_during_a_save(run_dir: Path) -> dict[str, Any]:
     return {"left": left, "half_written": half_written, "resumed": resumed}
 
 
-def preempted(run_dir: Path) -> dict[str, Any]:
-    """SIGTERM once the checkpoint of step 10 exists, then resume=auto."""
+def preempted(run_dir: Path, signals: tuple[int, ...] = (signal.SIGTERM,)) -> dict[str, Any]:
+    """`signals` once the checkpoint of step 10 exists, then resume=auto."""
     proc = launch(run_dir, *SLOW_STEPS)
     wait_for(proc, "checkpoints/step-00000010", run_dir)
-    proc.send_signal(signal.SIGTERM)
+    for sig in signals:
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     stopped = {"code": proc.returncode, "err": err, "summary": summary(run_dir)}
     stopped["newest"] = checkpoints(run_dir / "checkpoints")[0].name
@@ -66,7 +68,13 @@ def preempted(run_dir: Path) -> dict[str, Any]:
 
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     """The module's runs (helpers.module_runs), each in <root>/<name>."""
-    flows = {"uninterrupted": uninterrupted, "killed": killed_during_a_save, "preempted": preempted}
+    flows = {
+        "uninterrupted": uninterrupted,
+        "killed": killed_during_a_save,
+        "preempted": preempted,
+        "ctrl_c": lambda run_dir: preempted(run_dir, (signal.SIGINT,)),
+        "ctrl_c_twice": lambda run_dir: preempted(run_dir, (signal.SIGINT, signal.SIGINT)),
+    }
     return {name: (lambda flow=flow, name=name: flow(root / name)) for name, flow in flows.items()}
 
 
@@ -82,12 +90,22 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(runs: dict[s
     assert metric_rows(run_dir) == metric_rows(reference)
 
 
-def test_sigterm_checkpoints_exits_75_and_resumes(runs: dict[str, Future]) -> None:
-    reference, outcome = runs["uninterrupted"].result(), runs["preempted"].result()
-    run_dir = reference.parent / "preempted"
+def test_a_second_ctrl_c_stops_at_once(runs: dict[str, Future]) -> None:
+    stopped = runs["ctrl_c_twice"].result()["stopped"]
+    assert stopped["code"] == 130, stopped["err"][-2000:]
+    assert stopped["summary"]["stop_reason"] == "interrupted"
+    assert "Traceback" not in stopped["err"]
+
+
+@pytest.mark.parametrize(("flow", "code", "reason"), [("preempted", 75, "preempted"), ("ctrl_c", 130, "interrupted")])
+def test_sigterm_or_ctrl_c_checkpoints_the_step_and_resumes(
+    flow: str, code: int, reason: str, runs: dict[str, Future]
+) -> None:
+    reference, outcome = runs["uninterrupted"].result(), runs[flow].result()
+    run_dir = reference.parent / flow
     stopped = outcome["stopped"]
-    assert stopped["code"] == 75, stopped["err"][-2000:]
-    assert stopped["summary"]["stop_reason"] == "preempted" and 10 <= stopped["summary"]["progress"]["step"] < 60
+    assert stopped["code"] == code, stopped["err"][-2000:]
+    assert stopped["summary"]["stop_reason"] == reason and 10 <= stopped["summary"]["progress"]["step"] < 60
     assert stopped["newest"] == f"step-{stopped['summary']['progress']['step']:08d}"
     assert "resume=auto" in stopped["err"]
     ok(outcome["resumed"])

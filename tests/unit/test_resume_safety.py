@@ -162,3 +162,14 @@ def test_a_truncated_state_with_a_matching_manifest_is_reported_as_truncated(
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="state.pt cannot be read: truncated or not written by torch.save"):
         load_checkpoint(folder)
+
+
+# ---- O: a resumed launch's rate is its own ------------------------------------------------------------------------
+def test_a_resumed_launch_reports_its_own_rate_and_the_total_wall_time(compose_cfg: Callable, tmp_path: Path) -> None:
+    first = _train(compose_cfg, tmp_path, stop_at=6)
+    samples_at_6 = first.progress.samples
+    resumed = _train(compose_cfg, tmp_path, "resume=auto")
+    written = summary(tmp_path)
+    trained_here = resumed.progress.samples - samples_at_6
+    assert written["samples_per_s"] * written["wall_time_s"] == pytest.approx(trained_here)
+    assert written["total_wall_time_s"] > written["wall_time_s"]  # plus the first launch's, from its checkpoint
