@@ -31,8 +31,9 @@ from runner.dist.env import (
     shared_launch_time,
     with_resume_auto,
 )
+from runner.log.tee import tee_to
 from runner.run import StopReason
-from runner.rundir import SUMMARY, write_json
+from runner.rundir import LOG, SUMMARY, write_json
 from runner.sweeps.job import SweepJob, objective, parallel_jobs, sweep_job, threads_per_job
 from runner.train import train
 
@@ -83,9 +84,9 @@ def _hydra_user_errors(run_and_report: Callable[[Callable[[], Any]], Any]) -> Ca
 
 
 def _record_failure(cfg: DictConfig, error: BaseException, wall_time_s: float) -> None:
-    # A sweep job's row in results.csv and `runner.report` say why it failed (a single run says so on the console
-    # and leaves no summary.json, like any run that never finished). A summary.json already there (a finished
-    # or preempted launch that this one failed to resume) is kept: nothing it says is lost.
+    # summary.json of a failed run says why (a sweep job's row in results.csv and `runner.report` read it; the
+    # console and runner.log say it too). A summary.json already there (a finished or preempted launch that this one
+    # failed to resume) is kept: nothing it says is lost.
     path = Path(cfg.run_dir) / SUMMARY
     if environment()["rank"] == 0 and path.parent.is_dir() and not path.exists():
         error_text = str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
@@ -101,6 +102,8 @@ def main(cfg: DictConfig) -> float | None:
     if threads is not None:
         torch.set_num_threads(threads)
     started, job = time.perf_counter(), sweep_job()
+    if environment()["rank"] == 0:
+        tee_to(Path(hydra_cfg.runtime.output_dir) / LOG)
     try:
         run = train(cfg, sweep=job)
     except Exception as error:
@@ -127,8 +130,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s: float) -> float | None:
-    if job is not None:  # the job's row in results.csv says why (under torchrun too)
-        _record_failure(cfg, error, wall_time_s)
+    _record_failure(cfg, error, wall_time_s)  # summary.json says why (a sweep's results.csv reads it)
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # one failed job must not end the sweep (fail_fast: SweepResults)
         if not isinstance(error, ConfigError):
             traceback.print_exc()

@@ -15,6 +15,7 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 MODEL = "model.safetensors"
 CHECKPOINTS = "checkpoints"
+LOG = "runner.log"  # what rank 0 printed (runner.log.tee); Hydra names it after hydra.job.name
 
 
 def write_atomic(path: str | Path, data: bytes, fsync: bool = False) -> Path:

@@ -126,6 +126,11 @@ def test_two_epochs_write_every_file_with_exact_counts(runs: Runs) -> None:
     assert summary["metrics"]["val/loss"] == pytest.approx(best["value"], rel=1e-5)
     assert summary["metrics"]["train/loss"] == rows[-1]["train/loss"]
 
+    # runner.log holds what the console printed: the startup table, each validation, the final table
+    log = (run / "runner.log").read_text()
+    assert "MLPClassifier" in log and "step 45  epoch 1.00" in log and "done: max_duration" in log
+    assert "\x1b[" not in log  # no terminal control codes
+
 
 def test_gradient_accumulation_counts(runs: Runs) -> None:
     run = finished(runs, "accumulate")
@@ -169,8 +174,11 @@ def test_a_config_error_is_one_line_on_stderr_exit_code_2_and_no_files(runs: Run
         assert fragment in proc.stderr, explain(proc)
     assert "Traceback" not in proc.stdout + proc.stderr, explain(proc)
     assert len((proc.stdout + proc.stderr).strip().splitlines()) <= 15, explain(proc)
-    # only what Hydra writes before the job starts: no run.json, metrics, summary, checkpoints or wandb
-    assert {p.name for p in run_dir.iterdir()} <= {".hydra", "runner.log"}, sorted(run_dir.iterdir())
+    # what Hydra writes before the job starts, and the record of the failure: no run.json, metrics, checkpoints, wandb
+    assert {p.name for p in run_dir.iterdir()} == {".hydra", "runner.log", "summary.json"}, sorted(run_dir.iterdir())
+    failed = read_json(run_dir / "summary.json")
+    assert failed["stop_reason"] == "failed" and "accumulate_grad_batches=1000" in failed["error"]
+    assert proc.stderr.strip() in (run_dir / "runner.log").read_text()
 
 
 @pytest.mark.parametrize("name", list(HYDRA_ERRORS))
