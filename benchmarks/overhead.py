@@ -129,7 +129,7 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> di
     """One fresh process of `contender`; returns its figures."""
     out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
     if contender.startswith("runner"):
-        usual = ["logger=default", "callbacks=checkpoint", f"callbacks.checkpoint.interval={steps // 4}st"]
+        usual = ["logger=default", "callbacks=none", f"checkpoint.interval={steps // 4}st"]
         # runner_plain: the console off a terminal (CI, SLURM logs) at its worst, a plain line at every log call
         extra = {"runner_usual": usual, "runner_plain": [*usual, "logger.console.every_s=0"]}.get(contender, [])
         command = runner_command(size, steps, warmup, out, run_dir, *extra)

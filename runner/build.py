@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-import warnings
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,13 @@ def param_groups(task: nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
 
 
+def _not_selected(name: str, how: str, quiet: bool) -> None:
+    # An experiment tuned a component (say callbacks.early_stopping.patience) whose option the command line then left
+    # out (callbacks=[ema]): the tuning has nothing to apply to. Said once, by rank 0, as one line.
+    if not quiet:
+        print(f"note: {name} is tuned by the config but not selected, so it is off; select it: {how}", file=sys.stderr)
+
+
 def _named(group: DictConfig | None, what: str, quiet: bool = False) -> list[Any]:
     """Instantiate a group whose options merge into one mapping of name -> component config (callbacks, logger)."""
     components = []
@@ -48,14 +55,7 @@ def _named(group: DictConfig | None, what: str, quiet: bool = False) -> list[Any
         if node is None:
             continue
         if "_target_" not in node:
-            # An experiment tuned a component (say callbacks.early_stopping.patience) whose option the command line
-            # then left out (callbacks=none): the tuning has nothing to apply to. Said once, by rank 0.
-            if not quiet:
-                warnings.warn(
-                    f"{what}.{name} has settings but its option is not selected (no _target_); ignoring it",
-                    UserWarning,
-                    stacklevel=2,
-                )
+            _not_selected(f"{what}.{name}", f"{what}=[...,{name}]", quiet)
             continue
         components.append(instantiate(node))
     return components
@@ -67,6 +67,16 @@ def _plain(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=True)
     except Exception:  # an interpolation that only resolves inside Hydra, in a run built from Python
         return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _checkpoint(node: DictConfig | None, quiet: bool) -> list[Any]:
+    """The checkpoint callback (after the others: it saves what they leave at the end of a step), unless off."""
+    if not node:
+        return []
+    if "_target_" not in node:
+        _not_selected("checkpoint", "checkpoint=default", quiet)
+        return []
+    return [instantiate(node)]
 
 
 def _interval(progress: TrainingProgress, text: str, name: str) -> Duration:
@@ -144,6 +154,7 @@ def _build(cfg: DictConfig) -> Run:
         state=State(progress=progress, best=Best(cfg.get("mode", "min"))),
         forward=forward,
         callbacks=_named(cfg.get("callbacks"), "callbacks", quiet=not dist.is_main)
+        + _checkpoint(cfg.get("checkpoint"), quiet=not dist.is_main)
         + ([TimeLimit(trainer.max_time)] if trainer.get("max_time") else []),
     )
     check_monitors(run)

@@ -97,8 +97,8 @@ class SlowCheckpoint(Checkpoint):
     """The checkpoint callback whose writer thread takes `seconds` over the folder named `slow_folder`, in the middle
     of writing it (its temporary folder made, its files not yet): a save in flight that a test can kill.
 
-        callbacks.checkpoint._target_=_tasks.SlowCheckpoint +callbacks.checkpoint.slow_folder=step-00000020
-        +callbacks.checkpoint.seconds=60
+        checkpoint._target_=_tasks.SlowCheckpoint +checkpoint.slow_folder=step-00000020
+        +checkpoint.seconds=60
     """
 
     def __init__(self, slow_folder: str | None = None, seconds: float = 0.0, **kwargs) -> None:

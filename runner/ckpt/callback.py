@@ -58,10 +58,10 @@ class Checkpoint(Callback):
         save_last: bool = True,
     ) -> None:
         if keep_last < 1:
-            raise ConfigError(f"callbacks.checkpoint.keep_last must be >= 1 (resume needs one), got {keep_last}")
+            raise ConfigError(f"checkpoint.keep_last must be >= 1 (resume needs one), got {keep_last}")
         self.dir, self.interval = Path(dir), parse_duration(interval)
         if self.interval.value <= 0:
-            raise ConfigError(f"callbacks.checkpoint.interval={interval} must be longer than zero")
+            raise ConfigError(f"checkpoint.interval={interval} must be longer than zero")
         self.keep_last, self.keep_best, self.save_last = keep_last, max(0, keep_best), save_last
         self.monitor = monitor if keep_best > 0 else None
         self.order = Best(mode)  # which values are better (it checks that mode is 'min' or 'max')

@@ -87,7 +87,7 @@ INERT = (
     "trainer.log_interval",
     "trainer.max_time",
     "data.num_workers",
-    "callbacks.checkpoint",
+    "checkpoint",
     "callbacks.profiler",
     "init_from",  # the checkpoint's weights replace what init_from loaded
     "init_strict",

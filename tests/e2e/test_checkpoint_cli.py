@@ -20,12 +20,12 @@ ARGS = [
     "trainer.max_duration=60st",
     "trainer.val_interval=10st",
     "logger=jsonl",
-    "callbacks.checkpoint.interval=10st",
+    "checkpoint.interval=10st",
 ]
 # The checkpoint callback whose writer stalls in the middle of writing step 20 (tests/_tasks.py). The resumed launch
 # names the same class, without the stall: callback states are restored by position and class.
-SLOW_CHECKPOINT = ["callbacks.checkpoint._target_=_tasks.SlowCheckpoint"]
-STALL_AT_20 = ["+callbacks.checkpoint.slow_folder=step-00000020", "+callbacks.checkpoint.seconds=60"]
+SLOW_CHECKPOINT = ["checkpoint._target_=_tasks.SlowCheckpoint"]
+STALL_AT_20 = ["+checkpoint.slow_folder=step-00000020", "+checkpoint.seconds=60"]
 # 50 ms after every optimizer step: the run is still training when the test signals it
 SLOW_STEPS = ["+callbacks.slow._target_=_tasks.SleepEachStep", "+callbacks.slow.seconds=0.05"]
 

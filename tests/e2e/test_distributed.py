@@ -37,8 +37,8 @@ CHECKPOINTED = [
     "distributed=ddp",
     "data.batch_size=16",
     "trainer.max_duration=20st",
-    "callbacks=[checkpoint,rank_consistency]",
-    "callbacks.checkpoint.interval=10st",
+    "callbacks=rank_consistency",
+    "checkpoint.interval=10st",
     "callbacks.rank_consistency.interval=5st",
     "callbacks.rank_consistency.gradients=true",
 ]

@@ -25,9 +25,9 @@ from helpers import (
 CHECKPOINTED = [
     *DIGITS_DDP,
     "trainer.max_duration=40st",
-    "callbacks=checkpoint",
-    "callbacks.checkpoint.interval=10st",
-    "callbacks.checkpoint.keep_last=10",
+    "callbacks=none",
+    "checkpoint.interval=10st",
+    "checkpoint.keep_last=10",
 ]
 # SGD: its step is proportional to the clipped gradient, so a per-shard norm (a different factor on each rank) would
 # show in the weights; AdamW would nearly cancel a constant factor. Accumulation: FSDP's no-sync path. Affine

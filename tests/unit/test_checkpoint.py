@@ -50,8 +50,8 @@ def test_stop_and_resume_equals_the_uninterrupted_run(
         "trainer.val_interval=7st",
         "trainer.log_interval=4st",
         "logger=jsonl",
-        "callbacks=[early_stopping,checkpoint]",
-        "callbacks.checkpoint.interval=1000st",
+        "callbacks=early_stopping",
+        "checkpoint.interval=1000st",
     ]
     whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
     first = train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(n)])
@@ -76,7 +76,7 @@ def test_sae_resume_is_exact(compose_cfg: Callable, tmp_path: Path) -> None:
         "data.splits.n_val=512",
         "model.dead_window=2st",
         "logger=jsonl",
-        "callbacks.checkpoint.interval=1000st",
+        "checkpoint.interval=1000st",
     ]
     whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
     assert whole.task.n_dead > 0
@@ -93,7 +93,7 @@ def _trained(compose_cfg: Callable, run_dir: Path, *overrides: str) -> Run:
             "trainer.max_duration=12st",
             "trainer.val_interval=3st",
             "logger=none",
-            "callbacks=checkpoint",
+            "callbacks=none",
             *overrides,
             run_dir=run_dir,
         )
@@ -106,9 +106,9 @@ def test_rotation_keeps_the_last_k_and_the_best_k(compose_cfg: Callable, tmp_pat
         compose_cfg,
         tmp_path,
         "logger=jsonl",
-        "callbacks.checkpoint.interval=2st",
-        "callbacks.checkpoint.keep_last=2",
-        "callbacks.checkpoint.keep_best=2",
+        "checkpoint.interval=2st",
+        "checkpoint.keep_last=2",
+        "checkpoint.keep_best=2",
         "monitor=val/acc",
         "mode=max",
     )
@@ -127,7 +127,7 @@ def test_rotation_keeps_the_last_k_and_the_best_k(compose_cfg: Callable, tmp_pat
 
 
 def test_truncated_and_flipped_checkpoints_are_skipped(compose_cfg: Callable, tmp_path: Path) -> None:
-    _trained(compose_cfg, tmp_path, "callbacks.checkpoint.interval=4st", "callbacks.checkpoint.keep_last=3")
+    _trained(compose_cfg, tmp_path, "checkpoint.interval=4st", "checkpoint.keep_last=3")
     newest, middle, oldest = checkpoints(tmp_path / "checkpoints")
     state = newest / "state.pt"
     state.write_bytes(state.read_bytes()[:-100])  # truncated
@@ -151,7 +151,7 @@ class _Exploit:
 def test_a_pickled_object_is_refused_without_running_it(compose_cfg: Callable, tmp_path: Path) -> None:
     import hashlib
 
-    _trained(compose_cfg, tmp_path, "callbacks.checkpoint.interval=12st")
+    _trained(compose_cfg, tmp_path, "checkpoint.interval=12st")
     folder = checkpoints(tmp_path / "checkpoints")[0]
     marker = Path("/tmp/runner-pwned")
     marker.unlink(missing_ok=True)
@@ -180,7 +180,7 @@ def test_a_finished_run_resumed_says_so(compose_cfg: Callable, tmp_path: Path, c
 def test_resume_refuses_a_different_batch_size_unless_allowed(compose_cfg: Callable, tmp_path: Path) -> None:
     first = train(
         compose_cfg(
-            "+experiment=digits", "trainer.max_duration=12st", "logger=none", "callbacks=checkpoint", run_dir=tmp_path
+            "+experiment=digits", "trainer.max_duration=12st", "logger=none", "callbacks=none", run_dir=tmp_path
         ),
         extra_callbacks=[StopAt(6)],
     )
@@ -192,7 +192,7 @@ def test_resume_refuses_a_different_batch_size_unless_allowed(compose_cfg: Calla
 
 
 def test_init_from_loads_weights_and_reports_mismatches(compose_cfg: Callable, tmp_path: Path) -> None:
-    source = _trained(compose_cfg, tmp_path / "a", "callbacks.checkpoint.interval=12st")
+    source = _trained(compose_cfg, tmp_path / "a", "checkpoint.interval=12st")
     folder = checkpoints(tmp_path / "a" / "checkpoints")[0]
     target = _trained(
         compose_cfg, tmp_path / "b", "trainer.max_duration=1st", f"init_from={folder}", "trainer.val_interval=1st"

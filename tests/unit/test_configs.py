@@ -39,6 +39,7 @@ EXPECTED_GROUPS = {
     "distributed",
     "logger",
     "callbacks",
+    "checkpoint",
     "experiment",
 }
 GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
@@ -174,8 +175,9 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
             assert lg.run is None  # never started here
             assert lg.mode == cfg.logger.wandb.mode and lg.kwargs["project"] == cfg.logger.wandb.project
             assert lg.kwargs["dir"] == str(tmp_path / "run")
-    callbacks = _components(cfg.get("callbacks"))
-    assert [type(cb) for cb in run.callbacks] == [get_object(c._target_) for c in callbacks.values()]
+    callbacks = list(_components(cfg.get("callbacks")).values())
+    callbacks += [cfg.checkpoint] if "_target_" in (cfg.get("checkpoint") or {}) else []  # on unless checkpoint=none
+    assert [type(cb) for cb in run.callbacks] == [get_object(c._target_) for c in callbacks]
     assert all(isinstance(cb, Callback) for cb in run.callbacks)
     for cb in run.callbacks:
         assert cb.monitor is None or cb.monitor.startswith("val/")
@@ -258,13 +260,18 @@ def test_experiment_fits_tiny_budget(
     assert math.isfinite(run.state.metrics["val/loss"])
 
 
-def test_deselecting_a_callback_the_experiment_tunes_warns_and_builds(
-    built: Callable[..., tuple[DictConfig, Run]],
+def test_deselecting_a_callback_the_experiment_tunes_says_so_and_keeps_checkpointing(
+    built: Callable[..., tuple[DictConfig, Run]], capsys: pytest.CaptureFixture
 ) -> None:
-    # digits sets callbacks.early_stopping.patience; callbacks=none leaves those settings with nothing to apply to
-    with pytest.warns(UserWarning, match=r"callbacks\.early_stopping has settings but its option is not selected"):
-        _, run = built("+experiment=digits", "callbacks=none")
-    assert run.callbacks == []
+    # digits sets callbacks.early_stopping.patience; callbacks=[ema] leaves those settings with nothing to apply to
+    _, run = built("+experiment=digits", "callbacks=[ema]")
+    assert [type(cb).__name__ for cb in run.callbacks] == ["EMA", "Checkpoint"]  # checkpointing is its own group
+    err = capsys.readouterr().err
+    assert err.count("note: callbacks.early_stopping is tuned by the config but not selected") == 1
+    assert "callbacks=[...,early_stopping]" in err
+    _, run = built("+experiment=sae", "checkpoint=none")
+    assert [type(cb).__name__ for cb in run.callbacks] == ["GroundTruthRecovery"]
+    assert "note: checkpoint is tuned by the config but not selected" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ pytestmark = [
 def test_digits_trains_on_the_gpu_in_every_precision(compose_cfg: Callable, tmp_path: Path, precision: str) -> None:
     run = train(
         compose_cfg(
-            "+experiment=digits", f"precision={precision}", "trainer.max_duration=3ep", "callbacks=[checkpoint]"
+            "+experiment=digits", f"precision={precision}", "trainer.max_duration=3ep", "callbacks=none"
         )
     )
     assert run.device.type == "cuda" and next(run.task.parameters()).is_cuda
@@ -48,8 +48,8 @@ def test_stop_and_resume_on_the_gpu_is_exact(compose_cfg: Callable, tmp_path: Pa
         "trainer.val_interval=7st",
         "trainer.log_interval=4st",
         "logger=jsonl",
-        "callbacks=[checkpoint]",
-        "callbacks.checkpoint.interval=1000st",
+        "callbacks=none",
+        "checkpoint.interval=1000st",
     ]
     whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
     first = train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(20)])

@@ -122,7 +122,7 @@ MANIFESTS = {
 def test_a_broken_manifest_falls_back_to_the_previous_checkpoint(
     variant: str, compose_cfg: Callable, tmp_path: Path
 ) -> None:
-    _train(compose_cfg, tmp_path, "callbacks.checkpoint.interval=4st", stop_at=8)
+    _train(compose_cfg, tmp_path, "checkpoint.interval=4st", stop_at=8)
     newest, previous = checkpoints(tmp_path / "checkpoints")[:2]
     assert newest.name == "step-00000008"
     manifest = newest / "manifest.json"
@@ -131,7 +131,7 @@ def test_a_broken_manifest_falls_back_to_the_previous_checkpoint(
         load_checkpoint(newest)
     assert newest_valid(tmp_path / "checkpoints")[0] == previous
     if variant == "{}":  # and the real resume goes on from there, without a traceback
-        resumed = _train(compose_cfg, tmp_path, "callbacks.checkpoint.interval=4st", "resume=auto")
+        resumed = _train(compose_cfg, tmp_path, "checkpoint.interval=4st", "resume=auto")
         assert resumed.progress.step == 12
         assert (tmp_path / f"run-resumed-at-{int(previous.name.split('-')[1])}.json").exists()
 
@@ -152,7 +152,7 @@ def test_checkpoints_sort_and_rotate_by_step_number_past_eight_digits(tmp_path: 
 def test_a_truncated_state_with_a_matching_manifest_is_reported_as_truncated(
     compose_cfg: Callable, tmp_path: Path
 ) -> None:
-    _train(compose_cfg, tmp_path, "callbacks.checkpoint.interval=12st")
+    _train(compose_cfg, tmp_path, "checkpoint.interval=12st")
     folder = checkpoints(tmp_path / "checkpoints")[0]
     state = (folder / "state.pt").read_bytes()[:-200]
     (folder / "state.pt").write_bytes(state)

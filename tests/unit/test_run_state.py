@@ -76,8 +76,8 @@ def test_a_run_resumed_in_the_middle_of_a_nonfinite_streak_stops_where_the_unint
         "trainer.log_interval=1st",
         "trainer.max_nonfinite_steps=4",
         "logger=jsonl",
-        "callbacks=checkpoint",
-        "callbacks.checkpoint.interval=1000st",
+        "callbacks=none",
+        "checkpoint.interval=1000st",
     ]
     whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"), extra_callbacks=[PoisonAt(5)])
     assert (whole.stop_reason, whole.progress.step, whole.state.nonfinite_steps) == ("nonfinite", 9, 4)

@@ -20,7 +20,7 @@ TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval
 def test_a_run_logs_offline_in_its_folder_and_a_resumed_run_continues_it(
     offline: None, compose_cfg: Callable, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    overrides = [*TINY, "logger=[jsonl,wandb]", "callbacks=[checkpoint]", "callbacks.checkpoint.interval=1000st"]
+    overrides = [*TINY, "logger=[jsonl,wandb]", "callbacks=none", "checkpoint.interval=1000st"]
     cfg = compose_cfg(*overrides)
     first = train(cfg, extra_callbacks=[StopAt(10)])
     assert first.stop_reason == "preempted"
