@@ -298,3 +298,44 @@ def test_bad_trainer_values_are_refused_before_any_file_is_written(
     with pytest.raises(ConfigError, match=message):
         build(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---- presets do not leak one option's keys into another option of the same group -----------------------------------
+def _preset_groups(experiment: str) -> list[str]:
+    entries = OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml").get("defaults", [])
+    return [next(iter(e)).removeprefix("override /") for e in entries if isinstance(e, DictConfig)]
+
+
+LEAK_CASES = [
+    (experiment, group, option)
+    for experiment in EXPERIMENTS
+    for group in _preset_groups(experiment)
+    if group in ("model", "data", "optimizer", "scheduler", "callbacks")
+    for g, option in OPTIONS
+    if g == group
+]
+
+
+@pytest.mark.parametrize(("experiment", "group", "option"), LEAK_CASES)
+def test_another_option_under_a_preset_gets_only_its_own_keys(
+    experiment: str, group: str, option: str, compose_cfg: Callable[..., DictConfig]
+) -> None:
+    alone = set(compose_cfg(f"{group}={option}").get(group) or {})
+    under_preset = set(compose_cfg(f"+experiment={experiment}", f"{group}={option}").get(group) or {})
+    if group == "callbacks":  # a preset may tune a callback it selects; choosing others leaves that tuning unused
+        under_preset = {name for name in under_preset if name in alone}
+    assert under_preset == alone, f"+experiment={experiment} {group}={option} gets {sorted(under_preset - alone)}"
+
+
+def test_your_own_model_under_a_preset_trains(compose_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    # a model of the user's own, outside runner's configs: a one-hidden-layer MLP without dropout
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text(
+        "_target_: _tasks.SkewedValidation\nin_features: 64\nhidden: [16]\nnum_classes: 10\n"
+    )
+    cfg = compose_cfg(
+        f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "+experiment=digits", "model=mine", "trainer.max_duration=3st"
+    )
+    assert set(cfg.model) == {"_target_", "in_features", "hidden", "num_classes"}
+    run = fit(build(cfg))
+    assert run.progress.step == 3
