@@ -61,6 +61,7 @@ class ConsoleLogger(Logger):
             "device",
             "precision",
             "world_size",
+            "threads",
             "distributed",
             "global_batch",
             "total_steps",

@@ -54,6 +54,7 @@ def run_info(run: Run, cfg: DictConfig, sweep: SweepJob | None = None) -> dict[s
         "device": str(run.device),
         "precision": run.precision.name,
         "world_size": run.world_size,
+        "threads": torch.get_num_threads(),  # intra-op threads: they change speed, and the last bits of results
         "distributed": f"{run.strategy.strategy}, backend {run.strategy.backend}, "
         f"{run.strategy.local_world_size} rank(s) per node on {run.world_size // run.strategy.local_world_size} "
         "node(s)",
