@@ -33,7 +33,7 @@ from runner.dist.env import (
 )
 from runner.log.tee import tee_to
 from runner.run import StopReason
-from runner.rundir import LOG, SUMMARY, write_json
+from runner.rundir import LOG, SUMMARY, FolderInUse, claim, unlock, write_json
 from runner.sweeps.job import SweepJob, objective, parallel_jobs, sweep_job, threads_per_job
 from runner.train import train
 
@@ -79,6 +79,8 @@ def _hydra_user_errors(run_and_report: Callable[[Callable[[], Any]], Any]) -> Ca
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             _fail(ConfigError(_one_paragraph(error)), 2)
+        except ConfigError as error:  # from outside a job: a sweep folder that another sweep holds
+            _fail(error, 2)
 
     return lambda func: run_and_report(lambda: translated(func))
 
@@ -102,12 +104,16 @@ def main(cfg: DictConfig) -> float | None:
     if threads is not None:
         torch.set_num_threads(threads)
     started, job = time.perf_counter(), sweep_job()
-    if environment()["rank"] == 0:
-        tee_to(Path(hydra_cfg.runtime.output_dir) / LOG)
+    run_dir, is_main = Path(hydra_cfg.runtime.output_dir), environment()["rank"] == 0
     try:
+        if is_main:  # rank 0 owns the folder: its lock, its log
+            claim(run_dir, hydra_cfg.output_subdir)
+            tee_to(run_dir / LOG)
         run = train(cfg, sweep=job)
     except Exception as error:
         return _failed(cfg, error, job, time.perf_counter() - started)
+    finally:
+        unlock(run_dir)
     reason = run.stop_reason
     if reason == StopReason.NONFINITE:
         message = RuntimeError(
@@ -130,7 +136,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s: float) -> float | None:
-    _record_failure(cfg, error, wall_time_s)  # summary.json says why (a sweep's results.csv reads it)
+    if not isinstance(error, FolderInUse):  # (that folder is another run's)
+        _record_failure(cfg, error, wall_time_s)  # summary.json says why (a sweep's results.csv reads it)
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # one failed job must not end the sweep (fail_fast: SweepResults)
         if not isinstance(error, ConfigError):
             traceback.print_exc()

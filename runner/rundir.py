@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from runner import ConfigError
+
 # The files of a run folder (checkpoints/ holds checkpoint folders: runner.ckpt.files)
 CONFIG = ".hydra/config.yaml"
 OVERRIDES = ".hydra/overrides.yaml"
@@ -80,3 +82,64 @@ def read_yaml(path: str | Path) -> Any:
         return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return None
+
+
+LOCK = ".lock"
+CLASH = "clash"  # runner.resolvers writes a refused launch's Hydra files to .hydra/clash-*
+
+
+class FolderInUse(ConfigError):
+    """A run (or sweep) folder that another run holds, or holds a finished run this launch would mix into."""
+
+
+_held: dict[str, Any] = {}  # the open lock files of this process: a lock lives as long as its file stays open
+
+
+def lock(folder: str | Path, what: str) -> None:
+    """Hold an exclusive lock on `folder` for the rest of this process (or until it is locked again by it), or raise
+    ConfigError naming the pid that holds it. The kernel drops the lock when its holder dies: a killed run's folder
+    can be resumed at once."""
+    import fcntl
+
+    path = Path(folder) / LOCK
+    if str(path) in _held:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file = open(path, "a+")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "unknown"
+        file.close()
+        raise FolderInUse(
+            f"{what} {folder} is in use by another process (pid {holder}), which would interleave its files with this "
+            "one's: wait for it to finish, or choose another folder (a new run gets one of its own by default)"
+        ) from None
+    file.seek(0)
+    file.truncate()
+    file.write(f"{os.getpid()}\n")
+    file.flush()
+    _held[str(path)] = file
+
+
+def unlock(folder: str | Path) -> None:
+    """Release lock(folder) (a sweep's next job in the same process locks its own folder)."""
+    file = _held.pop(str(Path(folder) / LOCK), None)
+    if file is not None:
+        file.close()
+
+
+def claim(run_dir: str | Path, hydra_subdir: str | None) -> None:
+    """Make `run_dir` this launch's: refuse a new run pointed at a folder that holds another run (Hydra then wrote
+    this launch's files under .hydra/clash-*, removed here), and lock it against a second writer."""
+    import shutil
+
+    if hydra_subdir and Path(hydra_subdir).name.startswith(CLASH):
+        shutil.rmtree(Path(run_dir) / hydra_subdir, ignore_errors=True)
+        raise FolderInUse(
+            f"run folder {run_dir} already holds a run: continue it with resume=auto, or leave hydra.run.dir out "
+            "(a new run gets a folder of its own), or name a new folder"
+        )
+    lock(run_dir, "run folder")
+

@@ -13,6 +13,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from runner.rundir import FolderInUse, lock
 from runner.sweeps.results import collect, job_row, leaderboard, table_console, write_csv
 
 
@@ -43,8 +44,14 @@ class SweepResults(Callback):
         return rows
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Create the sweep folder before the sweeper starts (Optuna opens its SQLite storage in it)."""
+        """Create and lock the sweep folder before the sweeper starts (Optuna opens its SQLite storage in it): a
+        second sweep on the same folder is refused instead of mixing its rows into this one's results.csv."""
         Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        try:
+            lock(config.hydra.sweep.dir, "sweep folder")
+        except FolderInUse as error:  # Hydra turns a callback's exception into a warning: stop the sweep here
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """Add the job's row to results.csv; with fail_fast, end the sweep if the job failed."""
