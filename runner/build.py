@@ -20,7 +20,7 @@ from runner import ConfigError
 from runner.callbacks.time_limit import TimeLimit
 from runner.checks import check_config
 from runner.ckpt.files import load_weights
-from runner.loop import check_monitored_metrics, check_monitors
+from runner.loop import check_monitored_metrics, check_monitors, validation_metrics
 from runner.progress import Duration, TrainingProgress
 from runner.run import Best, Run, Settings, State
 from runner.rundir import CONFIG, MODEL
@@ -120,6 +120,8 @@ def _build(cfg: DictConfig) -> Run:
         load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True))
     if not hasattr(task, "validation_step"):
         val_loader = None  # validation_step is optional: a task without one is never validated
+    precision = instantiate(cfg.precision, device=dist.device)
+    metric_names = validation_metrics(task, val_loader, precision, dist.device)
     # After init_from: DDP and FSDP start every rank from rank 0's weights. Before the optimizer: FSDP replaces the
     # parameters with shards, which the optimizer must hold.
     forward = dist.wrap(task)
@@ -146,7 +148,7 @@ def _build(cfg: DictConfig) -> Run:
         task=task,
         optimizer=optimizer,
         schedule=instantiate(cfg.scheduler)(optimizer=optimizer, progress=progress),
-        precision=instantiate(cfg.precision, device=dist.device),
+        precision=precision,
         strategy=dist,
         train_loader=train_loader,
         val_loader=val_loader,
@@ -158,7 +160,7 @@ def _build(cfg: DictConfig) -> Run:
         + ([TimeLimit(trainer.max_time)] if trainer.get("max_time") else []),
     )
     check_monitors(run)
-    check_monitored_metrics(run)
+    check_monitored_metrics(run, metric_names)
     # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
     run.loggers = _named(cfg.get("logger"), "logger") if dist.is_main else []
     return run

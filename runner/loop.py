@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from runner import ConfigError
 from runner.data import batch_size_of, to_device, tokens_of, with_last
-from runner.run import Run, StopReason
+from runner.run import Precision, Run, StopReason
 
 
 @dataclass
@@ -174,26 +175,28 @@ def _wanted(run: Run) -> set[str]:
 
 
 @torch.no_grad()
-def _probe(run: Run) -> set[str]:
-    # One validation_step on the first validation batch, before training, to learn the metric names: a monitor that
-    # names none of them fails now, not at the first validation. The RNG is restored: training starts as without it.
-    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
-        run.task.eval()
-        batch = to_device(next(iter(run.val_loader)), run.device)
-        with run.precision.autocast():
-            names = {f"val/{k}" for k in run.task.validation_step(batch)}
-        run.task.train()
+def validation_metrics(
+    task: torch.nn.Module, val_loader: Iterable | None, precision: Precision, device: torch.device
+) -> set[str]:
+    """The names validation will log, from one validation_step on the first validation batch, so that a monitor
+    naming none of them fails before training, not at the first validation. Call it on the model before DDP/FSDP
+    wrap it (a forward of an FSDP module before its first training step leaves its gradients unreduced). The RNG is
+    restored: training starts as without it."""
+    if val_loader is None:
+        return set()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        task.eval()
+        batch = to_device(next(iter(val_loader)), device)
+        with precision.autocast():
+            names = {f"val/{k}" for k in task.validation_step(batch)}
+        task.train()
     return names
 
 
-def check_monitored_metrics(run: Run) -> None:
+def check_monitored_metrics(run: Run, validation_metrics: set[str]) -> None:
     """Refuse a monitor (summary's best, a scheduler, a callback) that names no metric validation will produce."""
     wanted = _wanted(run)
-    if not wanted or run.val_loader is None:
-        return
-    produced = {name for cb in run.callbacks for name in cb.provides}
-    if not wanted <= produced:
-        produced |= _probe(run)
+    produced = validation_metrics | {name for cb in run.callbacks for name in cb.provides}
     for name in sorted(wanted - produced):
         raise ConfigError(
             f"the monitored metric {name!r} is not produced by validation (it gives {sorted(produced)}); set "

@@ -121,4 +121,3 @@ class WallClock:
     def load_state_dict(self, state: dict[str, float]) -> None:
         """Restore state_dict()."""
         self.earlier_s = float(state["total_s"])
-

@@ -96,26 +96,35 @@ _held: dict[str, Any] = {}  # the open lock files of this process: a lock lives 
 
 
 def lock(folder: str | Path, what: str) -> None:
-    """Hold an exclusive lock on `folder` for the rest of this process (or until it is locked again by it), or raise
-    ConfigError naming the pid that holds it. The kernel drops the lock when its holder dies: a killed run's folder
-    can be resumed at once."""
+    """Hold an exclusive lock on `folder` for the rest of this process (or until unlock), or raise ConfigError naming
+    the pid that holds it. The kernel drops the lock when its holder dies: a killed run's folder can be resumed at
+    once (its stale .lock file is taken over)."""
     import fcntl
 
     path = Path(folder) / LOCK
     if str(path) in _held:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    file = open(path, "a+")  # noqa: SIM115 - held open on purpose
-    try:
-        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        file.seek(0)
-        holder = file.read().strip() or "unknown"
+    while True:
+        file = open(path, "a+")  # noqa: SIM115 - held open on purpose
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "unknown"
+            file.close()
+            raise FolderInUse(
+                f"{what} {folder} is in use by another process (pid {holder}), which would interleave its files with "
+                "this one's: wait for it to finish, or choose another folder (a new run gets one of its own by default)"
+            ) from None
+        # unlock removes the file: a lock taken on a file its holder had just removed guards nothing, so take the
+        # one now at `path` instead
+        try:
+            if os.stat(path).st_ino == os.fstat(file.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         file.close()
-        raise FolderInUse(
-            f"{what} {folder} is in use by another process (pid {holder}), which would interleave its files with this "
-            "one's: wait for it to finish, or choose another folder (a new run gets one of its own by default)"
-        ) from None
     file.seek(0)
     file.truncate()
     file.write(f"{os.getpid()}\n")
@@ -124,9 +133,11 @@ def lock(folder: str | Path, what: str) -> None:
 
 
 def unlock(folder: str | Path) -> None:
-    """Release lock(folder) (a sweep's next job in the same process locks its own folder)."""
-    file = _held.pop(str(Path(folder) / LOCK), None)
+    """Release lock(folder) and remove its file, so that a finished run's folder holds only its results."""
+    path = Path(folder) / LOCK
+    file = _held.pop(str(path), None)
     if file is not None:
+        path.unlink(missing_ok=True)  # while still holding it: no one can take a lock on a file about to vanish
         file.close()
 
 
@@ -142,4 +153,3 @@ def claim(run_dir: str | Path, hydra_subdir: str | None) -> None:
             "(a new run gets a folder of its own), or name a new folder"
         )
     lock(run_dir, "run folder")
-

@@ -20,13 +20,19 @@ class SkewedValidation(MLPClassifier):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.validations = 0
+        self.validations, self.trained = 0, False
+
+    def training_step(self, batch):
+        self.trained = True
+        return super().training_step(batch)
 
     def validation_step(self, batch):
         out = super().validation_step(batch)
-        self.validations += 1  # one batch per rank and validation (val_batch_size >= the rank's shard)
+        # one batch per rank and validation (val_batch_size >= the rank's shard); the runner's probe for metric names
+        # before training is not a validation
+        self.validations += self.trained
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        k = float(self.validations)
+        k = float(max(self.validations, 1))
         return {**out, "skew": torch.tensor(k if rank == 1 else 1 / k)}
 
 

@@ -13,7 +13,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.rundir import FolderInUse, lock
+from runner.rundir import FolderInUse, lock, unlock
 from runner.sweeps.results import collect, job_row, leaderboard, table_console, write_csv
 
 
@@ -68,12 +68,14 @@ class SweepResults(Callback):
             )
             # Hydra turns an Exception from a callback into a warning and launches the next job; SystemExit is
             # not an Exception, so it ends the sweep here.
+            unlock(config.hydra.sweep.dir)
             raise SystemExit(1)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Write the final results.csv and print the leaderboard."""
+        """Write the final results.csv, print the leaderboard and release the sweep folder."""
         sweep_dir = Path(str(config.hydra.sweep.dir))
         rows = self._update(sweep_dir)
+        unlock(sweep_dir)
         if not rows:
             return
         console = table_console()

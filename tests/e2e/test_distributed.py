@@ -196,7 +196,7 @@ def test_torchrun_ddp_one_folder_exact_counts_and_the_same_training_as_one_proce
     assert progress["step"] == 20 and progress["samples"] == 20 * 32
     assert "ddp, backend gloo, 2 rank(s) per node" in stderr  # the startup table, printed once (rank 0)
     assert stderr.count("global batch") == 1
-    assert stderr.count("has settings but its option is not selected") == 1  # rank 1 stays quiet
+    assert stderr.count("is tuned by the config but not selected") == 1  # rank 1 stays quiet
     # parameters at the start and after steps 5, 10, 15, gradients of steps 6, 11, 16: no false alarm
     assert "rank consistency: parameters and gradients identical on every rank in 7 checks" in stderr
     one, acc = runs["one"].result(), runs["acc"].result()
@@ -270,7 +270,8 @@ def test_rank_consistency_names_the_parameter_that_diverged(runs: dict[str, Futu
     assert proc.returncode != 0
     message = "parameter 'net.3.weight' differs between ranks after optimizer step 10: rank 0 has"
     assert proc.stderr.count(message) == 2, explain(proc)  # raised on both ranks: neither waits for the other
-    assert not (run_dir / "summary.json").exists()
+    failed = summary(run_dir)  # rank 0's record of the failure
+    assert failed["stop_reason"] == "failed" and "'net.3.weight' differs between ranks" in failed["error"]
 
 
 def test_two_nodes_on_one_machine_with_c10d_rendezvous_train_like_one_node(runs: dict[str, Future]) -> None:

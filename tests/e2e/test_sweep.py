@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers import cli, explain, jsonl, offline_run, results_csv, same_history, summary
+from omegaconf import OmegaConf
 
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=10st"]
 WANDB = "logger=[console,jsonl,wandb]"
@@ -174,8 +175,8 @@ def test_optuna_search_on_digits_reports_the_best_parameters_and_resumes(runs: R
     assert best["best_value"] == min(float(row["best"]) for row in rows.values())
     winner = min(rows.values(), key=lambda r: float(r["best"]))
     assert int(winner["width"]) == best["best_params"]["width"]
-    config = yaml.safe_load((Path(winner["dir"]) / ".hydra" / "config.yaml").read_text())
-    assert config["model"]["hidden"] == [best["best_params"]["width"]] * 2  # the searched width reached the model
+    config = OmegaConf.load(Path(winner["dir"]) / ".hydra" / "config.yaml")  # Hydra's copy keeps ${width}
+    assert config.model.hidden == [best["best_params"]["width"]] * 2  # the searched width reached the model
     assert "Best parameters" in proc.stdout + proc.stderr
 
     # the study is in the sweep folder's SQLite file: a second launch pointed at it goes on with the same study

@@ -22,9 +22,7 @@ pytestmark = [
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_digits_trains_on_the_gpu_in_every_precision(compose_cfg: Callable, tmp_path: Path, precision: str) -> None:
     run = train(
-        compose_cfg(
-            "+experiment=digits", f"precision={precision}", "trainer.max_duration=3ep", "callbacks=none"
-        )
+        compose_cfg("+experiment=digits", f"precision={precision}", "trainer.max_duration=3ep", "callbacks=none")
     )
     assert run.device.type == "cuda" and next(run.task.parameters()).is_cuda
     done = summary(tmp_path / "run")
