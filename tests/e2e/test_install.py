@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -39,9 +40,12 @@ def test_a_wheel_installed_into_a_fresh_venv_runs_from_another_directory(tmp_pat
     (wheel,) = wheels.glob("*.whl")
     assert "runner/conf/experiment/digits.yaml" in zipfile.ZipFile(wheel).namelist()
 
-    # The venv sees the dependencies of this one (torch, hydra...) but gets runner from the wheel alone.
+    # The venv sees the dependencies of this one (torch, hydra...: this interpreter's site-packages, listed in a .pth
+    # file, whose own .pth files, the editable runner's among them, are not run) but gets runner from the wheel alone.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    (own_site,) = venv.glob("lib/python*/site-packages")
+    (own_site / "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", str(wheel)], check=True, capture_output=True)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
