@@ -143,6 +143,7 @@ def _build(cfg: DictConfig) -> Run:
         monitor=cfg.get("monitor"),
         config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
         config=_plain(cfg),
+        data_info=getattr(data, "info", {}),  # a data module of your own need not have one
     )
     run = Run(
         task=task,

@@ -153,6 +153,7 @@ class DataModule:
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.shuffle, self.drop_last, self.seed = num_workers, shuffle, drop_last, seed
         self.tokens_per_sample = tokens_per_sample
+        self.info: dict[str, Any] = {}  # facts about the data for run.json (a corpus's size and hash, say)
 
     def _loader(
         self, dataset: Dataset, batches: torch.utils.data.Sampler, device: torch.device, seed: int

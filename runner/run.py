@@ -235,6 +235,7 @@ class Settings:
     monitor: str | None = "val/loss"  # the metric that `best` tracks (summary.json, a sweeper's objective)
     config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
     config: dict[str, Any] | None = None  # the job config (unresolved), in manifests: a resume compares it
+    data_info: dict[str, Any] = field(default_factory=dict)  # the data module's facts, for run.json
 
 
 @dataclass

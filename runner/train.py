@@ -110,6 +110,8 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
     if run.strategy.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless train() is called from Python
         info = run_metadata(str(run.device), run.world_size)
+        if run.settings.data_info:
+            info["data"] = run.settings.data_info
         if manifest is not None:
             info["config_changes"] = manifest["config_changes"]  # resume_allow_changes: what differs, honestly
         write_json(run_dir / (RUN_INFO if manifest is None else f"run-resumed-at-{manifest['step']}.json"), info)

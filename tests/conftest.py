@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +35,18 @@ def _one_thread_and_e2e_runs_in_the_background(
     yield
     stop_runs()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """In-process runs encode their text corpora (experiments/lm) into a folder of the session, not ~/.cache."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
 
 
 @pytest.fixture

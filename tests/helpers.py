@@ -39,7 +39,11 @@ from runner.schedulers import constant
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 CONF_DIR = ROOT / "runner" / "conf"
-TIMING = {"train/samples_per_s", "sys/peak_memory_mb"}  # wall-clock figures: the only ones a resume may change
+TIMING = {
+    "train/samples_per_s",
+    "train/tokens_per_s",
+    "sys/peak_memory_mb",
+}  # wall-clock figures: the only ones a resume may change
 
 # ---- shared command lines -----------------------------------------------------------------------------------------
 # Digits for runs of several processes: no dropout (the same training however the batch is split), validation every
