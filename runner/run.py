@@ -235,6 +235,8 @@ class Settings:
     monitor: str | None = "val/loss"  # the metric that `best` tracks (summary.json, a sweeper's objective)
     config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
     config: dict[str, Any] | None = None  # the job config (unresolved), in manifests: a resume compares it
+    compiled: str | None = None  # what torch.compile compiles ("3 x Block (inductor, mode default)"); None: eager
+    recomputed: str | None = None  # the units whose activations are recomputed in backward; None: none
 
 
 @dataclass
