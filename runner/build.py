@@ -131,10 +131,10 @@ def _build(cfg: DictConfig) -> Run:
     # Activation checkpointing before DDP/FSDP wrap the units, compile after (runner/compile.py says why); both in
     # place, so the state-dict keys stay the eager model's.
     recomputed = instantiate(cfg.activation_checkpointing).apply(task) if _on(cfg, "activation_checkpointing") else None
+    flops_per_token = task.flops_per_token() if hasattr(task, "flops_per_token") else None  # before FSDP shards it
+    peak = trainer.get("peak_flops") or peak_flops(dist.device, precision.name)  # one device's, for train/mfu
     # After init_from: DDP and FSDP start every rank from rank 0's weights. Before the optimizer: FSDP replaces the
     # parameters with shards, which the optimizer must hold.
-    flops_per_token = task.flops_per_token() if hasattr(task, "flops_per_token") else None  # before FSDP shards it
-    peak = trainer.get("peak_flops") or peak_flops(dist.device, precision.name)
     forward = dist.wrap(task)
     compiled = instantiate(cfg.compile).apply(task) if _on(cfg, "compile") else None
     optimizer = instantiate(cfg.optimizer)(param_groups(task))
