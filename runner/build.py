@@ -21,6 +21,7 @@ from runner.callbacks.time_limit import TimeLimit
 from runner.checks import check_config
 from runner.ckpt.files import load_weights
 from runner.loop import check_monitored_metrics, check_monitors, validation_metrics
+from runner.meter import Meter, peak_flops
 from runner.progress import Duration, TrainingProgress
 from runner.run import Best, Run, Settings, State
 from runner.rundir import CONFIG, MODEL
@@ -79,6 +80,11 @@ def _checkpoint(node: DictConfig | None, quiet: bool) -> list[Any]:
     return [instantiate(node)]
 
 
+def _on(cfg: DictConfig, group: str) -> bool:
+    # an option of the group selected (none: no node at all)
+    return "_target_" in (cfg.get(group) or {})
+
+
 def _interval(progress: TrainingProgress, text: str, name: str) -> Duration:
     interval = progress.resolve(text)
     if interval.value <= 0:
@@ -122,9 +128,15 @@ def _build(cfg: DictConfig) -> Run:
         val_loader = None  # validation_step is optional: a task without one is never validated
     precision = instantiate(cfg.precision, device=dist.device)
     metric_names = validation_metrics(task, val_loader, precision, dist.device)
+    # Activation checkpointing before DDP/FSDP wrap the units, compile after (runner/compile.py says why); both in
+    # place, so the state-dict keys stay the eager model's.
+    recomputed = instantiate(cfg.activation_checkpointing).apply(task) if _on(cfg, "activation_checkpointing") else None
+    flops_per_token = task.flops_per_token() if hasattr(task, "flops_per_token") else None  # before FSDP shards it
+    peak = trainer.get("peak_flops") or peak_flops(dist.device, precision.name)  # one device's, for train/mfu
     # After init_from: DDP and FSDP start every rank from rank 0's weights. Before the optimizer: FSDP replaces the
     # parameters with shards, which the optimizer must hold.
     forward = dist.wrap(task)
+    compiled = instantiate(cfg.compile).apply(task) if _on(cfg, "compile") else None
     optimizer = instantiate(cfg.optimizer)(param_groups(task))
     progress = TrainingProgress(
         trainer.max_duration,
@@ -144,6 +156,8 @@ def _build(cfg: DictConfig) -> Run:
         config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
         config=_plain(cfg),
         data_info=getattr(data, "info", {}),  # a data module of your own need not have one
+        compiled=compiled,
+        recomputed=recomputed,
     )
     run = Run(
         task=task,
@@ -154,7 +168,11 @@ def _build(cfg: DictConfig) -> Run:
         train_loader=train_loader,
         val_loader=val_loader,
         settings=settings,
-        state=State(progress=progress, best=Best(cfg.get("mode", "min"))),
+        state=State(
+            progress=progress,
+            best=Best(cfg.get("mode", "min")),
+            meter=Meter(progress, flops_per_token, peak),
+        ),
         forward=forward,
         callbacks=_named(cfg.get("callbacks"), "callbacks", quiet=not dist.is_main)
         + _checkpoint(cfg.get("checkpoint"), quiet=not dist.is_main)

@@ -104,13 +104,13 @@ def optimizer_step(run: Run, params: list[torch.Tensor], window: _Window, last: 
         if state.nonfinite_in_a_row >= run.settings.max_nonfinite_steps:
             run.request_stop(StopReason.NONFINITE)
     optimizer.zero_grad(set_to_none=True)
-    state.meter.add_step(loss_sum, norm_value, optimizer.param_groups[0]["lr"])  # the LR this step used
     tokens = window.tokens
     if tokens is not None:  # tokens differ by rank: their sum over ranks
         tokens = int(run.strategy.all_sum(torch.tensor(tokens)).item())
     run.progress.count_optimizer_step(window.samples, tokens or 0)
     if last:
         run.progress.end_epoch()
+    state.meter.add_step(loss_sum, norm_value, optimizer.param_groups[0]["lr"])  # the LR this step used
     run.schedule.on_optimizer_step()
     for cb in run.callbacks:
         cb.on_optimizer_step(run)

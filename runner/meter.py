@@ -10,12 +10,53 @@ import torch
 
 from runner.progress import TrainingProgress
 
+# Dense peak FLOP/s per GPU (no 2:4 sparsity), from NVIDIA's data sheets: (bf16 and fp16 tensor cores, TF32 tensor
+# cores, plain fp32). Matched in order against torch.cuda.get_device_name(): longer names first ("H100 PCIe" before
+# "H100", "L40S" before "L40" before "L4").
+PEAK_FLOPS = (
+    ("H100 PCIe", (756e12, 378e12, 51e12)),
+    ("H100 NVL", (835e12, 418e12, 60e12)),
+    ("H100", (989e12, 494e12, 67e12)),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("H200 NVL", (835e12, 418e12, 60e12)),
+    ("H200", (989e12, 494e12, 67e12)),
+    ("GH200", (989e12, 494e12, 67e12)),
+    ("B200", (2250e12, 1100e12, 75e12)),
+    ("A100", (312e12, 156e12, 19.5e12)),
+    ("L40S", (362e12, 183e12, 91.6e12)),
+    ("L40", (181e12, 90.5e12, 90.5e12)),
+    ("L4", (121e12, 60e12, 30e12)),
+    ("A10", (125e12, 62.5e12, 31.2e12)),
+    ("RTX 4090", (165e12, 82.6e12, 82.6e12)),  # fp32 accumulate (GeForce halves it vs fp16 accumulate)
+    ("RTX 3090", (71e12, 35.6e12, 35.6e12)),
+)
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """One device's dense peak FLOP/s at `precision` ('bf16', 'fp16', 'fp32') from PEAK_FLOPS; None if unknown."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, tf32, fp32) in PEAK_FLOPS:
+        if key in name:
+            if precision in ("bf16", "fp16"):
+                return half
+            # fp32 matmuls use TF32 tensor cores only when allowed (torch.set_float32_matmul_precision("high"))
+            return fp32 if torch.get_float32_matmul_precision() == "highest" else tf32
+    return None
+
 
 class Meter:
-    """Training outputs and grad norms summed on the device between two logs, so that steps need no host sync."""
+    """Training outputs and grad norms summed on the device between two logs, so that steps need no host sync.
 
-    def __init__(self, progress: TrainingProgress) -> None:
-        self.progress = progress
+    Throughput leaves out each launch's first optimizer step (compiling, allocator and kernel warm-up: first_step_s),
+    so that eager and compiled runs are measured alike. `flops_per_token` (the task's) and `peak_flops` (one device's)
+    give train/mfu when both are known."""
+
+    def __init__(
+        self, progress: TrainingProgress, flops_per_token: float | None = None, peak_flops: float | None = None
+    ) -> None:
+        self.progress, self.flops_per_token, self.peak_flops = progress, flops_per_token, peak_flops
+        self.first_step_s: float | None = None  # wall time of this launch's first optimizer step
         self._reset()
 
     def _reset(self) -> None:
@@ -55,11 +96,15 @@ class Meter:
         self.micro += 1
 
     def add_step(self, loss_sum: float, grad_norm: float, lr: float) -> None:
-        """Add one optimizer step's summed micro-batch losses, global gradient norm and the learning rate it used."""
+        """Add one optimizer step's summed micro-batch losses, global gradient norm and the learning rate it used
+        (after the progress counted the step)."""
         self.loss += loss_sum
         self.norm += grad_norm
         self.steps += 1
         self.lr = lr
+        if self.first_step_s is None:  # the step's host read has synced the device: its work is done
+            self.first_step_s = time.perf_counter() - self.clock
+            self.start()  # throughput from here on
 
     def read(self, strategy: Any, params: list[torch.Tensor], nonfinite_steps: int) -> dict[str, float]:
         """Means since the last read, norms, LR, throughput and memory, with one device sync; then start over.
@@ -79,13 +124,23 @@ class Meter:
                 "train/param_norm": param_norm,
                 "train/lr": self.lr,
                 "train/nonfinite_steps": nonfinite_steps,
-                "train/samples_per_s": (p.samples - self.samples) / elapsed,
                 "sys/peak_memory_mb": _peak_memory_mb(device),
             }
         )
-        if p.tokens:
-            metrics["train/tokens_per_s"] = (p.tokens - self.tokens) / elapsed
+        if p.samples > self.samples:  # not when the window held only the untimed first step
+            metrics.update(self._throughput(p.samples - self.samples, p.tokens - self.tokens, elapsed))
         self._reset()
+        return metrics
+
+    def _throughput(self, samples: int, tokens: int, elapsed: float) -> dict[str, float]:
+        # Samples and tokens are global (all ranks, every micro-batch of each step): per device divides by the world
+        # size once, and MFU is the per-device rate against one device's peak.
+        metrics = {"train/samples_per_s": samples / elapsed}
+        if tokens:
+            per_device = tokens / elapsed / self.progress.world_size
+            metrics.update({"train/tokens_per_s": tokens / elapsed, "train/tokens_per_s_per_device": per_device})
+            if self.flops_per_token and self.peak_flops:
+                metrics["train/mfu"] = per_device * self.flops_per_token / self.peak_flops
         return metrics
 
 

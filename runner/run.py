@@ -236,6 +236,8 @@ class Settings:
     config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
     config: dict[str, Any] | None = None  # the job config (unresolved), in manifests: a resume compares it
     data_info: dict[str, Any] = field(default_factory=dict)  # the data module's facts, for run.json
+    compiled: str | None = None  # what torch.compile compiles ("3 x Block (inductor, mode default)"); None: eager
+    recomputed: str | None = None  # the units whose activations are recomputed in backward; None: none
 
 
 @dataclass

@@ -38,6 +38,8 @@ def summarize(run: Run, samples_at_start: int = 0) -> dict[str, Any]:
         "wall_time_s": wall_time_s,
         "total_wall_time_s": run.state.clock.total_s(),
         "samples_per_s": (p.samples - samples_at_start) / wall_time_s if wall_time_s > 0 else 0.0,
+        # the first optimizer step's wall time, compiling included (compile is lazy); null when nothing is compiled
+        "compile_time_s": run.state.meter.first_step_s if run.settings.compiled else None,
     }
 
 

@@ -127,3 +127,66 @@ class Desync(Callback):
         if run.progress.step == self.step and run.strategy.rank == 1:
             with torch.no_grad():
                 dict(run.task.named_parameters())[self.parameter].view(-1)[0] += 1e-6
+
+
+# ---- a tiny language model: Block units for compile, activation checkpointing and FSDP, token batches --------------
+class TokenData(torch.utils.data.Dataset):
+    """Token sequences [N, T]; a batch is {"tokens": [B, T], "num_tokens": B x T}, as a language model's are."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitems__(self, indices: list[int]) -> dict:
+        tokens = self.tokens[torch.as_tensor(indices)]
+        return {"tokens": tokens, "num_tokens": tokens.numel()}
+
+
+def token_splits(n: int = 512, seq_len: int = 8, vocab: int = 16, seed: int = 0, **unused: object) -> dict:
+    """Counting sequences mod `vocab` from random starts (learnable: the next token is the last plus one)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = (torch.randint(0, vocab, (n, 1), generator=g) + torch.arange(seq_len)) % vocab
+    return {"train": TokenData(tokens[: n - n // 8]), "val": TokenData(tokens[n - n // 8 :])}
+
+
+class Block(nn.Module):
+    """x + mlp(norm(x)): a residual unit, named as the GPT's transformer block is."""
+
+    def __init__(self, d: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class TinyLM(nn.Module):
+    """Next-token prediction with an embedding, `n_blocks` Blocks and a linear head. (`model._target_=_tasks.TinyLM`
+    with `data.splits._target_=_tasks.token_splits`.)"""
+
+    def __init__(self, vocab: int = 16, d: int = 16, n_blocks: int = 3, block_dropout: float = 0.0, **unused) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, block_dropout) for _ in range(n_blocks))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: dict) -> dict:
+        tokens = batch["tokens"]
+        logits = self(tokens[:, :-1])
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())}
+
+    validation_step = training_step
+
+    def flops_per_token(self) -> float:
+        """6 x the non-embedding parameters (no attention here)."""
+        return 6.0 * sum(p.numel() for n, p in self.named_parameters() if not n.startswith("embed."))

@@ -39,11 +39,15 @@ from runner.schedulers import constant
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 CONF_DIR = ROOT / "runner" / "conf"
+# wall-clock figures: the only ones a resume may change (a row whose window held only a launch's first step has none
+# of the rates: that step is left out of throughput)
 TIMING = {
     "train/samples_per_s",
     "train/tokens_per_s",
+    "train/tokens_per_s_per_device",
+    "train/mfu",
     "sys/peak_memory_mb",
-}  # wall-clock figures: the only ones a resume may change
+}
 
 # ---- shared command lines -----------------------------------------------------------------------------------------
 # Digits for runs of several processes: no dropout (the same training however the batch is split), validation every

@@ -89,6 +89,9 @@ INERT = (
     "data.num_workers",
     "checkpoint",
     "callbacks.profiler",
+    "compile",  # how the same model runs: the weights and their names do not change
+    "activation_checkpointing",
+    "trainer.peak_flops",
     "init_from",  # the checkpoint's weights replace what init_from loaded
     "init_strict",
 )

@@ -63,6 +63,8 @@ class ConsoleLogger(Logger):
             "world_size",
             "threads",
             "distributed",
+            "compile",
+            "activation_checkpointing",
             "global_batch",
             "total_steps",
             "max_duration",
@@ -140,4 +142,6 @@ class ConsoleLogger(Logger):
                 table.add_row(key, _fmt(value))
         table.add_row("wall time", f"{summary['wall_time_s']:.1f} s")
         table.add_row("samples/s", f"{summary['samples_per_s']:.0f}")
+        if summary.get("compile_time_s") is not None:
+            table.add_row("compile time", f"{summary['compile_time_s']:.1f} s (the first step)")
         self.console.print(table)

@@ -58,6 +58,8 @@ def run_info(run: Run, cfg: DictConfig, sweep: SweepJob | None = None) -> dict[s
         "distributed": f"{run.strategy.strategy}, backend {run.strategy.backend}, "
         f"{run.strategy.local_world_size} rank(s) per node on {run.world_size // run.strategy.local_world_size} "
         "node(s)",
+        "compile": run.settings.compiled or "off",
+        "activation_checkpointing": run.settings.recomputed or "off",
         "global_batch": f"{p.batch_size} x {run.world_size} x {p.accumulate} = "
         f"{p.batch_size * run.world_size * p.accumulate}",
         "total_steps": p.total_steps(),

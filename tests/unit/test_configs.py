@@ -41,6 +41,8 @@ EXPECTED_GROUPS = {
     "callbacks",
     "checkpoint",
     "experiment",
+    "compile",
+    "activation_checkpointing",
 }
 GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF_DIR / group).glob("*.yaml"))]
@@ -96,7 +98,14 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
         overrides += [f"data.train_path={inputs['tokens']}", "data.val_fraction=0.1"]
     if host == "sae_digits":
         overrides.append(f"source.checkpoint={inputs['source']}")
-    return overrides
+    return overrides + _unit_overrides(group, option)
+
+
+def _unit_overrides(group: str, option: str) -> list[str]:
+    # The presets' models have no Block: these options run on their Linear layers here (tests/unit/test_compile.py
+    # trains a model with Blocks), and compiling traces without generating code (inductor takes seconds per graph).
+    units = [f"{group}.units=[Linear]"] if option == "blocks" else []
+    return units + (["compile.backend=eager"] if group == "compile" and option != "none" else [])
 
 
 @pytest.fixture(autouse=True)
@@ -236,7 +245,7 @@ def test_option_builds_in_its_experiment(
 def test_option_builds_on_base_config(
     group: str, option: str, built: Callable[..., tuple[DictConfig, Run]], tmp_path: Path
 ) -> None:
-    cfg, run = built(f"{group}={option}")
+    cfg, run = built(f"{group}={option}", *_unit_overrides(group, option))
     assert HydraConfig.get().runtime.choices[group] == option
     check_run(cfg, run, tmp_path)
 

@@ -1,0 +1,106 @@
+"""Throughput and MFU through the real loop on a fake clock: the same work per device reads the same per-device
+tokens/s and MFU whatever the world size and accumulation, and the first (compiling) step is left out."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _tasks import TinyLM, token_splits
+
+from runner.data import DataModule
+from runner.dist.strategies import Single
+from runner.loop import fit
+from runner.meter import Meter, peak_flops
+from runner.precision import FP32
+from runner.progress import TrainingProgress
+from runner.run import Logger, Run, Settings, State
+from runner.schedulers import constant
+
+RATE = 1000.0  # tokens a device trains per (fake) second
+FIRST_STEP_S = 100.0  # what compiling adds to the first step
+PEAK = 1e9  # FLOP/s of one device
+
+
+class Ranks(Single):
+    """Rank 0 of `world_size` whose peers train batches of the same sizes: a sum over ranks is world_size x its own."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__("cpu")
+        self.world_size = world_size
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor * self.world_size
+
+
+class Rows(Logger):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append(metrics)
+
+
+def _logged(world_size: int, accumulate: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """The metrics of 5 steps in which each device trains 32 sequences (in `accumulate` micro-batches) at RATE."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    class Timed(TinyLM):
+        def training_step(self, batch: dict) -> dict:
+            now[0] += batch["num_tokens"] / RATE + (FIRST_STEP_S if now[0] == 0 else 0.0)
+            return super().training_step(batch)
+
+    torch.manual_seed(0)
+    task = Timed()
+    data = DataModule(token_splits(), batch_size=32 // accumulate, shuffle=False)
+    loader = data.train_loader(0, world_size, accumulate=accumulate)
+    progress = TrainingProgress(
+        "5st",
+        batch_size=data.batch_size,
+        batches_per_epoch=len(loader),
+        samples_per_epoch=loader.batch_sampler.samples_per_epoch,
+        accumulate=accumulate,
+        world_size=world_size,
+    )
+    optimizer = torch.optim.SGD(task.parameters(), lr=0.01)
+    rows = Rows()
+    run = Run(
+        task=task,
+        optimizer=optimizer,
+        schedule=constant(optimizer=optimizer, progress=progress),
+        precision=FP32(),
+        strategy=Ranks(world_size),
+        train_loader=loader,
+        val_loader=None,
+        settings=Settings(val_interval=progress.resolve("100st"), log_interval=progress.resolve("5st")),
+        state=State(progress, meter=Meter(progress, task.flops_per_token(), PEAK)),
+        loggers=[rows],
+    )
+    fit(run)
+    assert run.state.meter.first_step_s == pytest.approx(FIRST_STEP_S + 32 * 8 / RATE)
+    (row,) = rows.rows
+    return row
+
+
+@pytest.mark.parametrize(("world_size", "accumulate"), [(2, 1), (1, 4), (2, 4)])
+def test_the_same_work_per_device_reads_the_same_per_device_rate_and_mfu(
+    world_size: int, accumulate: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one = _logged(1, 1, monkeypatch)
+    many = _logged(world_size, accumulate, monkeypatch)
+    flops = TinyLM().flops_per_token()
+    for row, world in ((one, 1), (many, world_size)):
+        # steps 2 to 5: the first step (compiling) is left out of every rate
+        assert row["train/tokens_per_s_per_device"] == pytest.approx(RATE)
+        assert row["train/tokens_per_s"] == pytest.approx(world * RATE)
+        assert row["train/samples_per_s"] == pytest.approx(world * RATE / 8)
+        assert row["train/mfu"] == pytest.approx(RATE * flops / PEAK)
+
+
+def test_no_mfu_without_a_peak_and_no_peak_on_the_cpu() -> None:
+    assert peak_flops(torch.device("cpu"), "bf16") is None
+    progress = TrainingProgress("5st", batch_size=1, batches_per_epoch=10)
+    meter = Meter(progress, flops_per_token=100.0, peak_flops=None)
+    assert "train/mfu" not in meter._throughput(samples=10, tokens=100, elapsed=1.0)
