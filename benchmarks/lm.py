@@ -8,7 +8,7 @@ Every measurement is a fresh process (compile caches and peak memory are its own
 from the same initialisation on the same batches (runner's data module for +experiment=lm) with AdamW, the cosine
 schedule and clipping at 1.0; the hand loop does it as nanoGPT's train.py does, with no logging. Throughput is tokens/s
 over the steps after `warmup` (compilation happens in the first ones); compile time is the warm-up's extra time over
-eager's. Peak memory: torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak RSS (which includes
+eager's, compiling from cold (each worker has an empty inductor cache). Peak memory: torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak RSS (which includes
 torch's ~300 MiB of code and buffers, so differences are what to read). Extra arguments are Hydra overrides for both
 loops (the hand loop builds its model and data from the same config), e.g. model.n_layer=12 model.d_model=768.
 """
@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,6 +80,7 @@ def hand(cfg, device: str, mode: str, steps: int, warmup: int) -> dict:
     from runner.progress import TrainingProgress
     from runner.schedulers import cosine
 
+    start = time.perf_counter()  # as runner's: from building the data and model on
     torch.manual_seed(cfg.seed)
     data = instantiate(cfg.data)
     loader = data.train_loader(device=torch.device(device))
@@ -99,7 +101,7 @@ def hand(cfg, device: str, mode: str, steps: int, warmup: int) -> dict:
     scheduler = cosine(optimizer=optimizer, progress=progress).scheduler  # the same per-step factors as runner's
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.precision.get("dtype"))
     autocast = torch.autocast(device, dtype=dtype, enabled=dtype is not None)
-    stamps, start, probe = [], time.perf_counter(), None
+    stamps, probe = [], None
     for step, batch in enumerate(loader, 1):
         batch = to_device(batch, torch.device(device))
         probe = probe or batch
@@ -197,7 +199,9 @@ def main() -> None:
                 command = [sys.executable, __file__, "--worker", name, "--mode", mode, "--out", str(out)]
                 command += ["--device", args.device, "--precision", args.precision]
                 command += ["--steps", str(args.steps), "--warmup", str(args.warmup), *overrides]
-                results[mode][name].append(spawn(command, out, env=env))
+                with tempfile.TemporaryDirectory() as cache:  # compile from cold, whoever went first
+                    worker_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
+                    results[mode][name].append(spawn(command, out, env=worker_env))
     out.unlink(missing_ok=True)
     table = report(results, args, overrides)
     if args.json:

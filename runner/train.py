@@ -22,7 +22,7 @@ from runner.rundir import CHECKPOINTS, MODEL, RUN_INFO, SUMMARY, write_json
 from runner.sweeps.job import SweepJob
 
 
-def summarize(run: Run, samples_at_start: int = 0) -> dict[str, Any]:
+def summarize(run: Run, samples_at_start: int = 0, tokens_at_start: int = 0) -> dict[str, Any]:
     """What summary.json holds. Wall time and rate are this launch's (a resumed launch trained only its own samples);
     total_wall_time_s adds the earlier launches' training time."""
     p, best = run.progress, run.state.best
@@ -38,6 +38,7 @@ def summarize(run: Run, samples_at_start: int = 0) -> dict[str, Any]:
         "wall_time_s": wall_time_s,
         "total_wall_time_s": run.state.clock.total_s(),
         "samples_per_s": (p.samples - samples_at_start) / wall_time_s if wall_time_s > 0 else 0.0,
+        "tokens_per_s": (p.tokens - tokens_at_start) / wall_time_s if wall_time_s > 0 and p.tokens else None,
         # the first optimizer step's wall time, compiling included (compile is lazy); null when nothing is compiled
         "compile_time_s": run.state.meter.first_step_s if run.settings.compiled else None,
     }
@@ -117,17 +118,17 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
         if manifest is not None:
             info["config_changes"] = manifest["config_changes"]  # resume_allow_changes: what differs, honestly
         write_json(run_dir / (RUN_INFO if manifest is None else f"run-resumed-at-{manifest['step']}.json"), info)
-    samples_at_start, summary = run.progress.samples, None
+    samples_at_start, tokens_at_start, summary = run.progress.samples, run.progress.tokens, None
     run.state.clock.start()
     try:
         with _preemptible(run):
             for logger in run.loggers:
                 logger.start(run_info(run, cfg, sweep))
             fit(run)
-        summary = summarize(run, samples_at_start)
+        summary = summarize(run, samples_at_start, tokens_at_start)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, with the summary of what was trained
         run.stop_reason = StopReason.INTERRUPTED
-        summary = summarize(run, samples_at_start)
+        summary = summarize(run, samples_at_start, tokens_at_start)
     finally:
         weights = model_weights(run) if summary is not None else None  # collective under FSDP: every rank
         if summary is not None and run.strategy.is_main:

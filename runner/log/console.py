@@ -31,7 +31,9 @@ class ConsoleLogger(Logger):
     """
 
     def __init__(
-        self, show: tuple[str, ...] = ("train/loss", "train/lr", "train/samples_per_s"), every_s: float = 30.0
+        self,
+        show: tuple[str, ...] = ("train/loss", "train/lr", "train/samples_per_s", "train/tokens_per_s"),
+        every_s: float = 30.0,
     ) -> None:
         from rich.console import Console
 
@@ -133,7 +135,8 @@ class ConsoleLogger(Logger):
             return
         table = Table(title=f"done: {summary['stop_reason']}", show_header=False, box=None)
         for key, value in summary["progress"].items():
-            table.add_row(key, _fmt(value))
+            if key != "tokens" or value:  # data without tokens counts none
+                table.add_row(key, _fmt(value))
         if summary.get("best"):
             best = summary["best"]
             table.add_row(f"best {best['monitor']}", f"{_fmt(best['value'])} at step {best['step']}")
@@ -142,6 +145,8 @@ class ConsoleLogger(Logger):
                 table.add_row(key, _fmt(value))
         table.add_row("wall time", f"{summary['wall_time_s']:.1f} s")
         table.add_row("samples/s", f"{summary['samples_per_s']:.0f}")
+        if summary.get("tokens_per_s") is not None:
+            table.add_row("tokens/s", f"{summary['tokens_per_s']:.0f}")
         if summary.get("compile_time_s") is not None:
             table.add_row("compile time", f"{summary['compile_time_s']:.1f} s (the first step)")
         self.console.print(table)
