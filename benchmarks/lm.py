@@ -8,8 +8,9 @@ Every measurement is a fresh process (compile caches and peak memory are its own
 from the same initialisation on the same batches (runner's data module for +experiment=lm) with AdamW, the cosine
 schedule and clipping at 1.0; the hand loop does it as nanoGPT's train.py does, with no logging. Throughput is tokens/s
 over the steps after `warmup` (compilation happens in the first ones); compile time is the warm-up's extra time over
-eager's, compiling from cold (each worker has an empty inductor cache). Peak memory: torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak RSS (which includes
-torch's ~300 MiB of code and buffers, so differences are what to read). Extra arguments are Hydra overrides for both
+eager's, compiling from cold (each worker has an empty inductor cache). Peak memory: torch.cuda.max_memory_allocated
+on CUDA; on the CPU the process's peak RSS (which includes torch's ~300 MiB of code and buffers, so differences are
+what to read). Extra arguments are Hydra overrides for both
 loops (the hand loop builds its model and data from the same config), e.g. model.n_layer=12 model.d_model=768.
 """
 
