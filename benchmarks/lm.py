@@ -54,7 +54,7 @@ def _config(overrides: list[str], steps: int, device: str, precision: str):
             overrides=[
                 "+experiment=lm",
                 f"trainer.max_duration={steps}st",
-                "trainer.val_interval=1000000st",
+                "data.val_every=0",  # no validation split: neither loop validates (nor runner probes a val batch)
                 f"trainer.log_interval={steps}st",
                 "logger=none",
                 "callbacks=none",
@@ -235,6 +235,8 @@ def report(results: dict, args: argparse.Namespace, overrides: list[str]) -> dic
                 "warmup_s": statistics.median(r["warmup_s"] for r in runs),
                 "peak_mb": statistics.median(peak),
                 "final_loss": runs[0]["final_loss"],
+                "all_tokens_per_s": [r["tokens_per_s"] for r in runs],
+                "all_peak_mb": peak,
             }
             if mode == "compile" and name in eager:
                 rows[name]["compile_time_s"] = rows[name]["warmup_s"] - eager[name]

@@ -195,6 +195,8 @@ def validation_metrics(
 
 def check_monitored_metrics(run: Run, validation_metrics: set[str]) -> None:
     """Refuse a monitor (summary's best, a scheduler, a callback) that names no metric validation will produce."""
+    if run.val_loader is None:  # never validates: no best to track (check_monitors refuses a monitor that must)
+        return
     wanted = _wanted(run)
     produced = validation_metrics | {name for cb in run.callbacks for name in cb.provides}
     for name in sorted(wanted - produced):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sysconfig
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,6 +19,12 @@ SMOKE = {
     "startup": ["--steps", "3", "--reps", "1"],
     "sae_throughput": ["--steps", "4", "--reps", "1", "--batch", "256"],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
+    # a one-layer GPT on one stdlib package; eager and activation checkpointing (compiling takes ~30 s from cold)
+    "lm": [
+        *("--modes", "eager,ac", "--steps", "4", "--warmup", "2", "--reps", "1", "--threads", "1"),
+        *("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=2"),
+        *(f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]", "data.cache_dir=cache"),
+    ],
 }
 
 
@@ -89,3 +96,12 @@ def test_ddp_smoke(runs: dict[str, Future]) -> None:
         assert math.isfinite(row["ratio_to_baseline"]["median"]) and row["ratio_to_baseline"]["median"] > 0
         assert 0 < row["to_first_step_s"]["median"] < row["wall_s"]["median"]
         assert row["rank_peak_rss_mb"] > 100
+
+
+def test_lm_smoke(runs: dict[str, Future]) -> None:
+    result = runs["lm"].result()
+    assert set(result["modes"]) == {"eager", "ac"}
+    losses = {row["final_loss"] for mode in result["modes"].values() for row in mode.values()}
+    assert len(losses) == 1  # hand and runner, with and without checkpointing: the same arithmetic, the same loss
+    for mode in result["modes"].values():
+        assert mode["runner"]["tokens_per_s"] > 0 and mode["hand"]["ratio_to_hand"] == 1.0

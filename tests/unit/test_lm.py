@@ -192,3 +192,10 @@ def test_lm_config_errors_come_before_the_run_folder(
         train(compose_cfg(*(overrides if overrides[0] == "+experiment=lm" else [*TINY, *overrides])))
     assert len(str(caught.value).splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_without_a_validation_split_the_lm_trains_with_no_best(compose_cfg: Callable, tmp_path: Path) -> None:
+    overrides = ["data.val_every=0", "callbacks=none", "checkpoint.monitor=null", "trainer.max_duration=2st"]
+    run = train(compose_cfg(*TINY, *overrides))
+    assert run.val_loader is None and run.progress.step == 2
+    assert read_json(tmp_path / "run" / "summary.json")["best"] is None
