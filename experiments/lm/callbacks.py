@@ -137,6 +137,5 @@ def _to_wandb(run: Run, tokens: torch.Tensor, width: int) -> None:
 
     vocab = run.task.vocab_size
     rows = [[run.progress.step, _show(r[:width], vocab), _show(r[width:], vocab)] for r in tokens.tolist()]
-    wandb_run.log(
-        {"samples": wandb.Table(columns=["step", "prompt", "continuation"], data=rows)}, step=run.progress.step
-    )
+    table = wandb.Table(columns=["step", "prompt", "continuation"], data=rows)
+    wandb_run.log({"text_samples": table}, step=run.progress.step)  # "samples" is the metric rows' sample count

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import StopAt, assert_same_state, metric_rows, read_json
+from helpers import StopAt, assert_same_state, metric_rows, read_json, read_run
 
 from experiments.lm.data import TextBytes, TokensFile, Windows, stdlib_sources
 from experiments.lm.model import GPT, Block
@@ -199,3 +199,13 @@ def test_without_a_validation_split_the_lm_trains_with_no_best(compose_cfg: Call
     run = train(compose_cfg(*TINY, *overrides))
     assert run.val_loader is None and run.progress.step == 2
     assert read_json(tmp_path / "run" / "summary.json")["best"] is None
+
+
+def test_samples_go_to_wandb_as_a_table_when_it_is_on(offline: None, compose_cfg: Callable, tmp_path: Path) -> None:
+    overrides = [*TINY, *SAMPLES, "trainer.max_duration=4st", "trainer.val_interval=4st", "logger=[jsonl,wandb]"]
+    train(compose_cfg(*overrides, "callbacks.text_samples.every=2st"))
+    (folder,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    history = read_run(folder)["history"]
+    tables = {step: row for step, row in history.items() if "text_samples/_type" in row}  # wandb nests its keys
+    assert sorted(tables) == [2, 4]
+    assert all(t["text_samples/_type"] == "table-file" and t["text_samples/nrows"] == 2 for t in tables.values())
