@@ -1,10 +1,14 @@
 """SAE training throughput: runner's fit() against a minimal hand-written loop of the same SAE, in one process.
 
-    python benchmarks/sae_throughput.py [--steps 60] [--reps 3] [--json out.json]
+    python benchmarks/sae_throughput.py [--size preset|usual] [--device cpu|cuda] [--precision fp32|bf16]
+                                        [--steps 60] [--reps 3] [--json out.json]
 
-Both train the default TopK SAE (d=256, 1024 latents, k=5, AuxK) with Adam and the same per-step schedule on the
-same synthetic activation batches, interleaved repetitions; prints samples/s of each, the ratio, and the largest
-difference between the two final decoders (0 expected: the loops do the same arithmetic).
+Sizes: `preset`, the default TopK SAE of +experiment=sae (d=256, 1024 latents, k=5, AuxK, batch 2048) on its synthetic
+activations, generated batch by batch as the preset does; `usual`, the field's usual size (d=768, 24,576 latents,
+k=32, batch 4096) on Gaussian activations generated once (the step, not the data, is measured). Both loops train with
+Adam and the same per-step schedule on the same batches, interleaved repetitions; prints samples/s of each, the ratio,
+the MFU where the device's peak is known (encoder FLOPs: 6 x d x latents a sample), and the largest difference between
+the two final decoders (0 expected: the loops do the same arithmetic).
 """
 
 from __future__ import annotations
@@ -20,21 +24,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import cpu_run  # noqa: E402
 from experiments.sae.data import synthetic_splits  # noqa: E402
 from experiments.sae.model import TopKSAE  # noqa: E402
-from runner.data import DataModule  # noqa: E402
+from runner.data import DataModule, TensorData, to_device  # noqa: E402
+from runner.dist.strategies import Single  # noqa: E402
 from runner.loop import fit  # noqa: E402
+from runner.meter import peak_flops  # noqa: E402
+from runner.precision import FP32, Autocast  # noqa: E402
 from runner.progress import TrainingProgress  # noqa: E402
+from runner.run import Run, Settings, State  # noqa: E402
 from runner.schedulers import wsd  # noqa: E402
 
+SIZES = {  # name: (d_in, n_latents, k, batch)
+    "preset": (256, 1024, 5, 2048),
+    "usual": (768, 24576, 32, 4096),
+}
 
-def setup(steps: int, batch: int):
+
+def setup(size: str, steps: int, batch: int, device: str):
+    d, n, k, _ = SIZES[size]
     torch.manual_seed(0)
-    data = DataModule(synthetic_splits(n_train=steps * batch, n_val=batch, seed=0), batch_size=batch, shuffle=False)
-    loader = data.train_loader()
+    if size == "preset":
+        splits = synthetic_splits(d=d, n_train=steps * batch, n_val=batch, seed=0)
+    else:
+        splits = {"train": TensorData(torch.randn(steps * batch, d, generator=torch.Generator().manual_seed(0)))}
+    loader = DataModule(splits, batch_size=batch, shuffle=False).train_loader(device=torch.device(device))
     torch.manual_seed(1)
-    model = TopKSAE(d_in=256, n_latents=1024, k=5, dead_window="10st")
+    model = TopKSAE(d_in=d, n_latents=n, k=k, dead_window="10st").to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     progress = TrainingProgress(
         f"{steps}st",
@@ -45,35 +61,65 @@ def setup(steps: int, batch: int):
     return model, opt, loader, progress
 
 
-def hand_written(steps: int, batch: int) -> tuple[float, torch.Tensor]:
-    model, opt, loader, progress = setup(steps, batch)
+def _precision(name: str, device: str) -> FP32:
+    return FP32(device) if name == "fp32" else Autocast(name, device)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def hand_written(size: str, steps: int, batch: int, device: str, precision: str) -> tuple[float, torch.Tensor]:
+    model, opt, loader, progress = setup(size, steps, batch, device)
     sched = wsd(optimizer=opt, progress=progress).scheduler
+    autocast = _precision(precision, device).autocast
+    _sync(device)
     start = time.perf_counter()
     for x in loader:
-        loss = model.training_step(x)["loss"]
+        with autocast():
+            loss = model.training_step(to_device(x, torch.device(device)))["loss"]
         loss.backward()
         opt.step()
         model.after_optimizer_step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-    return steps * batch / (time.perf_counter() - start), model.W_dec.detach().clone()
+    _sync(device)
+    return steps * batch / (time.perf_counter() - start), model.W_dec.detach().cpu().clone()
 
 
-def runner_fit(steps: int, batch: int) -> tuple[float, torch.Tensor]:
-    model, opt, loader, progress = setup(steps, batch)
-    run = cpu_run(model, opt, loader, progress, wsd(optimizer=opt, progress=progress), "50st")
+def runner_fit(size: str, steps: int, batch: int, device: str, precision: str) -> tuple[float, torch.Tensor]:
+    model, opt, loader, progress = setup(size, steps, batch, device)
+    run = Run(
+        task=model,
+        optimizer=opt,
+        schedule=wsd(optimizer=opt, progress=progress),
+        precision=_precision(precision, device),
+        strategy=Single(device),
+        train_loader=loader,
+        val_loader=None,
+        settings=Settings(val_interval=progress.resolve("1ep"), log_interval=progress.resolve("50st")),
+        state=State(progress),
+    )
+    _sync(device)
     start = time.perf_counter()
     fit(run)
-    return steps * batch / (time.perf_counter() - start), model.W_dec.detach().clone()
+    _sync(device)
+    return steps * batch / (time.perf_counter() - start), model.W_dec.detach().cpu().clone()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--size", choices=list(SIZES), default="preset")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=None, help="default: the size's")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    batch = args.batch or SIZES[args.size][3]
     torch.set_flush_denormal(True)
     rates: dict[str, list[float]] = {"hand": [], "runner": []}
     diffs = []
@@ -81,24 +127,36 @@ def main() -> None:
     for rep in range(args.reps):
         decoders = {}
         for name, fn in loops if rep % 2 == 0 else loops[::-1]:  # alternate who goes first
-            rate, decoders[name] = fn(args.steps, args.batch)
+            rate, decoders[name] = fn(args.size, args.steps, batch, device, args.precision)
             rates[name].append(rate)
         diffs.append((decoders["hand"] - decoders["runner"]).abs().max().item())
     hand, ours = statistics.median(rates["hand"]), statistics.median(rates["runner"])
+    d, n, k, _ = SIZES[args.size]
+    peak = peak_flops(torch.device(device), args.precision)
+    mfu = {name: statistics.median(r) * 6 * d * n / peak for name, r in rates.items()} if peak else None
+    where = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     result = {
+        "size": args.size,
+        "shape": {"d_in": d, "n_latents": n, "k": k, "batch": batch},
+        "device": where,
+        "precision": args.precision,
         "steps": args.steps,
-        "batch": args.batch,
+        "batch": batch,
         "reps": args.reps,
         "hand_samples_per_s": hand,
         "runner_samples_per_s": ours,
         "ratio": ours / hand,
+        "mfu": mfu,
         "max_decoder_diff": max(diffs),
         "hand_all": rates["hand"],
         "runner_all": rates["runner"],
     }
-    print(f"{'loop':<8} {'samples/s (median)':>19} {'min':>9} {'max':>9}")
+    print(f"{where}; {args.precision}; d={d} latents={n} k={k} batch={batch}; {args.steps} steps x {args.reps} reps")
+    print(f"{'loop':<8} {'samples/s (median)':>19} {'min':>9} {'max':>9} {'MFU':>7}")
     for name in ("hand", "runner"):
-        print(f"{name:<8} {statistics.median(rates[name]):>19.0f} {min(rates[name]):>9.0f} {max(rates[name]):>9.0f}")
+        share = f"{mfu[name]:.3f}" if mfu else "-"
+        row = f"{statistics.median(rates[name]):>19.0f} {min(rates[name]):>9.0f} {max(rates[name]):>9.0f}"
+        print(f"{name:<8} {row} {share:>7}")
     print(f"runner / hand = {ours / hand:.3f}   max |decoder difference| = {max(diffs):.2e}")
     if args.json:
         with open(args.json, "w") as f:

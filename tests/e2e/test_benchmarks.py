@@ -70,6 +70,7 @@ def test_startup_smoke(runs: dict[str, Future]) -> None:
 def test_sae_throughput_smoke(runs: dict[str, Future]) -> None:
     result = runs["sae_throughput"].result()
     assert result["max_decoder_diff"] == 0.0
+    assert result["shape"] == {"d_in": 256, "n_latents": 1024, "k": 5, "batch": 256} and result["mfu"] is None  # CPU
     assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0
 
 
