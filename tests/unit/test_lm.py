@@ -209,3 +209,11 @@ def test_samples_go_to_wandb_as_a_table_when_it_is_on(offline: None, compose_cfg
     tables = {step: row for step, row in history.items() if "text_samples/_type" in row}  # wandb nests its keys
     assert sorted(tables) == [2, 4]
     assert all(t["text_samples/_type"] == "table-file" and t["text_samples/nrows"] == 2 for t in tables.values())
+
+
+def test_a_resume_may_change_how_samples_are_written(compose_cfg: Callable, tmp_path: Path) -> None:
+    overrides = [*TINY, *SAMPLES, "trainer.max_duration=4st", "trainer.val_interval=4st"]
+    train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(2)])
+    changed = [*overrides, "callbacks.text_samples.new_tokens=3", "callbacks=[text_samples]", "resume=auto"]
+    resumed = train(compose_cfg(*changed, run_dir=tmp_path / "split"))  # not refused: training is the same
+    assert resumed.progress.step == 4 and resumed.stop_reason == "max_duration"
