@@ -262,6 +262,38 @@ def make_run(
     )
 
 
+# ---- host reads ---------------------------------------------------------------------------------------------------
+RUNNER_DIR = ROOT / "runner"
+# The Tensor methods that copy a value to the host: on a GPU each waits for the device to finish (a sync).
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+
+class HostReads:
+    """Counts the host reads (HOST_READS) that runner's own code makes, by where they are called from: a read inside
+    torch (an optimizer's, say) is torch's. Use as `with HostReads(monkeypatch) as reads: ...; reads.count`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch, self.count, self.where = monkeypatch, 0, []
+
+    def __enter__(self) -> HostReads:
+        for name in HOST_READS:
+            self.monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.monkeypatch.undo()
+
+    def _counted(self, method: Any) -> Any:
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            if Path(caller.f_code.co_filename).is_relative_to(RUNNER_DIR):
+                self.count += 1
+                self.where.append(f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno} {method.__name__}")
+            return method(tensor, *args, **kwargs)
+
+        return read
+
+
 # ---- subprocesses -------------------------------------------------------------------------------------------------
 TIMEOUT_S = 300  # generous: the machine may be shared; a healthy run takes a few seconds
 # what a launcher (torchrun, SLURM, submitit) sets: inherited by a test's child, it would make the child a rank
