@@ -91,5 +91,5 @@ def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _count(modules: list[nn.Module]) -> str:
-    names = dict.fromkeys(type(m).__name__ for m in modules)
-    return ", ".join(f"{sum(type(m).__name__ == n for m in modules)} x {n}" for n in names)
+    names = [class_name(m) for m in modules]  # Block, not FSDP2's FSDPBlock
+    return ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runner import ConfigError
+from runner.log.wandb_logger import WandbLogger
 from runner.progress import parse_duration
 from runner.run import Callback
 
@@ -130,7 +131,7 @@ def _show(ids: list[int], vocab: int) -> str:
 
 
 def _to_wandb(run: Run, tokens: torch.Tensor, width: int) -> None:
-    wandb_run = next((getattr(lg, "run", None) for lg in run.loggers if type(lg).__name__ == "WandbLogger"), None)
+    wandb_run = next((lg.run for lg in run.loggers if isinstance(lg, WandbLogger)), None)
     if wandb_run is None:
         return
     import wandb
