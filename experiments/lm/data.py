@@ -124,8 +124,9 @@ def encode_corpus(files: list[Path], val_every: int, cache_dir: str | None = Non
     key = digest.hexdigest()
     folder = _cache_root(cache_dir) / key[:16]
     if not (folder / "meta.json").is_file():
-        val = [t for i, t in enumerate(texts) if val_every and i % val_every == val_every - 1]
-        train = [t for i, t in enumerate(texts) if not (val_every and i % val_every == val_every - 1)]
+        held_out = [bool(val_every) and i % val_every == val_every - 1 for i in range(len(texts))]
+        val = [t for t, held in zip(texts, held_out, strict=True) if held]
+        train = [t for t, held in zip(texts, held_out, strict=True) if not held]
         folder.parent.mkdir(parents=True, exist_ok=True)
         # Written aside and renamed into place: a killed or concurrent encoding (every rank of a torchrun job) never
         # leaves a half-written cache that a later run would trust.
@@ -158,11 +159,11 @@ class TextBytes(TokenData):
         files = _expand(list(paths)) if paths else stdlib_sources()
         if val_every == 1 or val_every < 0:
             raise ConfigError(f"data.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
-        folder, self_info = encode_corpus(files, val_every, cache_dir)
+        folder, corpus = encode_corpus(files, val_every, cache_dir)
         train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
-        val = np.memmap(folder / "val.u8", dtype=np.uint8, mode="r") if self_info["val_files"] else None
+        val = np.memmap(folder / "val.u8", dtype=np.uint8, mode="r") if corpus["val_files"] else None
         super().__init__(train, val, seq_len, val_windows, **loader)
-        self.info = {"corpus": {**self_info, "train_bytes": len(train), "val_bytes": 0 if val is None else len(val)}}
+        self.info = {"corpus": {**corpus, "train_bytes": len(train), "val_bytes": 0 if val is None else len(val)}}
         self.bytes_per_token = bytes_per_token  # read by the model's config (val/bits_per_byte)
 
 
