@@ -26,6 +26,7 @@ TRAINER_KEYS = {
     "val_interval",
     "log_interval",
     "max_nonfinite_steps",
+    "stop_check_interval",
     "peak_flops",
 }
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}

@@ -4,7 +4,6 @@ lives here, in one place; every feature is a component or a callback."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ class _Window:
 
     loss: torch.Tensor | None = None  # the sum of the micro-batches' mean losses, on the device
     tokens: int | None = None  # this rank's tokens (None: the batches carry no num_tokens)
+    size: int = 0  # this rank's samples
     samples: int = 0  # the step's samples over all ranks
 
 
@@ -73,48 +73,61 @@ def micro_step(run: Run, batch: object, last: bool, window: _Window) -> bool:
         run.precision.backward(out["loss"] / share if share != 1 else out["loss"])
     if tokens is not None:
         window.tokens = (window.tokens or 0) + tokens
-    loss = out["loss"].detach()
+    window.size += size
+    loss = out["loss"].detach().float()
     window.loss = loss if window.loss is None else window.loss + loss
     run.state.meter.add(out)
     return closes
 
 
 def optimizer_step(run: Run, params: list[torch.Tensor], window: _Window, last: bool) -> None:
-    """Apply the step (or skip it when the loss or gradient norm is not finite), count it, move the schedule."""
+    """Apply the step (skipped on the device when the loss or gradient norm is not finite), count it, move the
+    schedule. Nothing here reads the device: the flag, the loss and the norm are summed on it until the next log."""
     state, precision, optimizer = run.state, run.precision, run.optimizer
     precision.unscale_(optimizer)
     norm = run.strategy.grad_norm(params)  # the global norm, also when the gradients are sharded (FSDP)
-    # The step's host read: the window's loss and the global grad norm together (several ranks add the stop
-    # agreement's all-reduce below).
-    loss_sum, norm_value = torch.stack([window.loss.float(), norm.float()]).tolist()
-    # fp16 loss scaling skips overflowed grads itself; a non-finite loss is always ours to skip.
-    if math.isfinite(loss_sum) and (precision.handles_overflow or math.isfinite(norm_value)):
-        clip = run.settings.gradient_clip_val
-        if clip is not None and math.isfinite(norm_value) and norm_value > clip:
-            # clip_grad_norm_'s own arithmetic; below the threshold it would multiply by exactly 1.
-            torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
-        precision.step(optimizer)
-        # A task may keep a constraint after each applied step (an SAE renormalises its decoder rows).
-        getattr(run.task, "after_optimizer_step", lambda: None)()
-        state.nonfinite_in_a_row = 0
-    else:
-        precision.skip()
-        state.nonfinite_steps += 1
-        state.nonfinite_in_a_row += 1
-        if state.nonfinite_in_a_row >= run.settings.max_nonfinite_steps:
-            run.request_stop(StopReason.NONFINITE)
+    # 1 skips the step on every rank: a non-finite loss on any of them (a rank's loss is its own), or a non-finite
+    # global norm. fp16 loss scaling skips and counts overflowed gradients itself: they are how it finds its scale.
+    bad = ~torch.isfinite(window.loss) if precision.handles_overflow else ~torch.isfinite(window.loss + norm)
+    skip = (run.strategy.all_sum(bad.float()) > 0).float()
+    clip = run.settings.gradient_clip_val
+    if clip is not None:
+        # clip_grad_norm_'s own arithmetic, without a branch on the host: below the threshold it multiplies by
+        # exactly 1 (a skipped step's NaN coefficient is harmless: its update is dropped).
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
+    precision.step(optimizer, skip)
+    # A task may keep a constraint after each step (an SAE renormalises its decoder rows). It runs after skipped
+    # steps too (whether a step was skipped is known on the device only): a skipped step left the weights as they were.
+    getattr(run.task, "after_optimizer_step", lambda: None)()
     optimizer.zero_grad(set_to_none=True)
-    tokens = window.tokens
-    if tokens is not None:  # tokens differ by rank: their sum over ranks
-        tokens = int(run.strategy.all_sum(torch.tensor(tokens)).item())
-    run.progress.count_optimizer_step(window.samples, tokens or 0)
+    run.progress.count_optimizer_step(window.samples, _step_tokens(run, window))
     if last:
         run.progress.end_epoch()
-    state.meter.add_step(loss_sum, norm_value, optimizer.param_groups[0]["lr"])  # the LR this step used
+    state.meter.add_step(window.loss, norm, skip, optimizer.param_groups[0]["lr"])  # the LR this step used
     run.schedule.on_optimizer_step()
     for cb in run.callbacks:
         cb.on_optimizer_step(run)
-    _agree_on_stop(run)
+    if run.progress.ticked(run.settings.stop_check_interval) or run.world_size == 1:
+        _agree_on_stop(run)
+
+
+def _step_tokens(run: Run, window: _Window) -> int:
+    # The step's tokens over all ranks. Data that declares data.tokens_per_sample (fixed-length windows) needs no
+    # communication: every rank checks its own batches against it, so the global count is exact. Other data sums its
+    # ranks' counts with one small host collective per step (a CPU tensor: gloo, never a device sync).
+    tokens, per_sample = window.tokens, run.progress.tokens_per_sample
+    if tokens is None:
+        return 0
+    if per_sample:
+        if tokens != window.size * per_sample:
+            raise ConfigError(
+                f"data.tokens_per_sample={per_sample:g}, but {window.size} samples came with num_tokens={tokens}: "
+                "set data.tokens_per_sample=null for data whose samples differ in length"
+            )
+        return round(window.samples * per_sample)
+    if run.world_size == 1:
+        return tokens
+    return int(run.strategy.all_sum(torch.tensor(tokens)).item())
 
 
 def end_step(run: Run, params: list[torch.Tensor]) -> bool:
@@ -129,22 +142,27 @@ def end_step(run: Run, params: list[torch.Tensor]) -> bool:
     done = p.finished or run.stop_reason is not None
     resumable = run.stop_reason is not None and run.stop_reason.resumable
     if p.ticked(run.settings.log_interval) or (done and state.meter.micro and not resumable):
-        metrics = {**state.meter.read(run.strategy, params, state.nonfinite_steps), **metrics}
+        metrics = {**state.meter.read(run.strategy, params), **metrics}
+        # Skipped steps are counted on the device and read here: the limit is enforced at log steps (the steps
+        # skipped in between changed no weight).
+        if state.meter.longest_streak >= run.settings.max_nonfinite_steps:
+            run.request_stop(StopReason.NONFINITE)
     if metrics:
         _log(run, metrics)
     for cb in run.callbacks:
         cb.on_step_end(run)
-    return done
+    return p.finished or run.stop_reason is not None
 
 
 def _agree_on_stop(run: Run) -> None:
-    # A stop asked on one rank (a signal, max_time, a callback) stops every rank at this same step: no rank is left
-    # waiting in a collective. Early stopping and non-finite skips are decided on reduced values, the same everywhere.
-    resumable = [reason for reason in StopReason if reason.resumable]
-    flags = run.strategy.any([run.stop_reason == r for r in resumable] + [run.stop_reason is not None])
-    for reason, flag in zip([*resumable, StopReason.STOPPED_ON_ANOTHER_RANK], flags, strict=True):
-        if flag:
-            run.request_stop(reason)
+    # A stop asked on one rank (a signal, max_time, a callback) stops every rank at the same step: the stop checks
+    # fall on the same steps everywhere, so no rank is left waiting in a collective, and the steps between them have
+    # none. Early stopping and non-finite skips are decided on reduced values, the same everywhere (StopReason.agreed).
+    asked, resumable = run.stop_asked, [reason for reason in StopReason if reason.resumable]
+    flags = run.strategy.any([asked == r for r in resumable] + [asked is not None])
+    flagged = [r for r, f in zip([*resumable, StopReason.STOPPED_ON_ANOTHER_RANK], flags, strict=True) if f]
+    if flagged:
+        run.stop_reason = run.stop_reason or asked or flagged[0]
 
 
 def _log(run: Run, metrics: dict[str, float]) -> None:

@@ -57,11 +57,19 @@ class Meter:
     ) -> None:
         self.progress, self.flops_per_token, self.peak_flops = progress, flops_per_token, peak_flops
         self.first_step_s: float | None = None  # wall time of this launch's first optimizer step
+        # Skipped (non-finite) steps over the run and the streak of them, as of the last read; longest_streak: the
+        # longest streak the last read saw (the loop's max_nonfinite_steps check).
+        self.nonfinite_steps = self.nonfinite_in_a_row = self.longest_streak = 0
+        # On the device since the last read: [loss sum, grad norm sum, skipped steps, current streak, longest streak]
+        self.pending: torch.Tensor | None = None
         self._reset()
 
     def _reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.micro, self.steps, self.loss, self.norm, self.lr = 0, 0, 0.0, 0.0, float("nan")
+        self.micro, self.steps, self.lr = 0, 0, float("nan")
+        if self.pending is not None:
+            self.pending[:3] = 0
+            self.pending[4] = self.pending[3]  # a streak that goes on counts in the next read's longest
         self.start()
 
     def start(self) -> None:
@@ -74,17 +82,20 @@ class Meter:
             "sums": {k: float(v) for k, v in self.sums.items()},  # host values: every rank's is gathered
             "micro": self.micro,
             "steps": self.steps,
-            "loss": self.loss,
-            "norm": self.norm,
             "lr": self.lr,
+            "pending": None if self.pending is None else self.pending.tolist(),
+            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict()."""
         self.sums = dict(state["sums"])
-        self.micro, self.steps, self.loss, self.norm, self.lr = (
-            state[k] for k in ("micro", "steps", "loss", "norm", "lr")
-        )
+        self.micro, self.steps, self.lr = (state[k] for k in ("micro", "steps", "lr"))
+        self.nonfinite_steps, self.nonfinite_in_a_row = state.get("nonfinite_steps", 0), state.get("nonfinite_in_a_row", 0)
+        # a checkpoint of an earlier runner kept the loss and norm sums as numbers
+        pending = state.get("pending") or [state.get("loss", 0.0), state.get("norm", 0.0), 0, 0, 0]
+        self.pending = None if pending is None else torch.tensor(pending, dtype=torch.float64)
 
     def add(self, out: dict[str, torch.Tensor]) -> None:
         """Add one micro-batch's training_step outputs (tensors or numbers) but the loss (see add_step)."""
@@ -95,35 +106,51 @@ class Meter:
             self.sums[key] = self.sums.get(key, 0.0) + value
         self.micro += 1
 
-    def add_step(self, loss_sum: float, grad_norm: float, lr: float) -> None:
-        """Add one optimizer step's summed micro-batch losses, global gradient norm and the learning rate it used
-        (after the progress counted the step)."""
-        self.loss += loss_sum
-        self.norm += grad_norm
+    def add_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, skipped: torch.Tensor, lr: float) -> None:
+        """Add one optimizer step's summed micro-batch losses, global gradient norm and skip flag (0/1), all on the
+        device and left there, and the learning rate it used (after the progress counted the step)."""
+        device = loss_sum.device
+        if self.pending is None:
+            streak = float(self.nonfinite_in_a_row)
+            self.pending = torch.tensor([0.0, 0.0, 0.0, streak, streak], dtype=torch.float64)
+        if self.pending.device != device:  # made on the host, or restored from a checkpoint
+            self.pending = self.pending.to(device)
+        skipped = skipped.double()
+        self.pending[:3] += torch.stack([loss_sum.double(), grad_norm.double(), skipped])
+        self.pending[3] = (self.pending[3] + skipped) * skipped
+        self.pending[4] = torch.maximum(self.pending[4], self.pending[3])
         self.steps += 1
         self.lr = lr
-        if self.first_step_s is None:  # the step's host read has synced the device: its work is done
+        if self.first_step_s is None:
+            if device.type == "cuda":  # the first step's work must be done to be timed (once per launch)
+                torch.cuda.synchronize(device)
             self.first_step_s = time.perf_counter() - self.clock
             self.start()  # throughput from here on
 
-    def read(self, strategy: Any, params: list[torch.Tensor], nonfinite_steps: int) -> dict[str, float]:
-        """Means since the last read, norms, LR, throughput and memory, with one device sync; then start over.
+    def read(self, strategy: Any, params: list[torch.Tensor]) -> dict[str, float]:
+        """Means since the last read, norms, LR, skipped steps, throughput and memory, with one device sync; then
+        start over.
 
         `strategy` (runner.run.Strategy) sums over ranks; `params` are the trained parameters."""
         p, keys, device = self.progress, list(self.sums), strategy.device
         param_norm = strategy.norm([q.detach() for q in params])  # FSDP: over every rank's shards
+        pending = self.pending if self.pending is not None else torch.zeros(5, dtype=torch.float64, device=device)
         local = [torch.as_tensor(self.sums[k], device=device).double().reshape(1) for k in keys]
-        local.append(torch.tensor([self.loss, float(self.micro)], device=device, dtype=torch.float64))
+        local += [pending[:1], torch.tensor([float(self.micro)], device=device, dtype=torch.float64)]
         totals = strategy.all_sum(torch.cat(local))  # sums over every rank: global means
-        *sums, loss, micro, param_norm = torch.cat([totals, param_norm.double().reshape(1)]).tolist()
+        # the norms and skip counts are global already: the same on every rank
+        together = torch.cat([totals, param_norm.double().reshape(1), pending[1:]]).tolist()
+        *sums, loss, micro, param_norm, norm, skipped, streak, longest = together
+        self.nonfinite_steps += round(skipped)
+        self.nonfinite_in_a_row, self.longest_streak = round(streak), round(longest)
         elapsed = time.perf_counter() - self.clock
         metrics = {"train/loss": loss / micro, **{f"train/{k}": v / micro for k, v in zip(keys, sums, strict=True)}}
         metrics.update(
             {
-                "train/grad_norm": self.norm / self.steps,
+                "train/grad_norm": norm / self.steps,
                 "train/param_norm": param_norm,
                 "train/lr": self.lr,
-                "train/nonfinite_steps": nonfinite_steps,
+                "train/nonfinite_steps": self.nonfinite_steps,
                 "sys/peak_memory_mb": _peak_memory_mb(device),
             }
         )

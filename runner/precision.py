@@ -33,12 +33,20 @@ class FP32:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Make .grad hold true gradients before clipping (a no-op without loss scaling)."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply the optimizer step."""
-        optimizer.step()
+    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+        """Apply the optimizer step unless `skip` (a 0/1 float on the device) is 1.
 
-    def skip(self) -> None:
-        """Called instead of step() when the loop drops a step with a non-finite loss or gradient."""
+        Fused Adam, AdamW and SGD (`fused: true`, the default on CUDA) take the flag as their `found_inf` and drop the
+        update on the device, step count included: no host read. Any other optimizer needs the flag on the host, one
+        read per step (on a GPU a sync; on the CPU nothing waits)."""
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.found_inf = skip
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+        elif not skip.item():
+            optimizer.step()
 
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint."""
@@ -90,13 +98,14 @@ class ScaledAutocast(Autocast):
         """Divide the gradients by the current scale, so that clipping and norms see true values."""
         self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step unless the gradients overflowed, then adapt the scale."""
+    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+        """Step unless the gradients overflowed or `skip` (a non-finite loss) is 1, then adapt the scale: on the
+        device with a fused optimizer; the scaler reads its flag on the host with any other."""
+        # The scaler decides from its own found_inf (set by unscale_): the loop's flag joins it, so a non-finite loss
+        # skips the step and backs the scale off like an overflow.
+        for found_inf in self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            torch.maximum(found_inf, skip.to(found_inf.device), out=found_inf)
         self.scaler.step(optimizer)
-        self.scaler.update()
-
-    def skip(self) -> None:
-        """Close the scaler's step (it was unscaled) and back the scale off."""
         self.scaler.update()
 
     def state_dict(self) -> dict[str, Any]:

@@ -45,6 +45,13 @@ class StopReason(str, enum.Enum):
         return self in (StopReason.PREEMPTED, StopReason.MAX_TIME, StopReason.INTERRUPTED)
 
     @property
+    def agreed(self) -> bool:
+        """Decided on values every rank shares (validation metrics, the reduced non-finite counts): it stops every
+        rank after the current step with no agreement. Any other stop is asked by one rank and waits for the loop's
+        next stop check (trainer.stop_check_interval)."""
+        return self in (StopReason.EARLY_STOPPING, StopReason.NONFINITE)
+
+    @property
     def finished(self) -> bool:
         """Nothing is left to train: a resume only completes the run's final files."""
         return self in (StopReason.MAX_DURATION, StopReason.EARLY_STOPPING)
@@ -232,6 +239,8 @@ class Settings:
     log_interval: Duration
     gradient_clip_val: float | None = None
     max_nonfinite_steps: int = 10
+    # several ranks agree on a stop asked by one of them (a signal, max_time) at these ticks, not at every step
+    stop_check_interval: Duration = Duration(10, "st")
     monitor: str | None = "val/loss"  # the metric that `best` tracks (summary.json, a sweeper's objective)
     config_hash: str | None = None  # sha256 of the job config, recorded in checkpoint manifests
     config: dict[str, Any] | None = None  # the job config (unresolved), in manifests: a resume compares it
@@ -249,12 +258,21 @@ class State:
     best: Best = field(default_factory=Best)
     meter: Meter = None  # type: ignore[assignment]  # training sums since the last log row (default: a new one)
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged value of every metric
-    nonfinite_steps: int = 0
-    nonfinite_in_a_row: int = 0  # the current streak; max_nonfinite_steps of them stop the run
     clock: WallClock = field(default_factory=WallClock)  # wall time over every launch
 
     def __post_init__(self) -> None:
         self.meter = self.meter or Meter(self.progress)
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient norm, as of the last log row (the meter counts
+        them on the device)."""
+        return self.meter.nonfinite_steps
+
+    @property
+    def nonfinite_in_a_row(self) -> int:
+        """The current streak of skipped steps, as of the last log row; max_nonfinite_steps of them stop the run."""
+        return self.meter.nonfinite_in_a_row
 
     def state_dict(self) -> dict[str, Any]:
         """Every field: a component's own state_dict, or the value."""
@@ -295,6 +313,7 @@ class Run:
     callbacks: list[Callback] = field(default_factory=list)
     loggers: list[Logger] = field(default_factory=list)
     stop_reason: StopReason | None = None
+    stop_asked: StopReason | None = None  # asked on this rank, not yet agreed with the others (see request_stop)
 
     def __post_init__(self) -> None:
         self.forward = self.forward or self.task.training_step
@@ -315,5 +334,10 @@ class Run:
         return self.strategy.world_size
 
     def request_stop(self, reason: StopReason | str) -> None:
-        """Ask the loop to stop after the current step; the first reason given wins."""
-        self.stop_reason = self.stop_reason or StopReason(reason)
+        """Ask the loop to stop; the first reason given wins. An agreed reason (StopReason.agreed) stops after the
+        current step; another (a signal, max_time) at the next stop check, where every rank stops at the same step."""
+        reason = StopReason(reason)
+        if reason.agreed:
+            self.stop_reason = self.stop_reason or reason
+        else:
+            self.stop_asked = self.stop_asked or reason

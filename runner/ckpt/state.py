@@ -86,6 +86,7 @@ INERT = (
     "logger",
     "trainer.log_interval",
     "trainer.max_time",
+    "trainer.stop_check_interval",
     "data.num_workers",
     "checkpoint",
     "callbacks.profiler",

@@ -40,8 +40,8 @@ def test_every_field_of_the_state_is_in_its_state_dict_and_comes_back() -> None:
     progress.count_optimizer_step()
     state.best.update(0.5, 1)
     state.meter.add({"loss": torch.tensor(1.0), "acc": torch.tensor(0.25)})
-    state.meter.add_step(1.0, 2.0, 0.1)
-    state.metrics, state.nonfinite_steps, state.nonfinite_in_a_row = {"val/acc": 0.5}, 3, 2
+    state.meter.add_step(torch.tensor(1.0), torch.tensor(2.0), torch.tensor(1.0), 0.1)  # a skipped step
+    state.metrics, state.meter.nonfinite_steps, state.meter.nonfinite_in_a_row = {"val/acc": 0.5}, 3, 2
     saved = state.state_dict()
     assert set(saved) == {f.name for f in dataclasses.fields(State)}
     buffer = io.BytesIO()
