@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -199,6 +199,48 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            _record_stream(value, stream)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            _record_stream(value, stream)
+
+
+def device_batches(loader: Iterable, device: torch.device) -> Iterator[Any]:
+    """The loader's batches on `device`. On CUDA each batch's copy (from pinned memory) is issued on a side stream
+    one batch ahead, so the next batch travels while this step computes; elsewhere a plain move."""
+    if device.type != "cuda":
+        yield from (to_device(batch, device) for batch in loader)
+        return
+    compute, copies = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+
+    def issue(batch: Any) -> tuple[Any, torch.cuda.Event]:
+        with torch.cuda.stream(copies):
+            moved = to_device(batch, device)
+            return moved, copies.record_event()
+
+    ahead = None
+    for batch in loader:
+        if ahead is not None:
+            following = issue(batch)
+            yield _ready(*ahead, compute)
+            ahead = following
+        else:
+            ahead = issue(batch)
+    if ahead is not None:
+        yield _ready(*ahead, compute)
+
+
+def _ready(batch: Any, copied: torch.cuda.Event, compute: torch.cuda.Stream) -> Any:
+    compute.wait_event(copied)  # the compute stream waits on the device: the host goes on
+    _record_stream(batch, compute)  # its memory is not reused until the compute stream is done with it
     return batch
 
 

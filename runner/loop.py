@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from runner import ConfigError
-from runner.data import batch_size_of, to_device, tokens_of, with_last
+from runner.data import batch_size_of, device_batches, to_device, tokens_of, with_last
 from runner.run import Precision, Run, StopReason
 
 
@@ -37,7 +37,7 @@ def fit(run: Run) -> Run:
     while run.stop_reason is None and not p.finished:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(p.epoch, skip=p.batch_in_epoch)  # a resumed run goes on with the next unseen batch
-        for batch, last in with_last(run.train_loader):
+        for batch, last in with_last(device_batches(run.train_loader, run.device)):
             if not micro_step(run, batch, last, window):
                 continue  # the accumulation window is still open
             optimizer_step(run, params, window, last)
@@ -62,7 +62,6 @@ def micro_step(run: Run, batch: object, last: bool, window: _Window) -> bool:
     window.samples, size, tokens = p.window_samples(), batch_size_of(batch), tokens_of(batch)
     p.count_micro_batch()
     closes = p.window_done(last)
-    batch = to_device(batch, run.device)
     with run.strategy.sync(closes):  # DDP: gradients are all-reduced only on the micro-batch that closes the window
         with run.precision.autocast():
             out = run.forward(batch)

@@ -92,7 +92,10 @@ class Meter:
         """Restore state_dict()."""
         self.sums = dict(state["sums"])
         self.micro, self.steps, self.lr = (state[k] for k in ("micro", "steps", "lr"))
-        self.nonfinite_steps, self.nonfinite_in_a_row = state.get("nonfinite_steps", 0), state.get("nonfinite_in_a_row", 0)
+        self.nonfinite_steps, self.nonfinite_in_a_row = (
+            state.get("nonfinite_steps", 0),
+            state.get("nonfinite_in_a_row", 0),
+        )
         # a checkpoint of an earlier runner kept the loss and norm sums as numbers
         pending = state.get("pending") or [state.get("loss", 0.0), state.get("norm", 0.0), 0, 0, 0]
         self.pending = None if pending is None else torch.tensor(pending, dtype=torch.float64)

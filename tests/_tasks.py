@@ -1,6 +1,7 @@
 """Test-only tasks and callbacks for subprocess runs (helpers.child_env puts this folder on PYTHONPATH): select them
 on the command line, e.g. `model._target_=_tasks.Affine` or `+callbacks.slow._target_=_tasks.SleepEachStep`."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -190,3 +191,30 @@ class TinyLM(nn.Module):
     def flops_per_token(self) -> float:
         """6 x the non-embedding parameters (no attention here)."""
         return 6.0 * sum(p.numel() for n, p in self.named_parameters() if not n.startswith("embed."))
+
+
+class CountHostReads(Callback):
+    """Counts the host reads runner's own code makes (helpers.HostReads) between optimizer steps `first` and `last`,
+    and writes where they were made to <run folder>/host-reads-rank<K>.json when fit ends."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.before, self.where = first, last, 0, None
+
+    def on_fit_start(self, run) -> None:
+        import pytest
+        from helpers import HostReads
+
+        self.reads = HostReads(pytest.MonkeyPatch()).__enter__()
+
+    def on_optimizer_step(self, run) -> None:
+        if run.progress.step == self.first:
+            self.before = len(self.reads.where)
+        elif run.progress.step == self.last:
+            self.where = self.reads.where[self.before :]
+
+    def on_fit_end(self, run) -> None:
+        self.reads.__exit__()
+        from hydra.core.hydra_config import HydraConfig
+
+        folder = Path(HydraConfig.get().runtime.output_dir)
+        (folder / f"host-reads-rank{run.strategy.rank}.json").write_text(json.dumps(self.where))

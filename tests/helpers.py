@@ -227,13 +227,17 @@ def make_run(
     max_nonfinite_steps: int = 10,
     splits=None,
     clip: float | None = None,
+    fused: bool = False,
+    log_interval: str = "1st",
+    precision: FP32 | None = None,
 ) -> Run:
-    """A Run assembled by hand (no Hydra): SGD on Regression, one process, fp32, no loggers."""
+    """A Run assembled by hand (no Hydra): SGD on Regression (fused: skipped on the device), one process, fp32 unless
+    `precision` says otherwise, no loggers."""
     torch.manual_seed(0)
     task = task or Regression()
     data = DataModule(splits or regression_data(), batch_size=batch_size, shuffle=shuffle, seed=0)
     train, val = data.train_loader(accumulate=accumulate), data.val_loader()
-    opt = torch.optim.SGD(task.parameters(), lr=lr)
+    opt = torch.optim.SGD(task.parameters(), lr=lr, fused=fused)
     progress = TrainingProgress(
         max_duration,
         batch_size=batch_size,
@@ -244,7 +248,7 @@ def make_run(
     schedule = (schedule or constant)(optimizer=opt, progress=progress)
     settings = Settings(
         val_interval=progress.resolve(val_interval),
-        log_interval=progress.resolve("1st"),
+        log_interval=progress.resolve(log_interval),
         gradient_clip_val=clip,
         max_nonfinite_steps=max_nonfinite_steps,
     )
@@ -252,7 +256,7 @@ def make_run(
         task=task,
         optimizer=opt,
         schedule=schedule,
-        precision=FP32(),
+        precision=precision or FP32(),
         strategy=Single("cpu"),
         train_loader=train,
         val_loader=val,

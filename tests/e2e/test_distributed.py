@@ -64,10 +64,10 @@ def slow_torchrun(cwd: Path, max_restarts: int, *overrides: str) -> subprocess.P
 
 
 def preempted(root: Path) -> dict[str, Any]:
-    """SIGTERM, as SLURM sends it, once the first checkpoint exists (torchrun forwards it to both workers), then
-    resume=auto."""
+    """SIGTERM, as SLURM sends it, once the first checkpoint exists (torchrun forwards it to both workers, each at its
+    own step), then resume=auto. The ranks agree on the stop at every third step (trainer.stop_check_interval)."""
     split = root / "split"
-    proc = slow_torchrun(root, 0, *CHECKPOINTED, f"hydra.run.dir={split}")
+    proc = slow_torchrun(root, 0, *CHECKPOINTED, "trainer.stop_check_interval=3st", f"hydra.run.dir={split}")
     wait_for(proc, "split/checkpoints/step-00000010", root)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -245,7 +245,8 @@ def test_ddp_preempted_and_resumed_on_every_rank_equals_the_uninterrupted_run(ru
     outcome = runs["preempted"].result()
     stopped = outcome["stopped"]
     assert stopped["summary"]["stop_reason"] == "preempted", stopped["err"][-3000:]
-    assert 10 <= stopped["summary"]["progress"]["step"] < 20, stopped["err"][-3000:]
+    step = stopped["summary"]["progress"]["step"]
+    assert 10 <= step < 20 and step % 3 == 0, stopped["err"][-3000:]  # at a stop check, where every rank stops
     resumed = ok(outcome["resumed"])
     assert resumed.stderr.count("resuming from") == 1  # said once, by rank 0
     assert_same_weights(outcome["run_dir"], the_whole_run(runs))

@@ -1,8 +1,10 @@
 """The CUDA paths, on a GPU when there is one (CI has none: skipped there): autocast precisions with the GradScaler,
-pinned checkpoint buffers, and an exact resume that restores the CUDA RNG state."""
+pinned checkpoint buffers, an exact resume that restores the CUDA RNG state, steady steps with no host-device sync
+(torch.cuda.set_sync_debug_mode("error")), batches copied ahead on a side stream."""
 
 from __future__ import annotations
 
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import torch
 from helpers import CountSteps, StopAt, assert_same_state, jsonl, metric_rows, summary
 
 from runner.ckpt.callback import Checkpoint
+from runner.data import device_batches
+from runner.run import Callback, Run
 from runner.train import train
 
 pytestmark = [
@@ -57,3 +61,57 @@ def test_stop_and_resume_on_the_gpu_is_exact(compose_cfg: Callable, tmp_path: Pa
     assert counter.steps == 20 and second.progress.step == 40
     assert_same_state(whole, second)
     assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
+
+
+class SyncsAreErrors(Callback):
+    """Makes every host-device sync an error (torch.cuda.set_sync_debug_mode) after optimizer step `first` until
+    step `last`: steps in between must not sync."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.checked = first, last, 0
+
+    def on_optimizer_step(self, run: Run) -> None:
+        step = run.progress.step
+        if step == self.first:
+            torch.cuda.set_sync_debug_mode("error")
+        elif step == self.last:
+            torch.cuda.set_sync_debug_mode("default")
+        elif self.first < step < self.last:
+            self.checked += 1
+
+    def on_fit_end(self, run: Run) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
+STEADY = {
+    "digits-fp32-clip": ["+experiment=digits", "trainer.gradient_clip_val=0.5", "callbacks=[ema]"],
+    "digits-bf16-accumulate": ["+experiment=digits", "precision=bf16", "trainer.accumulate_grad_batches=2"],
+    "digits-fp16": ["+experiment=digits", "precision=fp16"],
+    "lm-bf16": ["+experiment=lm", f"data.paths=[{JSON_PACKAGE}]", "data.val_every=2", "precision=bf16"],
+    "sae": ["+experiment=sae"],
+}
+
+
+@pytest.mark.parametrize("overrides", STEADY.values(), ids=STEADY.keys())
+def test_steady_steps_make_no_host_device_sync(compose_cfg: Callable, overrides: list[str]) -> None:
+    cfg = compose_cfg(
+        *overrides,
+        "trainer.max_duration=14st",
+        "trainer.log_interval=14st",
+        "trainer.val_interval=14st",
+        "checkpoint=none",
+        "logger=none",
+    )
+    guard = SyncsAreErrors(3, 12)
+    run = train(cfg, extra_callbacks=[guard])
+    assert run.progress.step == 14 and guard.checked == 8
+    assert run.optimizer.defaults["fused"]  # optimizer.fused=null: fused on CUDA
+
+
+def test_device_batches_copy_ahead_and_arrive_intact() -> None:
+    loader = [{"x": torch.arange(6.0).reshape(2, 3).pin_memory() + i, "n": i} for i in range(5)]
+    moved = list(device_batches(loader, torch.device("cuda")))
+    assert [b["n"] for b in moved] == list(range(5))
+    for i, batch in enumerate(moved):
+        assert batch["x"].is_cuda and torch.equal(batch["x"].cpu(), loader[i]["x"])

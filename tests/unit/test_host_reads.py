@@ -54,7 +54,15 @@ CASES = {
     "digits-sgd-bf16": ["+experiment=digits", "optimizer=sgd", "precision=bf16", "trainer.gradient_clip_val=1.0"],
     "digits-fp16": ["+experiment=digits", "precision=fp16"],
     "sae": ["+experiment=sae", "data.batch_size=256"],
-    "lm": ["+experiment=lm", f"data.paths=[{JSON_PACKAGE}]", "data.val_every=2", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16"],
+    "lm": [
+        "+experiment=lm",
+        f"data.paths=[{JSON_PACKAGE}]",
+        "data.val_every=2",
+        "model.n_layer=1",
+        "model.d_model=32",
+        "model.n_head=2",
+        "model.seq_len=16",
+    ],
 }
 
 

@@ -98,10 +98,11 @@ def test_the_short_last_step_of_an_epoch_is_the_mean_over_its_samples_however_it
     torch.testing.assert_close(split.task.linear.weight, one.task.linear.weight, rtol=0, atol=1e-6)
 
 
-def test_nonfinite_loss_skips_the_step_and_stops_after_the_limit():
+@pytest.mark.parametrize("fused", [False, True], ids=["host-flag", "device-flag"])
+def test_nonfinite_loss_skips_the_step_and_stops_after_the_limit(fused: bool):
     # Micro-batches 1-5 are fine, every later loss is NaN: weights must freeze at step 5 and the run must stop
-    # after exactly 3 skipped steps in a row.
-    run = make_run(Regression(poison_from=5), max_duration="50st", max_nonfinite_steps=3)
+    # after exactly 3 skipped steps in a row (logged every step). Fused SGD drops the update on the device.
+    run = make_run(Regression(poison_from=5), max_duration="50st", max_nonfinite_steps=3, fused=fused)
     rec = Recorder()
     run.callbacks.append(rec)
     fit(run)
@@ -111,6 +112,64 @@ def test_nonfinite_loss_skips_the_step_and_stops_after_the_limit():
     for w in rec.weights[5:]:
         torch.testing.assert_close(w, rec.weights[4], rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in run.task.parameters())
+
+
+def test_the_nonfinite_limit_is_enforced_at_the_first_log_step_that_sees_the_streak():
+    # Skipped steps are counted on the device and read at log steps (every 5th): the streak reaches 3 at step 8,
+    # the run stops at step 10 with 5 skipped steps, its weights still those of step 5.
+    run = make_run(
+        Regression(poison_from=5), max_duration="50st", max_nonfinite_steps=3, fused=True, log_interval="5st"
+    )
+    rec = Recorder()
+    run.callbacks.append(rec)
+    fit(run)
+    assert (run.stop_reason, run.progress.step, run.state.nonfinite_steps) == ("nonfinite", 10, 5)
+    assert run.state.metrics["train/nonfinite_steps"] == 5
+    torch.testing.assert_close(rec.weights[-1], rec.weights[4], rtol=0, atol=0)
+
+
+def test_a_streak_broken_between_two_log_steps_does_not_stop_the_run():
+    class TwoBad(Regression):
+        def training_step(self, batch):
+            out = super().training_step(batch)
+            return {"loss": out["loss"] * float("nan")} if self.calls in (3, 4, 7, 8) else out
+
+    run = make_run(TwoBad(), max_duration="12st", max_nonfinite_steps=3, fused=True, log_interval="6st")
+    fit(run)
+    assert (run.stop_reason, run.state.nonfinite_steps, run.state.nonfinite_in_a_row) == ("max_duration", 4, 0)
+
+
+def test_fp16_loss_scaling_also_skips_a_nonfinite_loss_and_backs_the_scale_off():
+    from runner.precision import ScaledAutocast
+
+    # Its first steps overflow while the scaler finds its scale: skipped by the scaler, not counted as non-finite.
+    clean = make_run(Regression(), max_duration="6st", fused=True, precision=ScaledAutocast("fp16"))
+    fit(clean)
+    run = make_run(Regression(poison_from=5), max_duration="6st", fused=True, precision=ScaledAutocast("fp16"))
+    rec = Recorder()
+    run.callbacks.append(rec)
+    fit(run)
+    assert (clean.state.nonfinite_steps, run.state.nonfinite_steps) == (0, 1)
+    torch.testing.assert_close(rec.weights[-1], rec.weights[4], rtol=0, atol=0)
+    assert run.precision.scaler.get_scale() == clean.precision.scaler.get_scale() / 2  # one more back-off
+
+
+def test_a_batch_whose_tokens_differ_from_data_tokens_per_sample_is_refused():
+    class Counted(TensorData):
+        def __getitems__(self, indices):
+            x, y = super().__getitems__(indices)
+            return {"x": x, "y": y, "num_tokens": 3 * len(indices) + 1}
+
+    class Task(Regression):
+        def training_step(self, batch):
+            return super().training_step((batch["x"], batch["y"]))
+
+    data = regression_data()
+    run = make_run(Task(), splits={"train": Counted(*data["train"].tensors)})
+    run.val_loader = None
+    run.progress.tokens_per_sample = 3
+    with pytest.raises(ConfigError, match=r"data.tokens_per_sample=3, but 8 samples came with num_tokens=25"):
+        fit(run)
 
 
 def test_nonfinite_gradient_norm_is_also_skipped():
