@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import cpu_run, machine, write_json  # noqa: E402
+from benchmarks.common import bench_run, machine, write_json  # noqa: E402
 from runner.ckpt.callback import Checkpoint  # noqa: E402
 from runner.ckpt.files import checkpoints, load_checkpoint
 from runner.ckpt.state import restore  # noqa: E402
@@ -59,7 +59,7 @@ def make_run(megabytes: float) -> Run:
         p.grad = torch.randn_like(p)
     opt.step()
     progress = TrainingProgress("1000st", batch_size=8, batches_per_epoch=len(loader), samples_per_epoch=8)
-    return cpu_run(model, opt, loader, progress, cosine(opt, progress), "10st")
+    return bench_run(model, opt, loader, progress, cosine(opt, progress), "10st")
 
 
 def state_bytes(run: Run) -> int:

@@ -109,7 +109,7 @@ def hand(size: str, steps: int, warmup: int, accumulate: int, sync_every: bool, 
         started = time.perf_counter()
         net = DistributedDataParallel(model.net)
         timings["wrap_s"] = time.perf_counter() - started
-    stamps, step, epoch, micro_batches = Stamps(warmup), 0, 0, 0
+    stamps, step, epoch, micro_batches = Stamps(warmup, steps), 0, 0, 0
     while step < steps:
         data.batch_sampler.set_epoch(epoch)
         for x, y in data:
@@ -126,7 +126,7 @@ def hand(size: str, steps: int, warmup: int, accumulate: int, sync_every: bool, 
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
-            stamps.step(step, step == steps)
+            stamps.step(step)
             if step == steps:
                 break
         epoch += 1
