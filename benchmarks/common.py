@@ -118,7 +118,7 @@ def device_name(device: str | torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def sync(device: str | torch.device) -> None:
+def synchronize(device: str | torch.device) -> None:
     """Wait for the work queued on a GPU, so that a clock read next counts it (nothing to wait for on the CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -154,7 +154,7 @@ class Stamps:
     def step(self, step: int) -> None:
         """Call after optimizer step `step` (1-based)."""
         if step == 1 or step in self.marks:
-            sync(self.device)
+            synchronize(self.device)
         if step == 1:
             self.first_step = time.time()
         if step in self.marks:
