@@ -190,7 +190,8 @@ def main() -> None:
     results: dict[str, dict[str, list[dict]]] = {m: {"hand": [], "runner": []} for m in modes}
     threads = str(args.threads or os.cpu_count())  # benchmarks.common.spawn would give each worker one
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    out = Path(args.json or "lm_bench.json").with_suffix(".worker.json")
+    # absolute: the workers run in the repository root (benchmarks.common.spawn), maybe not where this was started
+    out = Path(args.json or "lm_bench.json").resolve().with_suffix(".worker.json")
     for rep in range(args.reps):
         for mode in modes:
             order = ["hand", "runner"] if rep % 2 == 0 else ["runner", "hand"]  # alternate who goes first
