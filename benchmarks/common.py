@@ -56,15 +56,17 @@ def splits(size: str = "tiny") -> dict[str, Any]:
     return {"train": TensorData(x, y)}
 
 
-def loader(size: str) -> torch.utils.data.DataLoader:
-    """The training loader, built exactly as runner builds it from benchmarks/conf/data/bench.yaml."""
+def loader(size: str, device: str | torch.device = "cpu") -> torch.utils.data.DataLoader:
+    """The training loader, built exactly as runner builds it from benchmarks/conf/data/bench.yaml (pinned on CUDA)."""
     from runner.data import DataModule
 
-    return DataModule(splits(size), batch_size=SIZES[size][1], seed=0).train_loader()
+    return DataModule(splits(size), batch_size=SIZES[size][1], seed=0).train_loader(device=torch.device(device))
 
 
-def cpu_run(model: nn.Module, optimizer: Any, loader: Any, progress: Any, schedule: Any, log_interval: str) -> Any:
-    """A runner Run on the CPU without validation, for benchmarks that call fit() or a save directly."""
+def bench_run(
+    model: nn.Module, optimizer: Any, loader: Any, progress: Any, schedule: Any, log_interval: str, device: str = "cpu"
+) -> Any:
+    """A runner Run on `device` without validation, for benchmarks that call fit() or a save directly."""
     from runner.dist.strategies import Single
     from runner.precision import FP32
     from runner.run import Run, Settings, State
@@ -73,8 +75,8 @@ def cpu_run(model: nn.Module, optimizer: Any, loader: Any, progress: Any, schedu
         task=model,
         optimizer=optimizer,
         schedule=schedule,
-        precision=FP32(),
-        strategy=Single("cpu"),
+        precision=FP32(device),
+        strategy=Single(device),
         train_loader=loader,
         val_loader=None,
         settings=Settings(val_interval=progress.resolve("1ep"), log_interval=progress.resolve(log_interval)),
@@ -100,49 +102,95 @@ def cosine_factor(t: int, total: int) -> float:
 @torch.no_grad()
 def final_loss(model: nn.Module, size: str) -> float:
     """Mean loss of the trained model over the whole dataset: the contenders must agree on it."""
-    x, y = splits(size)["train"].tensors
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in splits(size)["train"].tensors)
     return float(nn.functional.cross_entropy(model.net(x), y))
 
 
-class Stamps:
-    """Clock readings a worker takes: first optimizer step, then every step after the warm-up."""
+def default_device() -> str:
+    """Every script's --device default: cuda when torch sees a GPU, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def __init__(self, warmup: int, segments: int = 10) -> None:
-        self.warmup, self.segments = warmup, segments
+
+def device_name(device: str | torch.device) -> str:
+    """The device in words, for table headers and the JSON's "device": the GPU's name, or cpu."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the work queued on a GPU, so that a clock read next counts it (nothing to wait for on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fused(device: str | torch.device) -> bool | None:
+    """AdamW's `fused` as runner's `optimizer.fused: null` picks it: fused on CUDA, torch's default elsewhere (on the
+    CPU that default is the arithmetic runner's optimizer does, so the final losses stay identical)."""
+    return True if torch.device(device).type == "cuda" else None
+
+
+def peak_gpu_mb(device: str | torch.device) -> float | None:
+    """This process's peak allocated GPU memory (MiB) on `device`; None on the CPU."""
+    device = torch.device(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+class Stamps:
+    """Clock readings a worker takes: at the first optimizer step, then at the ends of `segments` equal stretches of
+    the steady state (after `warmup` of `steps` steps).
+
+    Only those steps read the clock: on CUDA each reading waits for the GPU first (torch.cuda.synchronize), and a
+    step that reads no clock makes no sync, so the loop runs ahead of the GPU as it would untimed.
+    """
+
+    def __init__(self, warmup: int, steps: int, device: str | torch.device = "cpu", segments: int = 10) -> None:
+        self.warmup, self.steps, self.device = warmup, steps, torch.device(device)
+        self.marks = {warmup + round(i * (steps - warmup) / segments) for i in range(segments + 1)}
         self.first_step: float | None = None
-        self.clock: list[float] = []  # perf_counter after steps warmup, warmup + 1, ..., last
+        self.clock: dict[int, float] = {}  # step -> perf_counter after it, at the marks
         self.cpu: list[float] = []  # process CPU time after the warm-up and after the last step
 
-    def step(self, step: int, last: bool) -> None:
+    def step(self, step: int) -> None:
         """Call after optimizer step `step` (1-based)."""
+        if step == 1 or step in self.marks:
+            synchronize(self.device)
         if step == 1:
             self.first_step = time.time()
-        if step >= self.warmup:
-            self.clock.append(time.perf_counter())
-            if step == self.warmup or last:
+        if step in self.marks:
+            self.clock[step] = time.perf_counter()
+            if step in (self.warmup, self.steps):
                 self.cpu.append(time.process_time())
 
     def write(self, path: str | Path, **extra: Any) -> None:
         """Write the figures to `path` as JSON.
 
-        per_step_s is the median over `segments` equal stretches of the steady state, so that a burst of machine
-        noise in one stretch does not move it; mean_step_s and cpu_step_s are over the whole steady state.
+        per_step_s is the median over the equal stretches of the steady state, so that a burst of machine noise in
+        one stretch does not move it; mean_step_s and cpu_step_s are over the whole steady state; peak_gpu_mb is
+        torch.cuda.max_memory_allocated on CUDA (None on the CPU).
         """
-        clock, steps = self.clock, len(self.clock) - 1
-        figures: dict[str, Any] = {"first_step": self.first_step, "per_step_s": None}
-        if steps > 0:
-            cut = [round(i * steps / self.segments) for i in range(self.segments + 1)]
-            stretches = [(clock[b] - clock[a]) / (b - a) for a, b in zip(cut, cut[1:], strict=False) if b > a]
+        marks = sorted(self.clock)
+        figures: dict[str, Any] = {
+            "first_step": self.first_step,
+            "per_step_s": None,
+            "peak_gpu_mb": peak_gpu_mb(self.device),
+        }
+        if len(marks) > 1:
+            clock, steps = self.clock, marks[-1] - marks[0]
+            stretches = [(clock[b] - clock[a]) / (b - a) for a, b in zip(marks, marks[1:], strict=False)]
             figures.update(
                 per_step_s=statistics.median(stretches),
-                mean_step_s=(clock[-1] - clock[0]) / steps,
+                mean_step_s=(clock[marks[-1]] - clock[marks[0]]) / steps,
                 cpu_step_s=(self.cpu[-1] - self.cpu[0]) / steps,
             )
         Path(path).write_text(json.dumps({**figures, **extra}))
 
 
 def spawn(command: list[str], out: Path, env: dict[str, str] | None = None, log: Path | None = None) -> dict[str, Any]:
-    """Run one worker process; return what it wrote to `out` plus launch time, wall time and peak RSS (MiB)."""
+    """Run one worker process; return what it wrote to `out` plus launch time, wall time and peak RSS (MiB).
+
+    The worker reports its own peak GPU memory (Stamps.write's peak_gpu_mb): wait4 sees only host memory.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     out.unlink(missing_ok=True)
     sink = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
@@ -168,6 +216,17 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "spread": (max(values) - min(values)) / 2}
 
 
+def median_gpu_mb(reps: list[dict[str, Any]]) -> float | None:
+    """The median of the processes' peak GPU memory (MiB); None on the CPU, where they report none."""
+    values = [r["peak_gpu_mb"] for r in reps if r.get("peak_gpu_mb") is not None]
+    return statistics.median(values) if values else None
+
+
+def mib(value: float | None) -> str:
+    """A table cell for a MiB figure that is None on the CPU."""
+    return "-" if value is None else f"{value:.0f}"
+
+
 def torchrun(ranks: int) -> list[str]:
     """The start of a command that runs a module or script in `ranks` local processes (torchrun, one node)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
@@ -182,13 +241,16 @@ def runner_command(
     *overrides: str,
     ranks: int = 1,
     batch_size: int | None = None,
+    device: str = "cpu",
 ) -> list[str]:
-    """`python -m runner` on the benchmark experiment, with a StepTimer callback writing to `out`.
+    """`python -m runner` on the benchmark experiment on `device`, with a StepTimer callback writing to `out`.
 
     ranks > 1: under torchrun with that many local processes (add `distributed=ddp` to the overrides); batch_size:
     the micro-batch of each process (default SIZES[size][1]).
     """
     launcher = torchrun(ranks) if ranks > 1 else [sys.executable]
+    # Under torchrun `auto` is each rank's own GPU (LOCAL_RANK): `cuda` would put every rank on the same one.
+    where = "auto" if ranks > 1 and torch.device(device).type == "cuda" else device
     return [
         *launcher,
         "-m",
@@ -206,6 +268,7 @@ def runner_command(
         f"bench.warmup={warmup}",
         f"bench.out={out}",
         f"hydra.run.dir={run_dir}",
+        f"distributed.device={where}",
         *overrides,
     ]
 

@@ -1,6 +1,7 @@
-"""DDP on the CPU: 2 gloo ranks against 1 process at the same global batch, with and without gradient accumulation.
+"""DDP: 2 ranks against 1 process at the same global batch, with and without gradient accumulation: gloo ranks on the
+CPU, or NCCL ranks on 2 GPUs.
 
-    python benchmarks/ddp.py [--reps 5] [--steps 200] [--accumulate 4] [--json out.json]
+    python benchmarks/ddp.py [--device cpu|cuda] [--reps 5] [--steps 200] [--accumulate 4] [--json out.json]
     python benchmarks/ddp.py --smoke          # a few steps, one repetition (tests: a subset, --contenders)
     python benchmarks/ddp.py --contenders ddp # a contender and its one-process baseline only
 
@@ -20,6 +21,12 @@ time (common.Stamps), the ratio to the single process with the same accumulation
 cost of accumulation, runner against the hand-written loop; startup (launch to the end of step 1, torchrun against
 one process) and, from the hand-written DDP jobs, the process-group setup and the DistributedDataParallel wrap alone;
 each rank's peak RSS and the final losses (the 2-rank runner and the hand-written DDP loop must agree).
+
+--device (default: cuda when present): on CUDA every process trains on its own GPU (LOCAL_RANK; runner with
+distributed.device=auto, which picks it) with NCCL, pinned batches copied without blocking and fused AdamW (runner's
+default there), the clock read after torch.cuda.synchronize() at a few steps only, and each rank's peak GPU memory
+reported; it needs 2 GPUs and exits with code 2 when there are fewer. On CUDA NCCL forms its communicator at the first
+collective, so the hand-written jobs' DDP wrap time includes it.
 """
 
 from __future__ import annotations
@@ -48,8 +55,13 @@ from benchmarks.common import (  # noqa: E402
     Net,
     Stamps,
     cosine_factor,
+    default_device,
+    device_name,
     final_loss,
+    fused,
     machine,
+    median_gpu_mb,
+    mib,
     param_groups,
     runner_command,
     spawn,
@@ -85,34 +97,40 @@ LOSS_TOLERANCE = 1e-4
 SPLIT_TOLERANCE = 1e-3
 
 
-def hand(size: str, steps: int, warmup: int, accumulate: int, sync_every: bool, out: str) -> None:
+def hand(size: str, steps: int, warmup: int, accumulate: int, sync_every: bool, out: str, device: str) -> None:
     """The DDP loop a researcher writes by hand (one process when not under torchrun): rank 0 writes `out`."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from runner.data import DataModule
+    from runner.data import DataModule, to_device
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cuda = device == "cuda"
+    where = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")  # one GPU per process
+    if cuda:
+        torch.cuda.set_device(where)
     timings: dict[str, float] = {}
     if world > 1:
         started = time.perf_counter()
-        dist.init_process_group("gloo")  # includes waiting for the other rank to arrive
+        dist.init_process_group("nccl" if cuda else "gloo")  # includes waiting for the other rank to arrive
         timings["pg_init_s"] = time.perf_counter() - started
-    model = Net(size)
+    model = Net(size).to(where)
     micro = SIZES[size][1] // (world * accumulate)
-    data = DataModule(splits(size), batch_size=micro, seed=0).train_loader(rank, world, accumulate=accumulate)
-    opt = torch.optim.AdamW(param_groups(model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY)
+    data = DataModule(splits(size), batch_size=micro, seed=0).train_loader(rank, world, where, accumulate)
+    opt = torch.optim.AdamW(param_groups(model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY, fused=fused(where))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: cosine_factor(t, steps))
     net: torch.nn.Module = model.net
     if world > 1:
-        dist.barrier()  # both ranks at the wrap: time the construction (it broadcasts rank 0's weights), not a wait
+        # both ranks at the wrap: time the construction (it broadcasts rank 0's weights), not a wait
+        dist.barrier(**({"device_ids": [where.index]} if cuda else {}))
         started = time.perf_counter()
-        net = DistributedDataParallel(model.net)
+        net = DistributedDataParallel(model.net, device_ids=[where.index] if cuda else None)
         timings["wrap_s"] = time.perf_counter() - started
-    stamps, step, epoch, micro_batches = Stamps(warmup), 0, 0, 0
+    stamps, step, epoch, micro_batches = Stamps(warmup, steps, where), 0, 0, 0
     while step < steps:
         data.batch_sampler.set_epoch(epoch)
-        for x, y in data:
+        for batch in data:
+            x, y = to_device(batch, where)
             micro_batches += 1
             closes = micro_batches % accumulate == 0  # an epoch is a whole number of windows here
             skip_sync = world > 1 and not closes and not sync_every
@@ -126,7 +144,7 @@ def hand(size: str, steps: int, warmup: int, accumulate: int, sync_every: bool, 
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
-            stamps.step(step, step == steps)
+            stamps.step(step)
             if step == steps:
                 break
         epoch += 1
@@ -149,7 +167,7 @@ def layout(name: str, size: str, accumulate: int) -> tuple[int, int, int]:
     return ranks, SIZES[size][1] // (ranks * acc), acc
 
 
-def measure(name: str, size: str, steps: int, warmup: int, accumulate: int, tmp: Path) -> dict[str, Any]:
+def measure(name: str, size: str, steps: int, warmup: int, accumulate: int, tmp: Path, device: str) -> dict[str, Any]:
     """One fresh job of `name`; rank 0's figures, with the other ranks' under 'other_ranks'."""
     family, _, _, sync_every = CONTENDERS[name]
     ranks, micro, acc = layout(name, size, accumulate)
@@ -160,7 +178,7 @@ def measure(name: str, size: str, steps: int, warmup: int, accumulate: int, tmp:
         ddp = ["distributed=ddp"] if ranks > 1 else []
         overrides = [*ddp, f"trainer.accumulate_grad_batches={acc}"]
         command = runner_command(
-            size, steps, warmup, out, tmp / f"{name}-run", *overrides, ranks=ranks, batch_size=micro
+            size, steps, warmup, out, tmp / f"{name}-run", *overrides, ranks=ranks, batch_size=micro, device=device
         )
     else:
         launcher = torchrun(ranks) if ranks > 1 else [sys.executable]
@@ -168,7 +186,8 @@ def measure(name: str, size: str, steps: int, warmup: int, accumulate: int, tmp:
             *launcher,
             str(Path(__file__).resolve()),
             *("--worker", "hand", "--size", size, "--steps", str(steps), "--warmup", str(warmup)),
-            *("--accumulate", str(acc), "--out", str(out), *(["--sync-every"] if sync_every else [])),
+            *("--accumulate", str(acc), "--out", str(out), "--device", device),
+            *(["--sync-every"] if sync_every else []),
         ]
     result = spawn(command, out, log=tmp / f"{name}.log")
     result["other_ranks"] = [json.loads(rank_path(out, rank).read_text()) for rank in range(1, ranks)]
@@ -193,6 +212,7 @@ def analyse(runs: dict[str, list[dict]], size: str, accumulate: int) -> dict[str
             "to_first_step_s": summary([r["to_first_step_s"] for r in reps]),
             "wall_s": summary([r["wall_s"] for r in reps]),
             "rank_peak_rss_mb": statistics.median(r["rank_peak_rss_mb"] for r in reps),
+            "rank_peak_gpu_mb": median_gpu_mb(reps),  # rank 0's; None on the CPU
             "final_loss": reps[-1]["final_loss"],
             # DDP keeps the ranks' weights equal: every rank ends on the same loss
             "ranks_agree": all(o["final_loss"] == r["final_loss"] for r in reps for o in r["other_ranks"]),
@@ -253,6 +273,7 @@ def analyse(runs: dict[str, list[dict]], size: str, accumulate: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default=default_device(), choices=["cpu", "cuda"], help="default: cuda if present")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per process")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the clock starts (default: a tenth)")
@@ -268,7 +289,15 @@ def main() -> None:
     parser.add_argument("--sync-every", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return hand(args.size, args.steps, args.warmup, args.accumulate, args.sync_every, args.out)
+        return hand(args.size, args.steps, args.warmup, args.accumulate, args.sync_every, args.out, args.device)
+    if args.device == "cuda" and (torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available()):
+        # NCCL cannot put two ranks on one GPU: say so in one line rather than fail inside torchrun
+        print(
+            f"ddp.py --device cuda needs 2 GPUs with NCCL; this machine has {torch.cuda.device_count()} GPU(s)"
+            f"{'' if torch.distributed.is_nccl_available() else ' and no NCCL'} (use --device cpu for gloo ranks)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     if args.smoke:
         args.reps, args.steps, args.warmup = 1, 12, 2
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
@@ -281,13 +310,14 @@ def main() -> None:
         for rep in range(args.reps):
             # Rotate the order each repetition so no contender always runs first (or just after another).
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                runs[name].append(measure(name, args.size, args.steps, warmup, args.accumulate, Path(tmp)))
+                runs[name].append(measure(name, args.size, args.steps, warmup, args.accumulate, Path(tmp), args.device))
                 print(
                     f"rep {rep + 1}/{args.reps} {name}: {runs[name][-1]['per_step_s'] * 1e3:.1f} ms/step",
                     file=sys.stderr,
                 )
     results = {
         "machine": machine(),
+        "device": device_name(args.device),
         "size": args.size,
         "global_batch": SIZES[args.size][1],
         "accumulate": args.accumulate,
@@ -309,7 +339,7 @@ def main() -> None:
 def report(results: dict[str, Any]) -> None:
     """Print the tables."""
     acc = results["accumulate"]
-    print(f"# ddp ({results['machine']})")
+    print(f"# ddp on {results['device']} ({results['machine']})")
     print(
         f"\n{results['size']}: global batch {results['global_batch']}, {results['steps']} optimizer steps "
         f"({results['warmup']} warm-up), {results['reps']} fresh jobs each, one thread per process; "
@@ -317,14 +347,14 @@ def report(results: dict[str, Any]) -> None:
     )
     print(
         f"{'contender':<18} {'layout':>11} {'ms/step':>14} {'x single (same acc)':>20} {'to 1st step s':>14}"
-        f" {'RSS MiB/rank':>13} {'final loss':>11}"
+        f" {'RSS MiB/rank':>13} {'GPU MiB/rank':>13} {'final loss':>11}"
     )
     for name, row in results["contenders"].items():
         t, x, f = row["ms_per_step"], row["ratio_to_baseline"], row["to_first_step_s"]
         print(
             f"{name:<18} {row['layout']:>11} {t['median']:>7.1f} ±{t['spread']:<5.1f} {x['median']:>12.3f} "
             f"±{x['spread']:<6.3f} {f['median']:>6.2f} ±{f['spread']:<5.2f} {row['rank_peak_rss_mb']:>13.0f}"
-            f" {row['final_loss']:>11.6f}"
+            f" {mib(row['rank_peak_gpu_mb']):>13} {row['final_loss']:>11.6f}"
         )
     print("\npaired ratios per optimizer step (median ± half-spread):")
     for key, value in results["ratios"].items():

@@ -6,7 +6,9 @@ compiled (each Block) and with activation checkpointing (each Block), on the CPU
 
 Every measurement is a fresh process (compile caches and peak memory are its own). Both loops train the same model
 from the same initialisation on the same batches (runner's data module for +experiment=lm) with AdamW, the cosine
-schedule and clipping at 1.0; the hand loop does it as nanoGPT's train.py does, with no logging. Throughput is tokens/s
+schedule and clipping at 1.0; the hand loop does it as nanoGPT's train.py does, with no logging (on CUDA: fused AdamW,
+as runner's optimizer.fused=null picks there, pinned batches copied without blocking, no read from the GPU until the
+end, the clock read after torch.cuda.synchronize() at steps 1, warmup and the last only). Throughput is tokens/s
 over the steps after `warmup` (compilation happens in the first ones); compile time is the warm-up's extra time over
 eager's, compiling from cold (each worker has an empty inductor cache). Peak memory: torch.cuda.max_memory_allocated
 on CUDA; on the CPU the process's peak RSS (which includes torch's ~300 MiB of code and buffers, so differences are
@@ -30,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import spawn  # noqa: E402
+from benchmarks.common import default_device, device_name, spawn, synchronize  # noqa: E402
 
 MODES = {  # name -> runner config groups
     "eager": [],
@@ -66,11 +68,6 @@ def _config(overrides: list[str], steps: int, device: str, precision: str):
         )
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def hand(cfg, device: str, mode: str, steps: int, warmup: int) -> dict:
     """nanoGPT's loop: autocast forward, backward, clip, AdamW step, LR by a cosine lambda; no logging."""
     from hydra.utils import instantiate
@@ -92,7 +89,9 @@ def hand(cfg, device: str, mode: str, steps: int, warmup: int) -> dict:
     if mode == "compile":
         for block in model.blocks:
             block.compile()
-    optimizer = instantiate(cfg.optimizer)(param_groups(model))
+    # as runner's build makes it: optimizer.fused=null is fused on CUDA (no host read), torch's default elsewhere
+    fuse = cfg.optimizer.get("fused", False) is None and torch.device(device).type == "cuda"
+    optimizer = instantiate(cfg.optimizer)(param_groups(model), **({"fused": True} if fuse else {}))
     progress = TrainingProgress(
         f"{steps}st",
         batch_size=data.batch_size,
@@ -114,7 +113,7 @@ def hand(cfg, device: str, mode: str, steps: int, warmup: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         if step in (1, warmup, steps):
-            _sync(device)
+            synchronize(device)
             stamps.append(time.perf_counter())
         if step == steps:
             break
@@ -134,7 +133,7 @@ def runner(cfg, device: str, mode: str, steps: int, warmup: int) -> dict:
     class Clock(Callback):
         def on_optimizer_step(self, run) -> None:
             if run.progress.step in (1, warmup, steps):
-                _sync(device)
+                synchronize(device)
                 stamps.append(time.perf_counter())
 
     start = time.perf_counter()
@@ -172,7 +171,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--device", default=default_device(), help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--modes", default="eager,compile,ac")
     parser.add_argument("--steps", type=int, default=40)
@@ -184,7 +183,6 @@ def main() -> None:
     parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.worker:
         return worker(args, overrides)
     overrides = (CUDA_MODEL if args.device == "cuda" else CPU_MODEL) + overrides
@@ -192,7 +190,8 @@ def main() -> None:
     results: dict[str, dict[str, list[dict]]] = {m: {"hand": [], "runner": []} for m in modes}
     threads = str(args.threads or os.cpu_count())  # benchmarks.common.spawn would give each worker one
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    out = Path(args.json or "lm_bench.json").with_suffix(".worker.json")
+    # absolute: the workers run in the repository root (benchmarks.common.spawn), maybe not where this was started
+    out = Path(args.json or "lm_bench.json").resolve().with_suffix(".worker.json")
     for rep in range(args.reps):
         for mode in modes:
             order = ["hand", "runner"] if rep % 2 == 0 else ["runner", "hand"]  # alternate who goes first
@@ -212,12 +211,18 @@ def main() -> None:
 def report(results: dict, args: argparse.Namespace, overrides: list[str]) -> dict:
     """Print the table; return its figures."""
     threads = args.threads or os.cpu_count()
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {threads} threads"
+    device = device_name(args.device) if args.device == "cuda" else f"cpu, {threads} threads"
     print(f"device: {device}; {args.precision}; {args.steps} steps ({args.warmup} warm-up); {' '.join(overrides)}")
     print(
         f"{'mode':<8} {'loop':<7} {'tokens/s':>10} {'x hand':>7} {'warm-up s':>10} {'peak MiB':>9} {'final loss':>11}"
     )
-    table: dict = {"device": device, "precision": args.precision, "overrides": overrides, "modes": {}}
+    table: dict = {
+        "device": device_name(args.device),
+        "threads": threads,
+        "precision": args.precision,
+        "overrides": overrides,
+        "modes": {},
+    }
     eager = (
         {n: statistics.median(r["warmup_s"] for r in results["eager"][n]) for n in ("hand", "runner")}
         if "eager" in results

@@ -1,6 +1,6 @@
 """Per-step overhead: a hand-written loop, runner and PyTorch Lightning training the same model the same way.
 
-    python benchmarks/overhead.py [--reps 5] [--steps 2000] [--sizes tiny mlp] [--json out.json]
+    python benchmarks/overhead.py [--device cpu|cuda] [--reps 5] [--steps 2000] [--sizes tiny mlp] [--json out.json]
 
 Contenders, each in a fresh process (one thread), repetitions interleaved so that machine noise hits all alike:
   hand             a minimal hand-written loop
@@ -11,9 +11,13 @@ Contenders, each in a fresh process (one thread), repetitions interleaved so tha
   lightning_usual  Lightning with its usual ones: progress bar, a logger, per-step self.log, model summary, and a
                    ModelCheckpoint every quarter of the run
   runner_plain     (on request) runner_usual off a terminal: the console's plain progress lines, one per log call
-All train benchmarks.common.Net with AdamW, a per-step cosine schedule and clipping at 1.0 on the same batches.
+All train benchmarks.common.Net with AdamW, a per-step cosine schedule and clipping at 1.0 on the same batches, on
+--device (default: cuda when present). On CUDA every contender gets pinned batches copied without blocking and fused
+AdamW (runner's default there), the hand loop reads nothing from the GPU until the end, and the clock is read after
+torch.cuda.synchronize() at a few steps only (common.Stamps).
 Reports the steady-state time per step (after --warmup steps), ratios to `hand` (median of the per-repetition
-ratios), peak RSS, and the final losses, which hand, runner and lightning must agree on to 5 decimal places.
+ratios), peak RSS (and peak GPU memory on CUDA), and the final losses, which hand, runner and lightning must agree on
+to 5 decimal places.
 Lightning is optional (pip install -e ".[bench]"); without it the Lightning contenders are skipped.
 """
 
@@ -37,9 +41,14 @@ from benchmarks.common import (  # noqa: E402
     Net,
     Stamps,
     cosine_factor,
+    default_device,
+    device_name,
     final_loss,
+    fused,
     loader,
     machine,
+    median_gpu_mb,
+    mib,
     param_groups,
     runner_command,
     spawn,
@@ -51,30 +60,33 @@ CONTENDERS = ("hand", "runner", "lightning", "runner_usual", "lightning_usual", 
 DEFAULT = CONTENDERS[:5]  # runner_plain on request: --contenders hand runner runner_usual runner_plain
 
 
-def hand(size: str, steps: int, warmup: int, out: str) -> None:
-    """The loop a researcher writes by hand."""
-    model, data = Net(size), loader(size)
-    opt = torch.optim.AdamW(param_groups(model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY)
+def hand(size: str, steps: int, warmup: int, out: str, device: str) -> None:
+    """The loop a researcher writes by hand (on a GPU: no read from it until the end)."""
+    from runner.data import to_device
+
+    device = torch.device(device)
+    model, data = Net(size).to(device), loader(size, device)
+    opt = torch.optim.AdamW(param_groups(model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY, fused=fused(device))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: cosine_factor(t, steps))
-    stamps, step, epoch = Stamps(warmup), 0, 0
+    stamps, step, epoch = Stamps(warmup, steps, device), 0, 0
     while step < steps:
         data.batch_sampler.set_epoch(epoch)
         for batch in data:
-            loss = model.training_step(batch)["loss"]
+            loss = model.training_step(to_device(batch, device))["loss"]
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
-            stamps.step(step, step == steps)
+            stamps.step(step)
             if step == steps:
                 break
         epoch += 1
     stamps.write(out, final_loss=final_loss(model, size))
 
 
-def lightning(size: str, steps: int, warmup: int, out: str, usual: bool, run_dir: str) -> None:
+def lightning(size: str, steps: int, warmup: int, out: str, usual: bool, run_dir: str, device: str) -> None:
     """The same training as a LightningModule: a bare Trainer, or one with its usual bar, logger and summary."""
     import lightning.pytorch as pl
 
@@ -90,21 +102,24 @@ def lightning(size: str, steps: int, warmup: int, out: str, usual: bool, run_dir
             return loss
 
         def configure_optimizers(self):
-            opt = torch.optim.AdamW(param_groups(self.model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY)
+            opt = torch.optim.AdamW(
+                param_groups(self.model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY, fused=fused(device)
+            )
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: cosine_factor(t, steps))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    stamps = Stamps(warmup)
+    stamps = Stamps(warmup, steps, device)
 
     class Timer(pl.Callback):
         def on_train_batch_end(self, trainer, *args) -> None:
-            stamps.step(trainer.global_step, trainer.global_step == steps)
+            stamps.step(trainer.global_step)
 
     bare = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
     saver = pl.callbacks.ModelCheckpoint(dirpath=f"{run_dir}/checkpoints", every_n_train_steps=steps // 4)
+    where = torch.device(device)
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+        accelerator=where.type,
+        devices=[where.index or 0] if where.type == "cuda" else 1,
         max_steps=steps,
         gradient_clip_val=CLIP,
         callbacks=[Timer(), saver] if usual else [Timer()],
@@ -113,26 +128,27 @@ def lightning(size: str, steps: int, warmup: int, out: str, usual: bool, run_dir
         **({} if usual else bare),
     )
     module = Module()
-    trainer.fit(module, train_dataloaders=loader(size))
+    trainer.fit(module, train_dataloaders=loader(size, device))
     stamps.write(out, final_loss=final_loss(module.model, size))
 
 
 def worker(args: argparse.Namespace) -> None:
     """Run one contender in this process (the parent starts one process per measurement)."""
     if args.worker == "hand":
-        hand(args.size, args.steps, args.warmup, args.out)
+        hand(args.size, args.steps, args.warmup, args.out, args.device)
     else:
-        lightning(args.size, args.steps, args.warmup, args.out, args.worker == "lightning_usual", args.run_dir)
+        usual = args.worker == "lightning_usual"
+        lightning(args.size, args.steps, args.warmup, args.out, usual, args.run_dir, args.device)
 
 
-def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> dict:
+def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path, device: str) -> dict:
     """One fresh process of `contender`; returns its figures."""
     out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
     if contender.startswith("runner"):
         usual = ["logger=default", "callbacks=none", f"checkpoint.interval={steps // 4}st"]
         # runner_plain: the console off a terminal (CI, SLURM logs) at its worst, a plain line at every log call
         extra = {"runner_usual": usual, "runner_plain": [*usual, "logger.console.every_s=0"]}.get(contender, [])
-        command = runner_command(size, steps, warmup, out, run_dir, *extra)
+        command = runner_command(size, steps, warmup, out, run_dir, *extra, device=device)
     else:
         command = [
             sys.executable,
@@ -149,6 +165,8 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> di
             str(out),
             "--run-dir",
             str(run_dir),
+            "--device",
+            device,
         ]
     # TTY_COMPATIBLE: rich draws its live bar as in a terminal, so runner_usual pays for it like a user does.
     tty = "0" if contender == "runner_plain" else "1"
@@ -157,6 +175,7 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps on tiny (mlp: a tenth, at least 60)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the clock starts (default: a tenth)")
@@ -168,7 +187,7 @@ def main() -> None:
     args, _ = parser.parse_known_args()
     if args.worker:
         worker_args = argparse.ArgumentParser()
-        for name in ("--worker", "--size", "--out", "--run-dir"):
+        for name in ("--worker", "--size", "--out", "--run-dir", "--device"):
             worker_args.add_argument(name)
         worker_args.add_argument("--steps", type=int)
         worker_args.add_argument("--warmup", type=int)
@@ -178,7 +197,7 @@ def main() -> None:
     if importlib.util.find_spec("lightning") is None:
         print("lightning is not installed (pip install -e '.[bench]'): skipping its contenders", file=sys.stderr)
         contenders = [c for c in contenders if not c.startswith("lightning")]
-    results = {"machine": machine(), "sizes": {}}
+    results = {"machine": machine(), "device": device_name(args.device), "sizes": {}}
     for size in args.sizes:
         steps = args.steps if size == "tiny" else max(60, args.steps // 10)
         warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
@@ -187,7 +206,7 @@ def main() -> None:
             for rep in range(args.reps):
                 # Rotate the order each repetition so no contender always runs first (or just after another).
                 for contender in contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]:
-                    runs[contender].append(measure(contender, size, steps, warmup, Path(tmp)))
+                    runs[contender].append(measure(contender, size, steps, warmup, Path(tmp), args.device))
                     print(
                         f"{size} rep {rep + 1}/{args.reps} {contender}: "
                         f"{runs[contender][-1]['per_step_s'] * 1e6:.1f} us/step",
@@ -207,6 +226,7 @@ def table(runs: dict[str, list[dict]], steps: int, warmup: int) -> dict:
             "us_per_step": summary([r["per_step_s"] * 1e6 for r in reps]),
             "ratio_to_hand": summary(ratios),
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in reps),
+            "peak_gpu_mb": median_gpu_mb(reps),
             "final_loss": reps[-1]["final_loss"],
         }
     exact = [c for c in ("hand", "runner", "lightning") if c in rows]
@@ -223,15 +243,15 @@ def table(runs: dict[str, list[dict]], steps: int, warmup: int) -> dict:
 
 def report(results: dict) -> None:
     """Print the tables."""
-    print(f"# overhead ({results['machine']})")
+    print(f"# overhead on {results['device']} ({results['machine']})")
     for size, r in results["sizes"].items():
         print(f"\n{size}: {r['steps']} steps ({r['warmup']} warm-up), {r['reps']} fresh processes each")
-        print(f"{'contender':<16} {'us/step':>16} {'x hand':>14} {'peak RSS MiB':>13} {'final loss':>11}")
+        print(f"{'contender':<16} {'us/step':>16} {'x hand':>14} {'RSS MiB':>8} {'GPU MiB':>8} {'final loss':>11}")
         for name, row in r["contenders"].items():
             t, x = row["us_per_step"], row["ratio_to_hand"]
             print(
                 f"{name:<16} {t['median']:>9.1f} ±{t['spread']:<5.0f} {x['median']:>7.3f} ±{x['spread']:<5.3f}"
-                f" {row['peak_rss_mb']:>13.0f} {row['final_loss']:>11.6f}"
+                f" {row['peak_rss_mb']:>8.0f} {mib(row['peak_gpu_mb']):>8} {row['final_loss']:>11.6f}"
             )
         verdict = "agree" if r["losses_agree"] else "DISAGREE"
         print(f"final losses of hand/runner/lightning {verdict} (max difference {r['final_loss_max_diff']:.2e})")

@@ -7,8 +7,14 @@ Sizes: `preset`, the default TopK SAE of +experiment=sae (d=256, 1024 latents, k
 activations, generated batch by batch as the preset does; `usual`, the field's usual size (d=768, 24,576 latents,
 k=32, batch 4096) on Gaussian activations generated once (the step, not the data, is measured). Both loops train with
 Adam and the same per-step schedule on the same batches, interleaved repetitions; prints samples/s of each, the ratio,
-the MFU where the device's peak is known (encoder FLOPs: 6 x d x latents a sample), and the largest difference between
-the two final decoders (0 expected: the loops do the same arithmetic).
+the MFU where the device's peak is known (encoder FLOPs: 6 x d x latents a sample), peak GPU memory on CUDA, and the
+largest difference between the two final decoders (0 expected on the CPU: the loops do the same arithmetic; on CUDA
+the atomic adds of the sparse decoder's backward may leave last-bit differences).
+
+On CUDA both loops use fused Adam (runner's `optimizer.fused: null` picks it there) on pinned batches copied without
+blocking, and the hand loop reads nothing from the GPU: the clock is read after torch.cuda.synchronize() at the start
+and the end only. The SAE model itself reads the GPU each step (its `initialized` flag, and the dead latents'
+`nonzero()` in after_optimizer_step); both loops pay that alike. On the CPU, torch's default Adam in both.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.common import default_device, device_name, fused, mib, peak_gpu_mb, synchronize  # noqa: E402
 from experiments.sae.data import synthetic_splits  # noqa: E402
 from experiments.sae.model import TopKSAE  # noqa: E402
 from runner.data import DataModule, TensorData, to_device  # noqa: E402
@@ -51,7 +58,7 @@ def setup(size: str, steps: int, batch: int, device: str):
     loader = DataModule(splits, batch_size=batch, shuffle=False).train_loader(device=torch.device(device))
     torch.manual_seed(1)
     model = TopKSAE(d_in=d, n_latents=n, k=k, dead_window="10st").to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused(device))  # as runner's build makes it here
     progress = TrainingProgress(
         f"{steps}st",
         batch_size=batch,
@@ -65,17 +72,25 @@ def _precision(name: str, device: str) -> FP32:
     return FP32(device) if name == "fp32" else Autocast(name, device)
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _start(device: str) -> float:
+    # Each loop's own peak memory, and a clock that starts when the GPU has finished the set-up
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    return time.perf_counter()
 
 
-def hand_written(size: str, steps: int, batch: int, device: str, precision: str) -> tuple[float, torch.Tensor]:
+def _stop(device: str, start: float, samples: int) -> dict[str, float | None]:
+    synchronize(device)
+    return {"samples_per_s": samples / (time.perf_counter() - start), "peak_gpu_mb": peak_gpu_mb(device)}
+
+
+def hand_written(size: str, steps: int, batch: int, device: str, precision: str) -> tuple[dict, torch.Tensor]:
+    """The loop by hand: no read from the device in it (the model's own aside)."""
     model, opt, loader, progress = setup(size, steps, batch, device)
     sched = wsd(optimizer=opt, progress=progress).scheduler
     autocast = _precision(precision, device).autocast
-    _sync(device)
-    start = time.perf_counter()
+    start = _start(device)
     for x in loader:
         with autocast():
             loss = model.training_step(to_device(x, torch.device(device)))["loss"]
@@ -84,11 +99,11 @@ def hand_written(size: str, steps: int, batch: int, device: str, precision: str)
         model.after_optimizer_step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-    _sync(device)
-    return steps * batch / (time.perf_counter() - start), model.W_dec.detach().cpu().clone()
+    return _stop(device, start, steps * batch), model.W_dec.detach().cpu().clone()
 
 
-def runner_fit(size: str, steps: int, batch: int, device: str, precision: str) -> tuple[float, torch.Tensor]:
+def runner_fit(size: str, steps: int, batch: int, device: str, precision: str) -> tuple[dict, torch.Tensor]:
+    """runner's fit() on a Run built by hand with the same model, optimizer, schedule and loader."""
     model, opt, loader, progress = setup(size, steps, batch, device)
     run = Run(
         task=model,
@@ -101,44 +116,48 @@ def runner_fit(size: str, steps: int, batch: int, device: str, precision: str) -
         settings=Settings(val_interval=progress.resolve("1ep"), log_interval=progress.resolve("50st")),
         state=State(progress),
     )
-    _sync(device)
-    start = time.perf_counter()
+    start = _start(device)
     fit(run)
-    _sync(device)
-    return steps * batch / (time.perf_counter() - start), model.W_dec.detach().cpu().clone()
+    return _stop(device, start, steps * batch), model.W_dec.detach().cpu().clone()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=list(SIZES), default="preset")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=None, help="default: the size's")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device
     batch = args.batch or SIZES[args.size][3]
     torch.set_flush_denormal(True)
     rates: dict[str, list[float]] = {"hand": [], "runner": []}
+    peaks: dict[str, list[float]] = {"hand": [], "runner": []}
     diffs = []
     loops = [("hand", hand_written), ("runner", runner_fit)]
     for rep in range(args.reps):
         decoders = {}
         for name, fn in loops if rep % 2 == 0 else loops[::-1]:  # alternate who goes first
-            rate, decoders[name] = fn(args.size, args.steps, batch, device, args.precision)
-            rates[name].append(rate)
+            figures, decoders[name] = fn(args.size, args.steps, batch, device, args.precision)
+            rates[name].append(figures["samples_per_s"])
+            if figures["peak_gpu_mb"] is not None:
+                peaks[name].append(figures["peak_gpu_mb"])
         diffs.append((decoders["hand"] - decoders["runner"]).abs().max().item())
     hand, ours = statistics.median(rates["hand"]), statistics.median(rates["runner"])
     d, n, k, _ = SIZES[args.size]
     peak = peak_flops(torch.device(device), args.precision)
     mfu = {name: statistics.median(r) * 6 * d * n / peak for name, r in rates.items()} if peak else None
-    where = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    gpu = {name: max(p) if p else None for name, p in peaks.items()}
+    cuda = torch.device(device).type == "cuda"
+    where = device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     result = {
         "size": args.size,
         "shape": {"d_in": d, "n_latents": n, "k": k, "batch": batch},
-        "device": where,
+        "device": device_name(device),
+        "threads": torch.get_num_threads(),
         "precision": args.precision,
         "steps": args.steps,
         "batch": batch,
@@ -147,16 +166,17 @@ def main() -> None:
         "runner_samples_per_s": ours,
         "ratio": ours / hand,
         "mfu": mfu,
+        "peak_gpu_mb": gpu,
         "max_decoder_diff": max(diffs),
         "hand_all": rates["hand"],
         "runner_all": rates["runner"],
     }
     print(f"{where}; {args.precision}; d={d} latents={n} k={k} batch={batch}; {args.steps} steps x {args.reps} reps")
-    print(f"{'loop':<8} {'samples/s (median)':>19} {'min':>9} {'max':>9} {'MFU':>7}")
+    print(f"{'loop':<8} {'samples/s (median)':>19} {'min':>9} {'max':>9} {'MFU':>7} {'GPU MiB':>8}")
     for name in ("hand", "runner"):
         share = f"{mfu[name]:.3f}" if mfu else "-"
         row = f"{statistics.median(rates[name]):>19.0f} {min(rates[name]):>9.0f} {max(rates[name]):>9.0f}"
-        print(f"{name:<8} {row} {share:>7}")
+        print(f"{name:<8} {row} {share:>7} {mib(gpu[name]):>8}")
     print(f"runner / hand = {ours / hand:.3f}   max |decoder difference| = {max(diffs):.2e}")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,6 @@
 """Startup: launch to the end of the first optimizer step, and the whole process, runner against a hand-written script.
 
-    python benchmarks/startup.py [--reps 5] [--steps 20] [--json out.json]
+    python benchmarks/startup.py [--device cpu|cuda] [--reps 5] [--steps 20] [--json out.json]
 
 Contenders, each a fresh process, repetitions interleaved (the order rotates):
   hand          overhead.py's hand-written loop as a script: import torch, build data, model and AdamW, train
@@ -8,8 +8,10 @@ Contenders, each a fresh process, repetitions interleaved (the order rotates):
   runner_usual  the same with its usual loggers (console and metrics.jsonl)
   imports       what runner imports beyond torch (hydra, omegaconf, rich, safetensors, runner), timed alone
   compose       Hydra composing runner's config in memory (compose API), timed alone
-Reports launch -> end of step 1, whole-process wall time and peak RSS, medians with half the spread; `imports` and
-`compose` show what Hydra itself adds.
+hand and runner train on --device (default: cuda when present; on CUDA the first step's end is read after
+torch.cuda.synchronize(), so it includes starting CUDA). Reports launch -> end of step 1, whole-process wall time,
+peak RSS (and peak GPU memory on CUDA), medians with half the spread; `imports` and `compose` show what Hydra itself
+adds.
 """
 
 from __future__ import annotations
@@ -23,7 +25,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROOT, machine, runner_command, spawn, summary, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ROOT,
+    default_device,
+    device_name,
+    machine,
+    median_gpu_mb,
+    mib,
+    runner_command,
+    spawn,
+    summary,
+    write_json,
+)
 
 CONTENDERS = ("hand", "runner", "runner_usual", "imports", "compose")
 
@@ -60,12 +73,12 @@ def compose(out: str) -> None:
     Path(out).write_text(json.dumps({"compose_s": time.perf_counter() - started}))
 
 
-def measure(contender: str, steps: int, tmp: Path) -> dict:
+def measure(contender: str, steps: int, tmp: Path, device: str) -> dict:
     """One fresh process of `contender`."""
     out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
     if contender.startswith("runner"):
         extra = ["logger=default"] if contender == "runner_usual" else []
-        command = runner_command("tiny", steps, 1, out, run_dir, *extra)
+        command = runner_command("tiny", steps, 1, out, run_dir, *extra, device=device)
     elif contender == "hand":
         command = [
             sys.executable,
@@ -80,6 +93,8 @@ def measure(contender: str, steps: int, tmp: Path) -> dict:
             "1",
             "--out",
             str(out),
+            "--device",
+            device,
         ]
     else:
         command = [sys.executable, __file__, "--worker", contender, "--out", str(out)]
@@ -88,6 +103,7 @@ def measure(contender: str, steps: int, tmp: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json")
@@ -101,14 +117,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for contender in CONTENDERS[rep % len(CONTENDERS) :] + CONTENDERS[: rep % len(CONTENDERS)]:
-                runs[contender].append(measure(contender, args.steps, Path(tmp)))
-    results = {"machine": machine(), "steps": args.steps, "reps": args.reps, "contenders": {}}
+                runs[contender].append(measure(contender, args.steps, Path(tmp), args.device))
+    results = {
+        "machine": machine(),
+        "device": device_name(args.device),
+        "steps": args.steps,
+        "reps": args.reps,
+        "contenders": {},
+    }
     for contender in ("hand", "runner", "runner_usual"):
         reps = runs[contender]
         results["contenders"][contender] = {
             "to_first_step_s": summary([r["to_first_step_s"] for r in reps]),
             "wall_s": summary([r["wall_s"] for r in reps]),
             "peak_rss_mb": summary([r["peak_rss_mb"] for r in reps]),
+            "peak_gpu_mb": median_gpu_mb(reps),
             # paired with the hand-written script of the same repetition
             "first_step_minus_hand_s": summary(
                 [r["to_first_step_s"] - h["to_first_step_s"] for r, h in zip(reps, runs["hand"], strict=True)]
@@ -122,13 +145,17 @@ def main() -> None:
 
 def report(results: dict) -> None:
     """Print the table."""
-    print(f"# startup ({results['machine']}), {results['reps']} fresh processes each, {results['steps']} steps")
-    print(f"{'contender':<13} {'to 1st step s':>15} {'- hand s':>15} {'process s':>14} {'peak RSS MiB':>13}")
+    print(
+        f"# startup on {results['device']} ({results['machine']}), {results['reps']} fresh processes each, "
+        f"{results['steps']} steps"
+    )
+    print(f"{'contender':<13} {'to 1st step s':>15} {'- hand s':>15} {'process s':>14} {'RSS MiB':>8} {'GPU MiB':>8}")
     for name, row in results["contenders"].items():
         t, d, w = row["to_first_step_s"], row["first_step_minus_hand_s"], row["wall_s"]
+        rss, gpu = row["peak_rss_mb"]["median"], mib(row["peak_gpu_mb"])
         print(
             f"{name:<13} {t['median']:>8.3f} ±{t['spread']:<5.3f} {d['median']:>+8.3f} ±{d['spread']:<5.3f}"
-            f" {w['median']:>7.3f} ±{w['spread']:<5.3f} {row['peak_rss_mb']['median']:>13.0f}"
+            f" {w['median']:>7.3f} ±{w['spread']:<5.3f} {rss:>8.0f} {gpu:>8}"
         )
     print(
         f"importing hydra + omegaconf after torch: {results['imports_hydra_s']['median']:.3f} s; with rich, "

@@ -23,11 +23,15 @@ class StepTimer(Callback):
     """
 
     def __init__(self, size: str, warmup: int, out: str) -> None:
-        self.size, self.out, self.stamps = size, out, Stamps(warmup)
+        self.size, self.warmup, self.out = size, warmup, out
+
+    def on_fit_start(self, run: Run) -> None:
+        """Place the clock readings: they need the run's length and device."""
+        self.stamps = Stamps(self.warmup, run.progress.total_steps(), run.device)
 
     def on_optimizer_step(self, run: Run) -> None:
         """Stamp the step."""
-        self.stamps.step(run.progress.step, run.progress.finished)
+        self.stamps.step(run.progress.step)
 
     def on_fit_end(self, run: Run) -> None:
         """Write the figures (this rank's own peak RSS too: under torchrun wait4 sees only the largest process)."""

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from helpers import ROOT, ok, python, read_json
 
-# script -> its smoke arguments (the slowest first: they start in this order)
+# script -> its smoke arguments (the slowest first: they start in this order). Every script runs with --device cpu:
+# the checks below are the CPU's (identical losses and decoders, no MFU), also on a machine with a GPU.
 SMOKE = {
     # DDP with no_sync accumulation, runner and hand-written, and their one-process baselines: four jobs, two of them
     # torchrun with 2 processes (all nine take over a minute of startup on 2 busy cores)
@@ -35,14 +36,33 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], dict]]:
         def run() -> dict:
             (root / name).mkdir()
             out, args = root / name / "out.json", SMOKE[name]
-            extra = ["--dir", str(root / name)] if name == "checkpoint" else []
+            extra = ["--device", "cpu", *(["--dir", str(root / name)] if name == "checkpoint" else [])]
             script = str(ROOT / "benchmarks" / f"{name}.py")
             ok(python(script, *args, *extra, "--json", str(out), cwd=root / name, timeout=600))
             return read_json(out)
 
         return run
 
-    return {name: job(name) for name in SMOKE}
+    def ddp_without_gpus() -> dict:
+        # No GPU visible: ddp.py --device cuda says why in one line and exits with 2, not a crash inside torchrun
+        (root / "ddp_cuda").mkdir()
+        script = str(ROOT / "benchmarks" / "ddp.py")
+        proc = python(script, "--device", "cuda", cwd=root / "ddp_cuda", env={"CUDA_VISIBLE_DEVICES": ""})
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+    return {**{name: job(name) for name in SMOKE}, "ddp_cuda": ddp_without_gpus}
+
+
+def test_every_script_names_its_device(runs: dict[str, Future]) -> None:
+    for name in SMOKE:
+        assert runs[name].result()["device"] == "cpu", name
+
+
+def test_ddp_on_cuda_needs_two_gpus(runs: dict[str, Future]) -> None:
+    result = runs["ddp_cuda"].result()
+    assert result["returncode"] == 2, result
+    assert "Traceback" not in result["stderr"], result
+    assert "needs 2 GPUs with NCCL" in result["stderr"].strip().splitlines()[-1], result
 
 
 def test_overhead_smoke(runs: dict[str, Future]) -> None:
