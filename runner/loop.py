@@ -86,9 +86,10 @@ def optimizer_step(run: Run, params: list[torch.Tensor], window: _Window, last: 
     precision.unscale_(optimizer)
     norm = run.strategy.grad_norm(params)  # the global norm, also when the gradients are sharded (FSDP)
     # 1 skips the step on every rank: a non-finite loss on any of them (a rank's loss is its own), or a non-finite
-    # global norm. fp16 loss scaling skips and counts overflowed gradients itself: they are how it finds its scale.
-    bad = ~torch.isfinite(window.loss) if precision.handles_overflow else ~torch.isfinite(window.loss + norm)
-    skip = (run.strategy.all_sum(bad.float()) > 0).float()
+    # global norm. fp16 loss scaling skips overflowed gradients itself (uncounted: overflow is how it finds its scale).
+    checked = window.loss if precision.handles_overflow else window.loss + norm
+    # x * 0 is (+-)0 for a finite x, NaN for an infinite or NaN one: the flag in two small ops.
+    skip = run.strategy.all_max((checked * 0).nan_to_num(1.0, 1.0, 1.0))
     clip = run.settings.gradient_clip_val
     if clip is not None:
         # clip_grad_norm_'s own arithmetic, without a branch on the host: below the threshold it multiplies by

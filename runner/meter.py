@@ -60,16 +60,14 @@ class Meter:
         # Skipped (non-finite) steps over the run and the streak of them, as of the last read; longest_streak: the
         # longest streak the last read saw (the loop's max_nonfinite_steps check).
         self.nonfinite_steps = self.nonfinite_in_a_row = self.longest_streak = 0
-        # On the device since the last read: [loss sum, grad norm sum, skipped steps, current streak, longest streak]
-        self.pending: torch.Tensor | None = None
         self._reset()
 
     def _reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.micro, self.steps, self.lr = 0, 0, float("nan")
-        if self.pending is not None:
-            self.pending[:3] = 0
-            self.pending[4] = self.pending[3]  # a streak that goes on counts in the next read's longest
+        # Each optimizer step's (summed loss, grad norm, skip flag), left on the device as they are: appending costs
+        # no device op, and the log step reads them all at once.
+        self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.micro, self.lr = 0, float("nan")
         self.start()
 
     def start(self) -> None:
@@ -78,12 +76,12 @@ class Meter:
 
     def state_dict(self) -> dict[str, Any]:
         """The sums since the last log, so a resumed run's next row averages the same steps."""
+        records = torch.stack([t.float() for r in self.records for t in r]).tolist() if self.records else []
         return {
             "sums": {k: float(v) for k, v in self.sums.items()},  # host values: every rank's is gathered
+            "records": [records[i : i + 3] for i in range(0, len(records), 3)],
             "micro": self.micro,
-            "steps": self.steps,
             "lr": self.lr,
-            "pending": None if self.pending is None else self.pending.tolist(),
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
@@ -91,14 +89,10 @@ class Meter:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict()."""
         self.sums = dict(state["sums"])
-        self.micro, self.steps, self.lr = (state[k] for k in ("micro", "steps", "lr"))
-        self.nonfinite_steps, self.nonfinite_in_a_row = (
-            state.get("nonfinite_steps", 0),
-            state.get("nonfinite_in_a_row", 0),
-        )
-        # a checkpoint of an earlier runner kept the loss and norm sums as numbers
-        pending = state.get("pending") or [state.get("loss", 0.0), state.get("norm", 0.0), 0, 0, 0]
-        self.pending = None if pending is None else torch.tensor(pending, dtype=torch.float64)
+        # float32 values, exactly as the device held them
+        self.records = [tuple(torch.tensor(v, dtype=torch.float32) for v in r) for r in state["records"]]
+        self.micro, self.lr = state["micro"], state["lr"]
+        self.nonfinite_steps, self.nonfinite_in_a_row = state["nonfinite_steps"], state["nonfinite_in_a_row"]
 
     def add(self, out: dict[str, torch.Tensor]) -> None:
         """Add one micro-batch's training_step outputs (tensors or numbers) but the loss (see add_step)."""
@@ -112,21 +106,11 @@ class Meter:
     def add_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, skipped: torch.Tensor, lr: float) -> None:
         """Add one optimizer step's summed micro-batch losses, global gradient norm and skip flag (0/1), all on the
         device and left there, and the learning rate it used (after the progress counted the step)."""
-        device = loss_sum.device
-        if self.pending is None:
-            streak = float(self.nonfinite_in_a_row)
-            self.pending = torch.tensor([0.0, 0.0, 0.0, streak, streak], dtype=torch.float64)
-        if self.pending.device != device:  # made on the host, or restored from a checkpoint
-            self.pending = self.pending.to(device)
-        skipped = skipped.double()
-        self.pending[:3] += torch.stack([loss_sum.double(), grad_norm.double(), skipped])
-        self.pending[3] = (self.pending[3] + skipped) * skipped
-        self.pending[4] = torch.maximum(self.pending[4], self.pending[3])
-        self.steps += 1
+        self.records.append((loss_sum, grad_norm, skipped))
         self.lr = lr
         if self.first_step_s is None:
-            if device.type == "cuda":  # the first step's work must be done to be timed (once per launch)
-                torch.cuda.synchronize(device)
+            if loss_sum.is_cuda:  # the first step's work must be done to be timed (once per launch)
+                torch.cuda.synchronize(loss_sum.device)
             self.first_step_s = time.perf_counter() - self.clock
             self.start()  # throughput from here on
 
@@ -137,20 +121,25 @@ class Meter:
         `strategy` (runner.run.Strategy) sums over ranks; `params` are the trained parameters."""
         p, keys, device = self.progress, list(self.sums), strategy.device
         param_norm = strategy.norm([q.detach() for q in params])  # FSDP: over every rank's shards
-        pending = self.pending if self.pending is not None else torch.zeros(5, dtype=torch.float64, device=device)
+        # [steps, 3] (restored records are on the host: .to is a no-op for the others)
+        records = torch.stack([t.to(device, torch.float32) for r in self.records for t in r]).view(-1, 3).double()
         local = [torch.as_tensor(self.sums[k], device=device).double().reshape(1) for k in keys]
-        local += [pending[:1], torch.tensor([float(self.micro)], device=device, dtype=torch.float64)]
+        local += [records[:, 0].sum().reshape(1), torch.tensor([float(self.micro)], device=device, dtype=torch.float64)]
         totals = strategy.all_sum(torch.cat(local))  # sums over every rank: global means
-        # the norms and skip counts are global already: the same on every rank
-        together = torch.cat([totals, param_norm.double().reshape(1), pending[1:]]).tolist()
-        *sums, loss, micro, param_norm, norm, skipped, streak, longest = together
-        self.nonfinite_steps += round(skipped)
-        self.nonfinite_in_a_row, self.longest_streak = round(streak), round(longest)
+        # the norms and skip flags are global already: the same on every rank
+        values = torch.cat([totals, param_norm.double().reshape(1), records[:, 1:].flatten()]).tolist()
+        *sums, loss, micro, param_norm = values[: len(keys) + 3]
+        norms, skipped = values[len(keys) + 3 :: 2], values[len(keys) + 4 :: 2]
+        self.longest_streak = self.nonfinite_in_a_row
+        for flag in skipped:
+            self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if flag else 0
+            self.longest_streak = max(self.longest_streak, self.nonfinite_in_a_row)
+        self.nonfinite_steps += round(sum(skipped))
         elapsed = time.perf_counter() - self.clock
         metrics = {"train/loss": loss / micro, **{f"train/{k}": v / micro for k, v in zip(keys, sums, strict=True)}}
         metrics.update(
             {
-                "train/grad_norm": norm / self.steps,
+                "train/grad_norm": sum(norms) / len(norms),
                 "train/param_norm": param_norm,
                 "train/lr": self.lr,
                 "train/nonfinite_steps": self.nonfinite_steps,

@@ -64,6 +64,10 @@ class Single:
         """The sum over ranks (here: the tensor)."""
         return tensor
 
+    def all_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum over ranks (here: the tensor)."""
+        return tensor
+
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value, by rank."""
         return [value]
@@ -131,6 +135,15 @@ class DDP(Single):
         torch.distributed.all_reduce(total)
         return total
 
+    def all_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum over ranks: queued on the device stream like the gradients' all-reduce, the host
+        does not wait for it."""
+        if self.world_size == 1:
+            return tensor
+        most = tensor.clone()
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return most
+
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value, by rank (small Python values: RNG states, flags)."""
         if self.world_size == 1:
@@ -140,10 +153,11 @@ class DDP(Single):
         return values
 
     def any(self, flags: list[bool]) -> list[bool]:
-        """Per position: whether any rank's flag is set (one small all-reduce)."""
+        """Per position: whether any rank's flag is set (one small all-reduce of host values: a CPU tensor, which
+        gloo reduces also beside NCCL, so the GPU is never waited for)."""
         if self.world_size == 1:
             return flags
-        total = self.all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device))
+        total = self.all_sum(torch.tensor(flags, dtype=torch.float32))
         return [bool(v) for v in total.tolist()]
 
     def barrier(self) -> None:
