@@ -177,8 +177,9 @@ def measure(name: str, size: str, steps: int, warmup: int, accumulate: int, tmp:
     if family == "runner":
         ddp = ["distributed=ddp"] if ranks > 1 else []
         overrides = [*ddp, f"trainer.accumulate_grad_batches={acc}"]
+        run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{name}-run-")) / "run"  # a new run needs a new folder
         command = runner_command(
-            size, steps, warmup, out, tmp / f"{name}-run", *overrides, ranks=ranks, batch_size=micro, device=device
+            size, steps, warmup, out, run_dir, *overrides, ranks=ranks, batch_size=micro, device=device
         )
     else:
         launcher = torchrun(ranks) if ranks > 1 else [sys.executable]

@@ -143,7 +143,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path, device: str) -> dict:
     """One fresh process of `contender`; returns its figures."""
-    out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
+    # a folder of its own each time: runner refuses to start a new run in a folder that holds one
+    out, run_dir = tmp / f"{contender}.json", Path(tempfile.mkdtemp(dir=tmp, prefix=f"{contender}-run-")) / "run"
     if contender.startswith("runner"):
         usual = ["logger=default", "callbacks=none", f"checkpoint.interval={steps // 4}st"]
         # runner_plain: the console off a terminal (CI, SLURM logs) at its worst, a plain line at every log call

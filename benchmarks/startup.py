@@ -75,7 +75,8 @@ def compose(out: str) -> None:
 
 def measure(contender: str, steps: int, tmp: Path, device: str) -> dict:
     """One fresh process of `contender`."""
-    out, run_dir = tmp / f"{contender}.json", tmp / f"{contender}-run"
+    # a folder of its own each time: runner refuses to start a new run in a folder that holds one
+    out, run_dir = tmp / f"{contender}.json", Path(tempfile.mkdtemp(dir=tmp, prefix=f"{contender}-run-")) / "run"
     if contender.startswith("runner"):
         extra = ["logger=default"] if contender == "runner_usual" else []
         command = runner_command("tiny", steps, 1, out, run_dir, *extra, device=device)
