@@ -30,7 +30,7 @@ from experiments.sae.data import (
 )
 from experiments.sae.hooked import HookedData
 from experiments.sae.metrics import feature_recovery
-from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, geometric_median
+from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, auxk_loss, geometric_median
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt.files import save_weights
@@ -164,10 +164,40 @@ def test_auxk_is_absent_without_dead_latents() -> None:
     pre = sae.pre_activations(x)
     values, indices = sae.activate(pre)
     terms = sae.aux_loss(x, pre, values, sae.decode(values, indices).detach())
-    assert list(terms) == ["auxk_loss"] and float(terms["auxk_loss"]) == 0.0
+    assert float(terms["auxk_loss"]) == 0.0 and float(terms["auxk_term"]) == 0.0
     out = sae.training_step(x)
     assert float(out["auxk_loss"]) == 0.0
-    torch.testing.assert_close(out["loss"], out["recon_loss"])
+    assert torch.equal(out["loss"].detach(), out["recon_loss"].detach())
+
+
+@pytest.mark.parametrize("n_dead", [0, 3, 40])  # none, fewer than k_aux (8), more than k_aux
+def test_auxk_masked_path_equals_the_gathered_path(n_dead: int) -> None:
+    # The GPU's masked top-k (no host read) and the CPU's gather: the same loss and the same gradients, both run here.
+    dead = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:n_dead]
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(2))
+    seen = {}
+    for masked in (False, True):
+        sae = _topk()  # the same initialisation both times
+        with torch.no_grad():
+            sae.since_fired[dead] = 500
+        sae.after_optimizer_step()
+        pre = sae.pre_activations(x)
+        values, indices = sae.activate(pre)
+        recon = sae.decode(values, indices)
+        auxk = auxk_loss(pre, sae.dead, sae.W_dec, sae.k_aux, (x - recon).detach(), masked)
+        ((recon - x).pow(2).mean() + auxk).backward()
+        seen[masked] = auxk.detach(), {name: p.grad for name, p in sae.named_parameters()}
+    (gathered, gathered_grads), (masked, masked_grads) = seen[False], seen[True]
+    assert sae.n_dead == n_dead
+    if n_dead == 0:
+        assert float(gathered) == float(masked) == 0.0
+        for name, grad in gathered_grads.items():
+            assert torch.equal(masked_grads[name], grad), name  # the zero term adds exactly nothing
+    else:
+        assert float(gathered) > 0
+        torch.testing.assert_close(masked, gathered)
+        for name, grad in gathered_grads.items():
+            torch.testing.assert_close(masked_grads[name], grad, msg=name)
 
 
 def test_latents_die_after_dead_window_steps_without_firing() -> None:
