@@ -24,6 +24,7 @@ from experiments.sae.data import (
     ActivationFiles,
     RowData,
     SyntheticActivations,
+    SyntheticData,
     SyntheticFeatures,
     file_splits,
     synthetic_splits,
@@ -34,6 +35,7 @@ from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, auxk_loss, geo
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt.files import save_weights
+from runner.data import DataModule
 from runner.loop import fit
 from runner.run import Run
 
@@ -433,6 +435,41 @@ def test_correlation_keeps_marginals_and_makes_groups_co_occur() -> None:
     assert same0 == pytest.approx(1.0, abs=0.1) and other0 == pytest.approx(1.0, abs=0.1)
     assert same1 > 2.0 and same1 > same0 + 1.0
     assert other1 == pytest.approx(1.0, abs=0.1)  # across groups still independent
+
+
+def test_dense_sampling_draws_the_same_distribution_reproducibly() -> None:
+    # sample_dense is how a GPU makes batches (no read of the device); here it runs on the CPU.
+    for correlation in (0.0, 0.6):
+        source = SyntheticFeatures(d=32, n_features=16, mean_active=3.0, magnitude=(1.0, 1.0), correlation=correlation)
+        # the same draws decide which features are active: with unit magnitudes both ways give the same samples
+        sparse = source.sample_sparse(500, torch.Generator().manual_seed(7))
+        torch.testing.assert_close(source.sample_dense(500, torch.Generator().manual_seed(7)), sparse)
+    # random magnitudes: one drawn per (sample, feature), so other values than the sparse way's, the same statistics
+    source = SyntheticFeatures(d=32, n_features=16, mean_active=3.0, magnitude=(0.5, 1.5), seed=3)
+    dense = source.sample_dense(4000, torch.Generator().manual_seed(0))
+    assert torch.equal(dense, source.sample_dense(4000, torch.Generator().manual_seed(0)))
+    assert not torch.allclose(dense, source.sample_dense(4000, torch.Generator().manual_seed(1)))
+    for x in (dense, source.sample_sparse(4000, torch.Generator().manual_seed(0))):
+        coefficients = torch.linalg.lstsq(source.features.double().t(), x.double().t()).solution.t()
+        active = coefficients.abs() > 1e-4
+        assert float(active.sum(1).double().mean()) == pytest.approx(3.0, abs=0.15)
+        assert float((active.double().mean(0) - source.probs.double()).abs().max()) < 0.05
+        magnitudes = coefficients[active]
+        assert float(magnitudes.min()) > 0.5 - 1e-4 and float(magnitudes.max()) < 1.5 + 1e-4
+        assert float(magnitudes.mean()) == pytest.approx(1.0, abs=0.02)
+
+
+def test_synthetic_data_on_the_cpu_is_the_data_of_a_plain_data_module() -> None:
+    def batches(module: type[DataModule]) -> list[torch.Tensor]:
+        splits = synthetic_splits(d=16, n_features=32, n_train=1000, n_val=64, seed=5)
+        return [b for (b,) in module(splits, batch_size=256, shuffle=False).train_loader(device=torch.device("cpu"))]
+
+    assert all(torch.equal(a, b) for a, b in zip(batches(SyntheticData), batches(DataModule), strict=True))
+    # on a GPU the batches are made in the training process: loader workers are refused before anything moves
+    data = SyntheticData(synthetic_splits(d=16, n_features=32, n_train=1000, n_val=64), batch_size=256, num_workers=2)
+    with pytest.raises(ConfigError, match=r"num_workers=2.*generated on the GPU.*set data.num_workers=0"):
+        data.train_loader(device=torch.device("cuda"))
+    assert data.splits["train"].true_features.device.type == "cpu"
 
 
 # ---- 9. Quality: a real run recovers the true features -------------------------------------------------------------
