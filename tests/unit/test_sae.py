@@ -37,7 +37,7 @@ from runner.build import build
 from runner.ckpt.files import save_weights
 from runner.data import DataModule
 from runner.loop import fit
-from runner.run import Run
+from runner.run import Callback, Run
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -720,3 +720,82 @@ def test_resampling_points_dead_latents_at_badly_reconstructed_inputs() -> None:
     xn = x * sae.input_scale
     cos = F.normalize(sae.W_dec[dead], dim=1) @ F.normalize(xn - sae.b_dec, dim=1).t()
     assert torch.all(cos.max(dim=1).values > 0.9999)
+
+
+# ---- 12. On a GPU (skipped without one): data made there, and steps that never wait for it -------------------------
+
+
+def gpu(test: Callable) -> Callable:
+    """Marks a test `gpu` and skips it without a CUDA device (as tests/unit/test_gpu.py does for its whole module)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+@gpu
+@pytest.mark.parametrize("correlation", [0.0, 0.6])
+def test_synthetic_batches_are_made_on_the_gpu_reproducibly_by_position(correlation: float) -> None:
+    def module() -> SyntheticData:
+        splits = synthetic_splits(d=32, n_features=16, mean_active=3.0, n_train=8192, n_val=64, correlation=correlation)
+        return SyntheticData(splits, batch_size=512, shuffle=False, seed=0)
+
+    data, cuda = module(), torch.device("cuda")
+    loader = data.train_loader(device=cuda)
+    batches = [b for (b,) in loader]
+    assert all(b.is_cuda for b in batches) and not loader.pin_memory
+    assert data.splits["train"].true_features.is_cuda and data.splits["val"].true_features.is_cuda
+    assert not data.splits["val"].tensors[0].is_cuda  # validation data is the CPU's, whatever the device
+    again = [b for (b,) in module().train_loader(device=cuda)]
+    assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
+    loader.batch_sampler.set_epoch(0, skip=5)  # a resumed run starts at the sixth batch: the same data
+    assert all(torch.equal(a, b) for a, b in zip(batches[5:], [b for (b,) in loader], strict=True))
+    # the CUDA generator's stream is not the CPU's: other values, the same distribution. With no more features than
+    # dimensions each sample's coefficients are recovered exactly; feature i's mean is p_i x the mean magnitude 0.5.
+    features, probs = data.splits["train"].true_features.cpu().double(), data.splits["train"].source.probs.cpu()
+    on_cpu, on_gpu = torch.cat([b for (b,) in module().train_loader()]), torch.cat(batches).cpu()
+    assert not torch.allclose(on_gpu[:512], on_cpu[:512])
+    for x in (on_cpu, on_gpu):
+        means = torch.linalg.lstsq(features.t(), x.double().t()).solution.t().mean(0)
+        torch.testing.assert_close(means, probs.double() * 0.5, rtol=0, atol=0.02)
+
+
+class SyncErrors(Callback):
+    """Makes any host-device sync an error from the end of optimizer step `first` to the end of step `last`."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.steps = first, last, 0
+
+    def on_optimizer_step(self, run: Run) -> None:
+        step = run.progress.step
+        if self.first < step <= self.last:
+            self.steps += 1
+        if step in (self.first, self.last):
+            torch.cuda.set_sync_debug_mode("error" if step == self.first else "default")
+
+
+@gpu
+@pytest.mark.parametrize("model", ["sae_topk", "sae_batchtopk", "sae_relu"])
+def test_sae_steps_on_the_gpu_never_wait_for_it(compose_cfg: Callable[..., DictConfig], model: str) -> None:
+    # Steps 3..10 neither log, validate nor checkpoint: data generation, forward, AuxK over dead latents (a 2-step
+    # window makes some), backward, the fused optimizer and the dead-latent clock must not sync once.
+    cfg = compose_cfg(
+        "+experiment=sae",
+        f"model={model}",
+        "model.dead_window=2st",
+        "data.batch_size=256",
+        "data.splits.n_val=512",
+        "trainer.max_duration=12st",
+        "trainer.log_interval=12st",
+        "trainer.val_interval=12st",
+        "checkpoint=none",
+        "optimizer.fused=true",
+    )
+    run = build(cfg)
+    assert run.device.type == "cuda" and next(iter(run.train_loader))[0].is_cuda
+    watch = SyncErrors(first=2, last=10)
+    run.callbacks.append(watch)
+    try:
+        fit(run)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert watch.steps == 8 and run.progress.step == 12 and run.state.nonfinite_steps == 0
+    if model != "sae_relu":  # ReLU has no AuxK (and, codes being dense, no dead latents here)
+        assert run.task.n_dead > 0  # AuxK had dead latents to train
