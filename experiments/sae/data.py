@@ -8,17 +8,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from runner import ConfigError
 from runner.data import DataModule, TensorData
 
 
-def _generator(seed: int, stream: str, position: int = 0) -> torch.Generator:
+def _generator(seed: int, stream: str, position: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
     # Independent streams per purpose: torch.manual_seed(seed) also seeds the model's init, and a generator seeded
-    # with the same number would hand the model the true features as its initial decoder.
+    # with the same number would hand the model the true features as its initial decoder. The seed is worked out on
+    # the host, so seeding a CUDA generator reads nothing from the device.
     words = [seed, position, *stream.encode()]
-    return torch.Generator().manual_seed(int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> 1))
+    seed = int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> 1)
+    return torch.Generator(device).manual_seed(seed)
 
 
 class SyntheticFeatures:
@@ -65,27 +67,54 @@ class SyntheticFeatures:
             probs = torch.where(capped, torch.ones_like(probs), weights / weights[~capped].sum() * rest)
         return probs.clamp(max=1)
 
+    def to(self, device: torch.device | str) -> SyntheticFeatures:
+        """Move the features and the activation probabilities to `device` (in place), where samples are then made."""
+        self.features, self.probs = self.features.to(device), self.probs.to(device)
+        if self.correlation > 0:
+            self.cutoffs = self.cutoffs.to(device)
+        return self
+
     def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
-        """n activation vectors [n, d]."""
-        k = len(self.probs)
+        """n activation vectors [n, d], made on the generator's device (sample_sparse on the CPU, else sample_dense)."""
+        return self.sample_sparse(n, generator) if generator.device.type == "cpu" else self.sample_dense(n, generator)
+
+    def _active(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        # [n, K] bool: which features each sample holds
+        k, device = len(self.probs), generator.device
         if self.correlation > 0:
             groups = math.ceil(k / self.group_size)
-            shared = torch.randn(n, groups, generator=generator).repeat_interleave(self.group_size, dim=1)[:, :k]
-            noise = torch.randn(n, k, generator=generator)
-            active = (self.correlation**0.5 * shared + (1 - self.correlation) ** 0.5 * noise) < self.cutoffs
-        else:
-            active = torch.rand(n, k, generator=generator) < self.probs
-        rows, cols = active.nonzero(as_tuple=True)
+            shared = torch.randn(n, groups, generator=generator, device=device)
+            shared = shared[:, :, None].expand(n, groups, self.group_size).flatten(1)[:, :k]  # each group's factor
+            noise = torch.randn(n, k, generator=generator, device=device)
+            return (self.correlation**0.5 * shared + (1 - self.correlation) ** 0.5 * noise) < self.cutoffs
+        return torch.rand(n, k, generator=generator, device=device) < self.probs
+
+    def sample_sparse(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """Samples as sums of about mean_active feature rows each: the fastest way on the CPU."""
+        active = self._active(n, generator)
+        rows, cols = active.nonzero(as_tuple=True)  # on a GPU, its size would be read from the device every batch
         mags = self.low + (self.high - self.low) * torch.rand(len(rows), generator=generator)
-        # Sparse sum of the active features: about mean_active rows of `features` per sample.
         offsets = torch.zeros(n, dtype=torch.long)
         offsets[1:] = active.sum(1).cumsum(0)[:-1]
         return torch.nn.functional.embedding_bag(cols, self.features, offsets, per_sample_weights=mags, mode="sum")
 
+    def sample_dense(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """The same distribution with shapes known in advance (no read of the device): a magnitude is drawn for every
+        (sample, feature) and the inactive ones are zeroed, then one [n, K] x [K, d] product sums the features (in
+        TF32 where the user allows it for float32 matmuls)."""
+        active = self._active(n, generator)
+        mags = self.low + (self.high - self.low) * torch.rand(active.shape, generator=generator, device=active.device)
+        return (mags * active) @ self.features
+
 
 class SyntheticActivations(Dataset):
     """`size` samples drawn in batches: a batch is generated from (seed, index of its first sample), so any epoch
-    and any resumed position yields the same data, with no need to hold it all in memory."""
+    and any resumed position yields the same data, with no need to hold it all in memory.
+
+    Batches are made where the source's features are (SyntheticFeatures.to). On a GPU they come from the CUDA
+    generator seeded the same way, so they are as reproducible by position (on the same GPU model and torch version)
+    and have the same distribution, but other values than the CPU's: the two generators' streams differ.
+    """
 
     def __init__(self, source: SyntheticFeatures, size: int, seed: int) -> None:
         self.source, self.size, self.seed = source, size, seed
@@ -102,16 +131,50 @@ class SyntheticActivations(Dataset):
         return self.__getitems__([index])
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
-        generator = _generator(self.seed, "train", int(indices[0]))
+        generator = _generator(self.seed, "train", int(indices[0]), self.source.features.device)
         return (self.source.sample(len(indices), generator),)
+
+
+class SyntheticValidation(TensorData):
+    """A fixed validation set drawn on the CPU (the same samples whatever the training device), whose true features
+    are the source's, wherever they live."""
+
+    def __init__(self, source: SyntheticFeatures, size: int, seed: int) -> None:
+        super().__init__(source.sample(size, _generator(seed, "val")))
+        self.source = source
+
+    @property
+    def true_features(self) -> torch.Tensor:
+        """The ground-truth directions [K, d]."""
+        return self.source.features
 
 
 def synthetic_splits(n_train: int = 4_194_304, n_val: int = 16_384, seed: int = 0, **features) -> dict[str, Dataset]:
     """Train (generated on the fly) and validation (fixed, in memory) splits of synthetic activations."""
     source = SyntheticFeatures(seed=seed, **features)  # d, n_features, mean_active, decay, magnitude, ...
-    val = TensorData(source.sample(n_val, _generator(seed, "val")))
-    val.true_features = source.features
-    return {"train": SyntheticActivations(source, n_train, seed), "val": val}
+    return {"train": SyntheticActivations(source, n_train, seed), "val": SyntheticValidation(source, n_val, seed)}
+
+
+class SyntheticData(DataModule):
+    """A DataModule over synthetic_splits that generates the training batches on the training device when it is a
+    GPU: no host-to-device copy, and the generator runs there."""
+
+    def train_loader(
+        self, rank: int = 0, world_size: int = 1, device: torch.device | None = None, accumulate: int = 1
+    ) -> DataLoader:
+        """The training loader for this rank; on a GPU its batches are made on it, in this process."""
+        device = torch.device(device or "cpu")
+        if device.type == "cuda":
+            if self.num_workers > 0:
+                raise ConfigError(
+                    f"data.num_workers={self.num_workers}: synthetic activations are generated on the GPU ({device}) "
+                    "by the training process, not by loader workers; set data.num_workers=0"
+                )
+            self.splits["train"].source.to(device)
+            # The loader's device only decides whether it pins host memory, and these batches are born on the GPU
+            # (pinning a CUDA tensor is an error).
+            device = torch.device("cpu")
+        return super().train_loader(rank, world_size, device, accumulate)
 
 
 class RowData(Dataset):

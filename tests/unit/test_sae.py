@@ -24,18 +24,20 @@ from experiments.sae.data import (
     ActivationFiles,
     RowData,
     SyntheticActivations,
+    SyntheticData,
     SyntheticFeatures,
     file_splits,
     synthetic_splits,
 )
 from experiments.sae.hooked import HookedData
 from experiments.sae.metrics import feature_recovery
-from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, geometric_median
+from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, auxk_loss, geometric_median
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt.files import save_weights
+from runner.data import DataModule
 from runner.loop import fit
-from runner.run import Run
+from runner.run import Callback, Run
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -164,10 +166,40 @@ def test_auxk_is_absent_without_dead_latents() -> None:
     pre = sae.pre_activations(x)
     values, indices = sae.activate(pre)
     terms = sae.aux_loss(x, pre, values, sae.decode(values, indices).detach())
-    assert list(terms) == ["auxk_loss"] and float(terms["auxk_loss"]) == 0.0
+    assert float(terms["auxk_loss"]) == 0.0 and float(terms["auxk_term"]) == 0.0
     out = sae.training_step(x)
     assert float(out["auxk_loss"]) == 0.0
-    torch.testing.assert_close(out["loss"], out["recon_loss"])
+    assert torch.equal(out["loss"].detach(), out["recon_loss"].detach())
+
+
+@pytest.mark.parametrize("n_dead", [0, 3, 40])  # none, fewer than k_aux (8), more than k_aux
+def test_auxk_masked_path_equals_the_gathered_path(n_dead: int) -> None:
+    # The GPU's masked top-k (no host read) and the CPU's gather: the same loss and the same gradients, both run here.
+    dead = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:n_dead]
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(2))
+    seen = {}
+    for masked in (False, True):
+        sae = _topk()  # the same initialisation both times
+        with torch.no_grad():
+            sae.since_fired[dead] = 500
+        sae.after_optimizer_step()
+        pre = sae.pre_activations(x)
+        values, indices = sae.activate(pre)
+        recon = sae.decode(values, indices)
+        auxk = auxk_loss(pre, sae.dead, sae.W_dec, sae.k_aux, (x - recon).detach(), masked)
+        ((recon - x).pow(2).mean() + auxk).backward()
+        seen[masked] = auxk.detach(), {name: p.grad for name, p in sae.named_parameters()}
+    (gathered, gathered_grads), (masked, masked_grads) = seen[False], seen[True]
+    assert sae.n_dead == n_dead
+    if n_dead == 0:
+        assert float(gathered) == float(masked) == 0.0
+        for name, grad in gathered_grads.items():
+            assert torch.equal(masked_grads[name], grad), name  # the zero term adds exactly nothing
+    else:
+        assert float(gathered) > 0
+        torch.testing.assert_close(masked, gathered)
+        for name, grad in gathered_grads.items():
+            torch.testing.assert_close(masked_grads[name], grad, msg=name)
 
 
 def test_latents_die_after_dead_window_steps_without_firing() -> None:
@@ -403,6 +435,41 @@ def test_correlation_keeps_marginals_and_makes_groups_co_occur() -> None:
     assert same0 == pytest.approx(1.0, abs=0.1) and other0 == pytest.approx(1.0, abs=0.1)
     assert same1 > 2.0 and same1 > same0 + 1.0
     assert other1 == pytest.approx(1.0, abs=0.1)  # across groups still independent
+
+
+def test_dense_sampling_draws_the_same_distribution_reproducibly() -> None:
+    # sample_dense is how a GPU makes batches (no read of the device); here it runs on the CPU.
+    for correlation in (0.0, 0.6):
+        source = SyntheticFeatures(d=32, n_features=16, mean_active=3.0, magnitude=(1.0, 1.0), correlation=correlation)
+        # the same draws decide which features are active: with unit magnitudes both ways give the same samples
+        sparse = source.sample_sparse(500, torch.Generator().manual_seed(7))
+        torch.testing.assert_close(source.sample_dense(500, torch.Generator().manual_seed(7)), sparse)
+    # random magnitudes: one drawn per (sample, feature), so other values than the sparse way's, the same statistics
+    source = SyntheticFeatures(d=32, n_features=16, mean_active=3.0, magnitude=(0.5, 1.5), seed=3)
+    dense = source.sample_dense(4000, torch.Generator().manual_seed(0))
+    assert torch.equal(dense, source.sample_dense(4000, torch.Generator().manual_seed(0)))
+    assert not torch.allclose(dense, source.sample_dense(4000, torch.Generator().manual_seed(1)))
+    for x in (dense, source.sample_sparse(4000, torch.Generator().manual_seed(0))):
+        coefficients = torch.linalg.lstsq(source.features.double().t(), x.double().t()).solution.t()
+        active = coefficients.abs() > 1e-4
+        assert float(active.sum(1).double().mean()) == pytest.approx(3.0, abs=0.15)
+        assert float((active.double().mean(0) - source.probs.double()).abs().max()) < 0.05
+        magnitudes = coefficients[active]
+        assert float(magnitudes.min()) > 0.5 - 1e-4 and float(magnitudes.max()) < 1.5 + 1e-4
+        assert float(magnitudes.mean()) == pytest.approx(1.0, abs=0.02)
+
+
+def test_synthetic_data_on_the_cpu_is_the_data_of_a_plain_data_module() -> None:
+    def batches(module: type[DataModule]) -> list[torch.Tensor]:
+        splits = synthetic_splits(d=16, n_features=32, n_train=1000, n_val=64, seed=5)
+        return [b for (b,) in module(splits, batch_size=256, shuffle=False).train_loader(device=torch.device("cpu"))]
+
+    assert all(torch.equal(a, b) for a, b in zip(batches(SyntheticData), batches(DataModule), strict=True))
+    # on a GPU the batches are made in the training process: loader workers are refused before anything moves
+    data = SyntheticData(synthetic_splits(d=16, n_features=32, n_train=1000, n_val=64), batch_size=256, num_workers=2)
+    with pytest.raises(ConfigError, match=r"num_workers=2.*generated on the GPU.*set data.num_workers=0"):
+        data.train_loader(device=torch.device("cuda"))
+    assert data.splits["train"].true_features.device.type == "cpu"
 
 
 # ---- 9. Quality: a real run recovers the true features -------------------------------------------------------------
@@ -653,3 +720,82 @@ def test_resampling_points_dead_latents_at_badly_reconstructed_inputs() -> None:
     xn = x * sae.input_scale
     cos = F.normalize(sae.W_dec[dead], dim=1) @ F.normalize(xn - sae.b_dec, dim=1).t()
     assert torch.all(cos.max(dim=1).values > 0.9999)
+
+
+# ---- 12. On a GPU (skipped without one): data made there, and steps that never wait for it -------------------------
+
+
+def gpu(test: Callable) -> Callable:
+    """Marks a test `gpu` and skips it without a CUDA device (as tests/unit/test_gpu.py does for its whole module)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+@gpu
+@pytest.mark.parametrize("correlation", [0.0, 0.6])
+def test_synthetic_batches_are_made_on_the_gpu_reproducibly_by_position(correlation: float) -> None:
+    def module() -> SyntheticData:
+        splits = synthetic_splits(d=32, n_features=16, mean_active=3.0, n_train=8192, n_val=64, correlation=correlation)
+        return SyntheticData(splits, batch_size=512, shuffle=False, seed=0)
+
+    data, cuda = module(), torch.device("cuda")
+    loader = data.train_loader(device=cuda)
+    batches = [b for (b,) in loader]
+    assert all(b.is_cuda for b in batches) and not loader.pin_memory
+    assert data.splits["train"].true_features.is_cuda and data.splits["val"].true_features.is_cuda
+    assert not data.splits["val"].tensors[0].is_cuda  # validation data is the CPU's, whatever the device
+    again = [b for (b,) in module().train_loader(device=cuda)]
+    assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
+    loader.batch_sampler.set_epoch(0, skip=5)  # a resumed run starts at the sixth batch: the same data
+    assert all(torch.equal(a, b) for a, b in zip(batches[5:], [b for (b,) in loader], strict=True))
+    # the CUDA generator's stream is not the CPU's: other values, the same distribution. With no more features than
+    # dimensions each sample's coefficients are recovered exactly; feature i's mean is p_i x the mean magnitude 0.5.
+    features, probs = data.splits["train"].true_features.cpu().double(), data.splits["train"].source.probs.cpu()
+    on_cpu, on_gpu = torch.cat([b for (b,) in module().train_loader()]), torch.cat(batches).cpu()
+    assert not torch.allclose(on_gpu[:512], on_cpu[:512])
+    for x in (on_cpu, on_gpu):
+        means = torch.linalg.lstsq(features.t(), x.double().t()).solution.t().mean(0)
+        torch.testing.assert_close(means, probs.double() * 0.5, rtol=0, atol=0.02)
+
+
+class SyncErrors(Callback):
+    """Makes any host-device sync an error from the end of optimizer step `first` to the end of step `last`."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.steps = first, last, 0
+
+    def on_optimizer_step(self, run: Run) -> None:
+        step = run.progress.step
+        if self.first < step <= self.last:
+            self.steps += 1
+        if step in (self.first, self.last):
+            torch.cuda.set_sync_debug_mode("error" if step == self.first else "default")
+
+
+@gpu
+@pytest.mark.parametrize("model", ["sae_topk", "sae_batchtopk", "sae_relu"])
+def test_sae_steps_on_the_gpu_never_wait_for_it(compose_cfg: Callable[..., DictConfig], model: str) -> None:
+    # Steps 3..10 neither log, validate nor checkpoint: data generation, forward, AuxK over dead latents (a 2-step
+    # window makes some), backward, the fused optimizer and the dead-latent clock must not sync once.
+    cfg = compose_cfg(
+        "+experiment=sae",
+        f"model={model}",
+        "model.dead_window=2st",
+        "data.batch_size=256",
+        "data.splits.n_val=512",
+        "trainer.max_duration=12st",
+        "trainer.log_interval=12st",
+        "trainer.val_interval=12st",
+        "checkpoint=none",
+        "optimizer.fused=true",
+    )
+    run = build(cfg)
+    assert run.device.type == "cuda" and next(iter(run.train_loader))[0].is_cuda
+    watch = SyncErrors(first=2, last=10)
+    run.callbacks.append(watch)
+    try:
+        fit(run)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert watch.steps == 8 and run.progress.step == 12 and run.state.nonfinite_steps == 0
+    if model != "sae_relu":  # ReLU has no AuxK (and, codes being dense, no dead latents here)
+        assert run.task.n_dead > 0  # AuxK had dead latents to train
