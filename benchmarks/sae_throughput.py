@@ -4,7 +4,7 @@
                                         [--steps 60] [--reps 3] [--json out.json]
 
 Sizes: `preset`, the default TopK SAE of +experiment=sae (d=256, 1024 latents, k=5, AuxK, batch 2048) on its synthetic
-activations, generated batch by batch as the preset does; `usual`, the field's usual size (d=768, 24,576 latents,
+activations, generated batch by batch as the preset does (on the GPU when it trains there); `usual`, the field's usual size (d=768, 24,576 latents,
 k=32, batch 4096) on Gaussian activations generated once (the step, not the data, is measured). Both loops train with
 Adam and the same per-step schedule on the same batches, interleaved repetitions; prints samples/s of each, the ratio,
 the MFU where the device's peak is known (encoder FLOPs: 6 x d x latents a sample), peak GPU memory on CUDA, and the
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import default_device, device_name, fused, mib, peak_gpu_mb, synchronize  # noqa: E402
-from experiments.sae.data import synthetic_splits  # noqa: E402
+from experiments.sae.data import SyntheticData, synthetic_splits  # noqa: E402
 from experiments.sae.model import TopKSAE  # noqa: E402
 from runner.data import DataModule, TensorData, to_device  # noqa: E402
 from runner.dist.strategies import Single  # noqa: E402
@@ -55,7 +55,9 @@ def setup(size: str, steps: int, batch: int, device: str):
         splits = synthetic_splits(d=d, n_train=steps * batch, n_val=batch, seed=0)
     else:
         splits = {"train": TensorData(torch.randn(steps * batch, d, generator=torch.Generator().manual_seed(0)))}
-    loader = DataModule(splits, batch_size=batch, shuffle=False).train_loader(device=torch.device(device))
+    # the preset's data module: on a GPU its batches are generated there, as +experiment=sae does
+    module = SyntheticData if size == "preset" else DataModule
+    loader = module(splits, batch_size=batch, shuffle=False).train_loader(device=torch.device(device))
     torch.manual_seed(1)
     model = TopKSAE(d_in=d, n_latents=n, k=k, dead_window="10st").to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused(device))  # as runner's build makes it here
