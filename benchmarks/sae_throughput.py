@@ -4,8 +4,8 @@
                                         [--steps 60] [--reps 3] [--json out.json]
 
 Sizes: `preset`, the default TopK SAE of +experiment=sae (d=256, 1024 latents, k=5, AuxK, batch 2048) on its synthetic
-activations, generated batch by batch as the preset does (on the GPU when it trains there); `usual`, the field's usual size (d=768, 24,576 latents,
-k=32, batch 4096) on Gaussian activations generated once (the step, not the data, is measured). Both loops train with
+activations, generated batch by batch as the preset does (on the GPU when it trains there); `usual`, the field's usual
+size (d=768, 24,576 latents, k=32, batch 4096) on Gaussian activations generated once (the step, not the data, is measured). Both loops train with
 Adam and the same per-step schedule on the same batches, interleaved repetitions; prints samples/s of each, the ratio,
 the MFU where the device's peak is known (encoder FLOPs: 6 x d x latents a sample), peak GPU memory on CUDA, and the
 largest difference between the two final decoders (0 expected on the CPU: the loops do the same arithmetic; on CUDA
