@@ -5,16 +5,16 @@
 
 Sizes: `preset`, the default TopK SAE of +experiment=sae (d=256, 1024 latents, k=5, AuxK, batch 2048) on its synthetic
 activations, generated batch by batch as the preset does (on the GPU when it trains there); `usual`, the field's usual
-size (d=768, 24,576 latents, k=32, batch 4096) on Gaussian activations generated once (the step, not the data, is measured). Both loops train with
-Adam and the same per-step schedule on the same batches, interleaved repetitions; prints samples/s of each, the ratio,
-the MFU where the device's peak is known (encoder FLOPs: 6 x d x latents a sample), peak GPU memory on CUDA, and the
-largest difference between the two final decoders (0 expected on the CPU: the loops do the same arithmetic; on CUDA
-the atomic adds of the sparse decoder's backward may leave last-bit differences).
-
-On CUDA both loops use fused Adam (runner's `optimizer.fused: null` picks it there) on pinned batches copied without
-blocking, and the hand loop reads nothing from the GPU: the clock is read after torch.cuda.synchronize() at the start
-and the end only. The SAE model itself reads the GPU each step (its `initialized` flag, and the dead latents'
-`nonzero()` in after_optimizer_step); both loops pay that alike. On the CPU, torch's default Adam in both.
+size (d=768, 24,576 latents, k=32, batch 4096) on Gaussian activations generated once (the step, not the data, is
+measured). Both loops train with Adam and the same per-step schedule on the same batches, interleaved repetitions;
+prints samples/s of each, the ratio, the MFU where the device's peak is known (encoder FLOPs: 6 x d x latents a
+sample), peak GPU memory on CUDA, and the largest difference between the two final decoders (0 expected on the CPU:
+the loops do the same arithmetic; on CUDA the atomic adds of the sparse decoder's backward may leave last-bit
+differences). On CUDA both loops use fused Adam (runner's `optimizer.fused: null` picks it there) on pinned batches
+copied without blocking, and the hand loop reads nothing from the GPU: the clock is read after
+torch.cuda.synchronize() at the start and the end only. The SAE model itself reads the GPU each step (its
+`initialized` flag, and the dead latents' `nonzero()` in after_optimizer_step); both loops pay that alike. On the CPU,
+torch's default Adam in both.
 """
 
 from __future__ import annotations
