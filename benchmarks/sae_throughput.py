@@ -12,9 +12,8 @@ sample), peak GPU memory on CUDA, and the largest difference between the two fin
 the loops do the same arithmetic; on CUDA the atomic adds of the sparse decoder's backward may leave last-bit
 differences). On CUDA both loops use fused Adam (runner's `optimizer.fused: null` picks it there) on pinned batches
 copied without blocking, and the hand loop reads nothing from the GPU: the clock is read after
-torch.cuda.synchronize() at the start and the end only. The SAE model itself reads the GPU each step (its
-`initialized` flag, and the dead latents' `nonzero()` in after_optimizer_step); both loops pay that alike. On the CPU,
-torch's default Adam in both.
+torch.cuda.synchronize() at the start and the end only. The SAE's step reads nothing from the GPU either (AuxK
+masks the dead latents on the device). On the CPU, torch's default Adam in both.
 """
 
 from __future__ import annotations
