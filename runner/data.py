@@ -34,17 +34,39 @@ class TensorData(Dataset):
         return tuple(t[index] for t in self.tensors)
 
 
+class EpochOrder(torch.utils.data.Sampler):
+    """The order of an epoch's n samples: a permutation seeded by seed + epoch, or 0..n-1 without shuffling.
+
+    GlobalBatchSampler cuts it into batches and holds it as its `sampler`, where Lightning (and code written for
+    torch's BatchSampler over a DistributedSampler) calls set_epoch at each epoch's start.
+    """
+
+    def __init__(self, n: int, shuffle: bool = True, seed: int = 0) -> None:
+        self.n, self.shuffle, self.seed, self.epoch = n, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.n))
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class GlobalBatchSampler(torch.utils.data.Sampler):
     """Yields this rank's micro-batches (index lists) of an epoch laid out in global batches, one per optimizer step.
 
-    An epoch is a seeded permutation of the dataset cut into global batches of batch_size x world_size x accumulate
-    samples; a global batch is cut into `accumulate` micro-batches of batch_size x world_size, and each of those into
-    world_size consecutive slices, one per rank. So which samples make up each optimizer step depends only on the seed
-    and the global batch size, never on how the batch is split over ranks and micro-batches. The epoch's last, short
-    global batch (dropped with `drop_last`) is spread over as few micro-batches as fit (every rank gets the same number
-    of micro-batches, at least one sample in each, sizes differing by at most one): the loop weights each micro-batch's
-    loss by its share of the step's samples, so that step is still the mean over its samples. Fewer leftover samples
-    than ranks are dropped.
+    An epoch is a seeded permutation of the dataset (`sampler`, an EpochOrder) cut into global batches of batch_size x
+    world_size x accumulate samples; a global batch is cut into `accumulate` micro-batches of batch_size x world_size,
+    and each of those into world_size consecutive slices, one per rank. So which samples make up each optimizer step
+    depends only on the seed and the global batch size, never on how the batch is split over ranks and micro-batches.
+    The epoch's last, short global batch (dropped with `drop_last`) is spread over as few micro-batches as fit (every
+    rank gets the same number of micro-batches, at least one sample in each, sizes differing by at most one): the loop
+    weights each micro-batch's loss by its share of the step's samples, so that step is still the mean over its samples.
+    Fewer leftover samples than ranks are dropped.
     """
 
     def __init__(
@@ -66,8 +88,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
             world_size,
             accumulate,
         )
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.epoch = self.skip = 0
+        self.sampler, self.drop_last, self.skip = EpochOrder(n, shuffle, seed), drop_last, 0
         self.global_batch = batch_size * world_size * accumulate
         self.full_steps, rest = divmod(n, self.global_batch)
         if drop_last or rest < world_size:
@@ -79,8 +100,13 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         self.micro_batches = self.full_steps * accumulate + k  # per rank, the same on every rank
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        """Lay out `epoch`; its first `skip` micro-batches were already trained on (exact resume)."""
-        self.epoch, self.skip = epoch, skip
+        """Lay out `epoch`; its first `skip` micro-batches were already trained on (exact resume).
+
+        Lightning calls `sampler.set_epoch(epoch)` instead (it never looks for a batch sampler's own set_epoch): the
+        same layout, with the skip left as it was (none unless set here).
+        """
+        self.sampler.set_epoch(epoch)
+        self.skip = skip
 
     def _chunks(self) -> Iterator[int]:
         # global micro-batch sizes, in order
@@ -89,11 +115,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         yield from self.last_step
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        else:
-            order = list(range(self.n))
-        start, w, r = 0, self.world_size, self.rank
+        order, start, w, r = list(self.sampler), 0, self.world_size, self.rank
         for i, size in enumerate(self._chunks()):
             base, extra = divmod(size, w)
             first = start + r * base + min(r, extra)

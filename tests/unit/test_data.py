@@ -94,3 +94,22 @@ def test_train_loader_yields_the_sampled_rows_and_the_val_loader_every_row_once_
         for v in batch.flatten().tolist()
     ]
     assert sorted(val) == list(range(7))
+
+
+def test_setting_the_epoch_through_the_batch_samplers_sampler_lays_out_the_same_epoch():
+    # Lightning calls set_epoch on loader.sampler and loader.batch_sampler.sampler, never on the batch sampler itself
+    # (as code written for a BatchSampler over a DistributedSampler does): without this every epoch repeats epoch 0.
+    data = DataModule({"train": TensorData(torch.arange(64.0))}, batch_size=8, seed=3)
+    ours, theirs, first = data.train_loader(), data.train_loader(), list(data.train_loader().batch_sampler)
+    ours.batch_sampler.set_epoch(1)
+    theirs.batch_sampler.sampler.set_epoch(1)
+    assert list(theirs.batch_sampler) == list(ours.batch_sampler) != first
+
+
+def test_lightning_sets_the_epoch_of_runners_train_loader():
+    lightning_data = pytest.importorskip("lightning.fabric.utilities.data")  # the bench extra (in dev)
+    data = DataModule({"train": TensorData(torch.arange(64.0))}, batch_size=8, seed=3)
+    ours, theirs = data.train_loader(), data.train_loader()
+    ours.batch_sampler.set_epoch(2)
+    lightning_data._set_sampler_epoch(theirs, 2)  # what Lightning's fit loop calls at the start of every epoch
+    assert [b[0].tolist() for b in theirs] == [b[0].tolist() for b in ours]
