@@ -146,7 +146,7 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path, devic
     # a folder of its own each time: runner refuses to start a new run in a folder that holds one
     out, run_dir = tmp / f"{contender}.json", Path(tempfile.mkdtemp(dir=tmp, prefix=f"{contender}-run-")) / "run"
     if contender.startswith("runner"):
-        usual = ["logger=default", "callbacks=none", f"checkpoint.interval={steps // 4}st"]
+        usual = ["logger=default", "callbacks=none", "checkpoint=default", f"checkpoint.interval={steps // 4}st"]
         # runner_plain: the console off a terminal (CI, SLURM logs) at its worst, a plain line at every log call
         extra = {"runner_usual": usual, "runner_plain": [*usual, "logger.console.every_s=0"]}.get(contender, [])
         command = runner_command(size, steps, warmup, out, run_dir, *extra, device=device)
