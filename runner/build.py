@@ -101,6 +101,23 @@ def _optimizer(cfg: DictConfig, groups: list[dict[str, Any]], device: torch.devi
     return make(groups)
 
 
+def _decided_by_data(model: DictConfig, data: Any) -> dict[str, Any]:
+    # A model key the data decides (data.model_args: an SAE's d_in is its activations' width) is filled where the
+    # config leaves it null; a value the user set must agree, or the model would not fit its data.
+    given = {}
+    for key, value in getattr(data, "model_args", {}).items():
+        if key not in model:
+            continue
+        if model[key] is None:
+            given[key] = value
+        elif model[key] != value:
+            raise ConfigError(
+                f"model.{key}={model[key]}, but the data gives {value} ({type(data).__name__}); leave model.{key} "
+                "out: it follows the data"
+            )
+    return given
+
+
 def build(cfg: DictConfig) -> Run:
     """Instantiate every component of the run described by `cfg`; a ConfigError from a component is re-raised bare."""
     try:
@@ -130,7 +147,7 @@ def _build(cfg: DictConfig) -> Run:
         raise ConfigError(f"trainer.gradient_clip_val must be > 0 or null (off), got {trainer.gradient_clip_val}")
     if trainer.max_nonfinite_steps < 1:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
-    task = instantiate(cfg.model).to(dist.device)
+    task = instantiate(cfg.model, **_decided_by_data(cfg.model, data)).to(dist.device)
     if cfg.get("init_from"):
         load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True))
     if not hasattr(task, "validation_step"):

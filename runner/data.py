@@ -176,6 +176,9 @@ class DataModule:
         self.num_workers, self.shuffle, self.drop_last, self.seed = num_workers, shuffle, drop_last, seed
         self.tokens_per_sample = tokens_per_sample
         self.info: dict[str, Any] = {}  # facts about the data for run.json (a corpus's size and hash, say)
+        # Model keys that the data decides, filled where the model's config leaves them null (runner.build): an
+        # SAE's d_in is its activations' width.
+        self.model_args: dict[str, Any] = {}
 
     def _loader(
         self, dataset: Dataset, batches: torch.utils.data.Sampler, device: torch.device, seed: int

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -159,6 +160,10 @@ class SyntheticData(DataModule):
     """A DataModule over synthetic_splits that generates the training batches on the training device when it is a
     GPU: no host-to-device copy, and the generator runs there."""
 
+    def __init__(self, splits: dict[str, Dataset], **loader: Any) -> None:
+        super().__init__(splits, **loader)
+        self.model_args = {"d_in": splits["train"].source.features.shape[1]}  # the SAE's width is the task's d
+
     def train_loader(
         self, rank: int = 0, world_size: int = 1, device: torch.device | None = None, accumulate: int = 1
     ) -> DataLoader:
@@ -297,3 +302,4 @@ class ActivationFiles(DataModule):
         **loader,
     ) -> None:
         super().__init__(file_splits(train_path, val_path, val_fraction, key, d), **loader)
+        self.model_args = {"d_in": self.splits["train"].array.shape[1]}  # the SAE's width is the file's

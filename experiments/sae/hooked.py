@@ -143,6 +143,7 @@ class HookedData(DataModule):
             raise ConfigError(f"{module} outputs {val.shape[1]} features but model.d_in={d}")
         buffer = ActivationBuffer(source, buffer_size, loader.get("seed", 0))
         super().__init__({"train": HookedActivations(buffer, samples_per_epoch), "val": TensorData(val)}, **loader)
+        self.model_args = {"d_in": val.shape[1]}  # the SAE's width is the module's
 
 
 class SpliceEval(Callback):

@@ -476,7 +476,7 @@ def test_synthetic_data_on_the_cpu_is_the_data_of_a_plain_data_module() -> None:
 
 QUALITY_OVERRIDES = (
     "+experiment=sae",
-    "model.d_in=32",
+    "data.splits.d=32",
     "model.n_latents=128",
     "model.k=3",
     "model.dead_window=50st",
@@ -553,15 +553,14 @@ def test_activation_files_config_builds(compose_cfg: Callable[..., DictConfig], 
         "+experiment=sae",
         "data=activations_file",
         f"data.train_path={tmp_path / 'acts.npy'}",
-        "model.d_in=8",
         "model.n_latents=32",
         "model.k=2",
         "data.batch_size=64",
         "callbacks=none",
         "trainer.max_duration=3st",
     )
-    run = fit(build(cfg))
-    assert run.progress.step == 3 and 0 < run.state.metrics["val/fve"] <= 1
+    run = fit(build(cfg))  # no model.d_in: the SAE's width is the file's
+    assert run.task.d_in == 8 and run.progress.step == 3 and 0 < run.state.metrics["val/fve"] <= 1
     with pytest.raises(ConfigError, match=r"shape \[300, 8\].*\[N, 16\]"):
         build(
             compose_cfg(
@@ -657,6 +656,14 @@ def test_sae_digits_wrong_module_lists_the_modules(compose_cfg: Callable[..., Di
     cfg = compose_cfg("+experiment=sae_digits", f"source.checkpoint={digits_run}", "source.module=net.99")
     with pytest.raises(ConfigError, match=r"source.module='net.99'.*net\.0, net\.1"):
         build(cfg)
+
+
+def test_the_synthetic_task_s_width_sets_the_sae_s_and_a_forced_other_one_is_refused(
+    compose_cfg: Callable[..., DictConfig],
+) -> None:
+    assert build(compose_cfg("+experiment=sae", "data.splits.d=32", "trainer.max_duration=1st")).task.d_in == 32
+    with pytest.raises(ConfigError, match=r"model.d_in=64, but the data gives 256 \(SyntheticData\); leave model.d_in"):
+        build(compose_cfg("+experiment=sae", "model.d_in=64"))
 
 
 def test_sae_digits_wrong_width_is_refused(compose_cfg: Callable[..., DictConfig], digits_run: Path) -> None:
