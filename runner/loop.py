@@ -206,7 +206,8 @@ def validation_metrics(
         task.eval()
         batch = to_device(next(iter(val_loader)), device)
         with precision.autocast():
-            names = {f"val/{k}" for k in task.validation_step(batch)}
+            out = task.validation_step(batch)
+            names = {f"val/{k}" for k in _summary(task, {k: torch.as_tensor(v) for k, v in out.items()})}
         task.train()
     return names
 
@@ -226,7 +227,9 @@ def check_monitored_metrics(run: Run, validation_metrics: set[str]) -> None:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """One pass over the validation loader; metrics are means weighted by batch size, named 'val/<key>'."""
+    """One pass over the validation loader, named 'val/<key>': each validation_step output (a number, or a tensor of
+    any shape) averaged over the whole split in float64, weighted by batch size; a task with `validation_summary`
+    turns those means into its metrics (a ratio of sums, say, which a mean of per-batch ratios is not)."""
     run.task.eval()
     sums: dict[str, torch.Tensor] = {}
     count = 0
@@ -242,9 +245,18 @@ def evaluate(run: Run) -> dict[str, float]:
     if not sums:
         return {}
     # Sums and counts over every rank's shard, not a mean of means; one device sync.
-    totals = run.strategy.all_sum(torch.stack([*sums.values(), torch.tensor(count, device=run.device).double()]))
-    values = (totals[:-1] / totals[-1]).tolist()
-    return {f"val/{k}": v for k, v in zip(sums, values, strict=True)}
+    flat = [*(s.reshape(-1) for s in sums.values()), torch.tensor([count], device=run.device).double()]
+    totals = run.strategy.all_sum(torch.cat(flat))
+    parts = (totals[:-1] / totals[-1]).split([s.numel() for s in sums.values()])
+    means = {k: p.reshape(s.shape) for (k, s), p in zip(sums.items(), parts, strict=True)}
+    metrics = _summary(run.task, means)
+    values = torch.stack([torch.as_tensor(v, device=run.device).double() for v in metrics.values()]).tolist()
+    return {f"val/{k}": v for k, v in zip(metrics, values, strict=True)}
+
+
+def _summary(task: torch.nn.Module, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    summary = getattr(task, "validation_summary", None)
+    return summary(means) if summary is not None else means
 
 
 def validate(run: Run) -> dict[str, float]:

@@ -223,8 +223,34 @@ class SAE(nn.Module):
         return self._step(batch, train=True)
 
     def validation_step(self, batch) -> dict[str, torch.Tensor]:
-        """Reconstruction metrics on held-out activations."""
-        return self._step(batch, train=False)
+        """Per-sample statistics in float64 that runner averages over the whole validation split (every rank's
+        shard): the squared error, the inputs' first and second moments, L0; validation_summary makes the metrics."""
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        xn = x.float() * self.input_scale
+        values, indices = self.activate(self.pre_activations(xn))
+        xn, recon = xn.double(), self.decode(values, indices).double()
+        return {
+            "sse": (recon - xn).pow(2).sum(1).mean(),
+            "x_mean": xn.mean(0),  # [d]
+            "x_sq": xn.pow(2).sum(1).mean(),
+            "l0": (values > 0).sum(1).double().mean(),
+            "dead_fraction": self.dead_mask().double().mean(),
+        }
+
+    def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The split's metrics from validation_step's means: FVE = 1 - SSE/SST with SST about the per-dimension mean
+        of the whole split (not about zero, and not a mean of per-batch ratios), NMSE against E||x||^2, MSE per
+        element in the inputs' own units."""
+        sse, sst = means["sse"], means["x_sq"] - means["x_mean"].pow(2).sum()
+        return {
+            "loss": sse / sst,
+            "recon_loss": sse / sst,
+            "fve": 1 - sse / sst,
+            "nmse": sse / means["x_sq"],
+            "mse": sse / self.d_in / self.input_scale.double() ** 2,
+            "l0": means["l0"],
+            "dead_fraction": means["dead_fraction"],
+        }
 
 
 class TopKSAE(SAE):

@@ -269,7 +269,7 @@ def test_identity_sae_reconstructs_in_original_units() -> None:
     assert float(sae.b_dec.detach().abs().max()) == 0.0  # geometric_median_init=False leaves it alone
     torch.testing.assert_close(sae(x), x, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        out = sae.validation_step(x)
+        out = sae.validation_summary(sae.validation_step(x))
     assert float(out["mse"]) < 1e-10 and float(out["fve"]) == pytest.approx(1.0, abs=1e-6)
 
 
@@ -806,3 +806,60 @@ def test_sae_steps_on_the_gpu_never_wait_for_it(compose_cfg: Callable[..., DictC
     assert watch.steps == 8 and run.progress.step == 12 and run.state.nonfinite_steps == 0
     if model != "sae_relu":  # ReLU has no AuxK (and, codes being dense, no dead latents here)
         assert run.task.n_dead > 0  # AuxK had dead latents to train
+
+
+# ---- The field's metric bugs, as regression tests -----------------------------------------------------------------
+
+
+def test_validation_fve_is_streamed_over_the_split_about_its_mean_in_float64() -> None:
+    from helpers import make_run
+
+    from runner.data import TensorData
+    from runner.loop import evaluate
+
+    # An SAE whose reconstruction is 0.9 x (positive inputs, identity weights but for the decoder's scale), on two
+    # batches around 5 + 1 and 5 - 1: about zero, per batch, or over the split, FVE is three different numbers.
+    d = 8
+    sae = TopKSAE(d_in=d, n_latents=d, k=d, geometric_median_init=False, normalize_input=False)
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.eye(d))
+        sae.W_dec.copy_(0.9 * torch.eye(d))
+        sae.b_enc.zero_()
+        sae.b_dec.zero_()
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(64, d, generator=g) * 0.5 + 6, torch.randn(64, d, generator=g) * 0.5 + 4])
+    run = make_run(sae, splits={"train": TensorData(x), "val": TensorData(x)}, batch_size=64)
+    run.val_loader = DataModule(
+        {"train": TensorData(x), "val": TensorData(x)}, val_batch_size=64, batch_size=64
+    ).val_loader()
+    metrics = evaluate(run)
+    xd = x.double()
+    sse = (0.1 * xd).pow(2).sum()
+    fve = 1 - sse / (xd - xd.mean(0)).pow(2).sum()
+    assert metrics["val/fve"] == pytest.approx(float(fve), rel=1e-6)  # the SAE decodes in float32
+    about_zero = 1 - sse / xd.pow(2).sum()
+    batches = [xd[:64], xd[64:]]
+    batchwise = sum(1 - (0.1 * b).pow(2).sum() / (b - b.mean(0)).pow(2).sum() for b in batches) / 2
+    assert abs(metrics["val/fve"] - float(about_zero)) > 0.1 and abs(metrics["val/fve"] - float(batchwise)) > 0.1
+    assert metrics["val/nmse"] == pytest.approx(float(sse / xd.pow(2).sum()), rel=1e-5)
+
+
+def test_auxk_reconstructs_the_residual_without_the_decoder_bias_a_second_time() -> None:
+    # The residual x - recon already holds b_dec once (recon = codes @ W_dec + b_dec); the dead latents' reconstruction
+    # of it must not add b_dec again (a bug of the field's reference code).
+    sae = _topk(normalize_input=False, k_aux=4, auxk_coeff=1.0)
+    with torch.no_grad():
+        sae.b_dec.fill_(3.0)
+        sae.dead.fill_(True)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    pre = sae.pre_activations(x)
+    values, indices = sae.activate(pre)
+    recon = sae.decode(values, indices)
+    out = sae.aux_loss(x, pre, values, recon)
+    residual = (x - recon).detach()
+    top, picked = pre.topk(4, dim=1)
+    aux = torch.zeros_like(pre).scatter(1, picked, F.relu(top)) @ sae.W_dec  # no b_dec
+    expected = (aux - residual).pow(2).sum(1).mean() / (residual - residual.mean(0)).pow(2).sum(1).mean()
+    torch.testing.assert_close(out["auxk_loss"], expected.detach())
+    twice = (aux + sae.b_dec - residual).pow(2).sum(1).mean() / (residual - residual.mean(0)).pow(2).sum(1).mean()
+    assert float((twice - expected).abs().detach()) > 0.1  # the check can tell the two apart
