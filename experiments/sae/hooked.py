@@ -12,12 +12,16 @@ from torch.utils.data import Dataset
 
 from runner import ConfigError
 from runner.build import TRUSTED_TARGETS, build_data, load_trained
-from runner.data import DataModule, TensorData, to_device
+from runner.data import DataModule, TensorData, batch_size_of, to_device
 from runner.run import Callback
 
 
 class SourceModel:
-    """A frozen runner-trained model, the data it was trained on, and a forward hook on one of its modules."""
+    """A frozen runner-trained model, the data it was trained on, and a forward hook on one of its modules.
+
+    A module whose output is a sequence [B, T, d] (a transformer block: the residual stream after it) gives one
+    activation per position from `skip_positions` on: the first position's stream (the first token, attended to by
+    everything) is an outlier the field leaves out of training and of splicing."""
 
     def __init__(
         self,
@@ -25,6 +29,7 @@ class SourceModel:
         module: str,
         device: torch.device | str = "cpu",
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
+        skip_positions: int = 0,
     ) -> None:
         self.model, cfg = load_trained(checkpoint, trusted_targets)
         self.device = torch.device(device)
@@ -33,8 +38,23 @@ class SourceModel:
         if module not in modules:
             names = ", ".join(name for name in modules if name)
             raise ConfigError(f"source.module={module!r} is not a module of {type(self.model).__name__}: {names}")
-        self.module = modules[module]
+        self.module, self.name, self.skip = modules[module], module, skip_positions
         self.data: DataModule = build_data(cfg)
+
+    def _kept(self, out: torch.Tensor) -> torch.Tensor:
+        if out.ndim == 3:
+            return out[:, self.skip :]
+        if self.skip:
+            raise ConfigError(
+                f"source.skip_positions={self.skip}, but {self.name} outputs {list(out.shape)}, not sequences "
+                "[batch, positions, d]: set source.skip_positions=0"
+            )
+        return out
+
+    def _spliced(self, out: torch.Tensor, replace: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        kept = self._kept(out)
+        new = replace(kept.flatten(0, -2)).view_as(kept)
+        return torch.cat([out[:, : self.skip], new], dim=1) if out.ndim == 3 and self.skip else new
 
     @contextlib.contextmanager
     def _hook(self, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
@@ -48,7 +68,7 @@ class SourceModel:
     def activations(self, batch: Any) -> torch.Tensor:
         """The module's output for one input batch, as [rows, d]."""
         captured = []
-        with self._hook(lambda out: captured.append(out.detach().flatten(0, -2))):
+        with self._hook(lambda out: captured.append(self._kept(out.detach()).flatten(0, -2))):
             self.model.validation_step(to_device(batch, self.device))
         return captured[0]
 
@@ -56,11 +76,11 @@ class SourceModel:
     def loss(self, replace: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
         """Mean validation loss of the source model, with the module's output passed through `replace`."""
         total, count = 0.0, 0
-        hook = (lambda out: replace(out.flatten(0, -2)).view_as(out)) if replace else (lambda out: None)
+        hook = (lambda out: self._spliced(out, replace)) if replace else (lambda out: None)
         with self._hook(hook):
             for batch in self.data.val_loader():
                 batch = to_device(batch, self.device)
-                size = next(t for t in batch if torch.is_tensor(t)).shape[0]
+                size = batch_size_of(batch)
                 total += float(self.model.validation_step(batch)["loss"]) * size
                 count += size
         return total / count
@@ -128,6 +148,7 @@ class HookedData(DataModule):
         samples_per_epoch: int = 65536,
         d: int | None = None,
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
+        skip_positions: int = 0,
         **loader,
     ) -> None:
         if loader.get("num_workers", 0) != 0:
@@ -137,7 +158,7 @@ class HookedData(DataModule):
                 f"data.buffer_size={buffer_size} must hold at least two batches "
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
             )
-        source = SourceModel(checkpoint, module, trusted_targets=trusted_targets)
+        source = SourceModel(checkpoint, module, trusted_targets=trusted_targets, skip_positions=skip_positions)
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
         if d is not None and val.shape[1] != d:
             raise ConfigError(f"{module} outputs {val.shape[1]} features but model.d_in={d}")
@@ -147,19 +168,36 @@ class HookedData(DataModule):
 
 
 class SpliceEval(Callback):
-    """Callback: the source model's validation loss with the SAE's reconstruction spliced into `module`, and the
-    fraction of loss recovered relative to zero-ablating the module: (L_zero - L_sae) / (L_zero - L_clean)."""
+    """Callback: the source model's validation loss with the SAE's reconstruction spliced into `module` (positions
+    from `skip_positions` on), and the fraction of loss recovered against two ablations of those positions: zero,
+    (L_zero - L_sae) / (L_zero - L_clean), and their mean activation, (L_mean - L_sae) / (L_mean - L_clean)."""
 
-    def __init__(self, checkpoint: str, module: str, trusted_targets: Sequence[str] = TRUSTED_TARGETS) -> None:
+    def __init__(
+        self,
+        checkpoint: str,
+        module: str,
+        trusted_targets: Sequence[str] = TRUSTED_TARGETS,
+        skip_positions: int = 0,
+    ) -> None:
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
+        self.skip = skip_positions
         self.source: SourceModel | None = None
-        self.provides = ("val/ce_clean", "val/ce_zero_ablated", "val/ce_spliced", "val/loss_recovered")
+        self.provides = (
+            "val/ce_clean",
+            "val/ce_zero_ablated",
+            "val/ce_mean_ablated",
+            "val/ce_spliced",
+            "val/loss_recovered",
+            "val/loss_recovered_mean",
+        )
 
     def on_validation_end(self, run, metrics: dict[str, float]) -> None:
-        """Add val/ce_clean, val/ce_zero_ablated, val/ce_spliced and val/loss_recovered."""
+        """Add the clean, ablated and spliced losses and the fractions of loss recovered."""
         if self.source is None:
-            self.source = SourceModel(self.checkpoint, self.module, run.device, self.trusted_targets)
+            self.source = SourceModel(self.checkpoint, self.module, run.device, self.trusted_targets, self.skip)
+            mean = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()]).mean(0)
             self.clean, self.zero = self.source.loss(), self.source.loss(torch.zeros_like)
+            self.mean = self.source.loss(lambda acts: mean.expand_as(acts))
         sae: nn.Module = run.task
         sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
         spliced = self.source.loss(lambda acts: sae(acts.float()).to(acts.dtype))
@@ -168,7 +206,9 @@ class SpliceEval(Callback):
             {
                 "val/ce_clean": self.clean,
                 "val/ce_zero_ablated": self.zero,
+                "val/ce_mean_ablated": self.mean,
                 "val/ce_spliced": spliced,
                 "val/loss_recovered": (self.zero - spliced) / (self.zero - self.clean),
+                "val/loss_recovered_mean": (self.mean - spliced) / (self.mean - self.clean),
             }
         )
