@@ -6,6 +6,7 @@ Options are discovered from the YAML files under conf/, so a newly added file is
 from __future__ import annotations
 
 import math
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,7 +87,15 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     save_weights(run.task, source / "model.safetensors")
     tokens = root / "tokens.bin"
     np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16).tofile(tokens)
-    return {"acts": str(acts), "source": str(source), "tokens": str(tokens)}
+    lm = root / "lm_run"  # a tiny GPT on one stdlib package, for sae_lm to hook into
+    json_package = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
+    tiny = ["model.n_layer=3", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.val_windows=16"]
+    cfg = compose_job(lm, "+experiment=lm", f"data.paths=[{json_package}]", "data.val_every=2", *tiny)
+    cfg.trainer.max_duration, cfg.logger, cfg.callbacks = "2st", {}, {}
+    (lm / ".hydra").mkdir(parents=True, exist_ok=True)
+    save_weights(build(cfg).task, lm / "model.safetensors")
+    OmegaConf.save(cfg, lm / ".hydra" / "config.yaml")
+    return {"acts": str(acts), "source": str(source), "tokens": str(tokens), "lm": str(lm)}
 
 
 def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str]:
@@ -98,6 +107,8 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
         overrides += [f"data.train_path={inputs['tokens']}", "data.val_fraction=0.1"]
     if host == "sae_digits":
         overrides.append(f"source.checkpoint={inputs['source']}")
+    if host == "sae_lm":
+        overrides += [f"source.checkpoint={inputs['lm']}", "data.buffer_size=4096"]
     return overrides + _unit_overrides(group, option)
 
 
