@@ -29,9 +29,12 @@ def same_second(root: Path) -> dict[str, Any]:
 def busy(root: Path) -> dict[str, Any]:
     """A resume=auto into a folder while another run writes there; then a new run into the finished folder."""
     run_dir = root / "busy"
-    first = popen("-m", "runner", *TINY, *SLOW, f"hydra.run.dir={run_dir}", cwd=root)
+    # 1 s a step: the first run still trains for 10 s after its first log row, however slowly a busy machine starts
+    # the second process
+    slower = [*SLOW[:1], "+callbacks.slow.seconds=1.0"]
+    first = popen("-m", "runner", *TINY, *slower, f"hydra.run.dir={run_dir}", cwd=root)
     wait_for(first, "busy/metrics.jsonl", root)
-    second = cli(*TINY, *SLOW, "resume=auto", cwd=root, run_dir=run_dir)
+    second = cli(*TINY, *slower, "resume=auto", cwd=root, run_dir=run_dir)
     first.wait(timeout=300)
     config = (run_dir / ".hydra" / "config.yaml").read_bytes()
     third = cli(*TINY, "seed=1", cwd=root, run_dir=run_dir)
