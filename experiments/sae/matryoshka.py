@@ -41,8 +41,10 @@ def prefix_ends(group_sizes: Sequence[float], n_latents: int) -> tuple[int, ...]
 class MatryoshkaSAE(BatchTopKSAE):
     """Nested prefix losses over latent groups; codes from BatchTopK (the parent, threshold at inference) or TopK.
 
-    Codes are kept dense ([B, n_latents]), so that each prefix's reconstruction is a slice of one matrix product; the
-    prefixes other than the full one cost a product over their latents only (with the default groups, a quarter).
+    Codes are kept dense ([B, n_latents]) for TopK too: the parent's loss hook (`aux_loss`) sees the codes but not
+    TopK's indices, and dense codes make each prefix's reconstruction a slice of one matrix product. The price is
+    TopK's sparse decode (k rows summed per sample); the prefixes other than the full one add a product over their
+    latents only (with the default groups, a quarter of a decode).
     """
 
     def __init__(
