@@ -242,7 +242,10 @@ class SAE(nn.Module):
         of the whole split (not about zero, and not a mean of per-batch ratios), NMSE against E||x||^2, MSE per
         element in the inputs' own units."""
         sse, sst = means["sse"], means["x_sq"] - means["x_mean"].pow(2).sum()
+        # a subclass's own validation outputs pass through as their means
+        others = {k: v for k, v in means.items() if k not in ("sse", "x_mean", "x_sq", "l0", "dead_fraction")}
         return {
+            **others,
             "loss": sse / sst,
             "recon_loss": sse / sst,
             "fve": 1 - sse / sst,
