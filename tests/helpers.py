@@ -151,6 +151,24 @@ def compose_job(run_dir: Path, *overrides: str) -> DictConfig:
     return cfg
 
 
+def finished_run(directory: Path, *overrides: str) -> Run:
+    """Train `overrides` in this process and leave `directory` as a finished run folder that load_trained reads
+    (model.safetensors and .hydra/config.yaml): a source for the SAE experiments."""
+    from omegaconf import OmegaConf
+
+    from runner.build import build
+    from runner.ckpt.files import save_weights
+    from runner.loop import fit
+
+    cfg = compose_job(directory, *overrides)
+    run = fit(build(cfg))
+    HydraConfig.instance().cfg = None
+    (directory / ".hydra").mkdir(exist_ok=True)
+    save_weights(run.task, directory / "model.safetensors")
+    OmegaConf.save(cfg, directory / ".hydra" / "config.yaml")
+    return run
+
+
 class StopAt(Callback):
     """Asks the loop to stop at `step` as a preemption would."""
 

@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_job
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf
+from helpers import finished_run
 
 from experiments.sae.hooked import SourceModel
 from runner import ConfigError
 from runner.build import build
-from runner.ckpt.files import save_weights
 from runner.loop import fit
 
 JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")  # 5 real files, ~50 kB
@@ -52,12 +49,7 @@ SAE_LM_SMALL = [
 def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A finished tiny GPT run folder, as load_trained reads it: model.safetensors and .hydra/config.yaml."""
     directory = tmp_path_factory.mktemp("lm")
-    cfg = compose_job(directory, *TINY_LM)
-    run = fit(build(cfg))
-    HydraConfig.instance().cfg = None
-    (directory / ".hydra").mkdir()
-    save_weights(run.task, directory / "model.safetensors")
-    OmegaConf.save(cfg, directory / ".hydra" / "config.yaml")
+    finished_run(directory, *TINY_LM)
     yield directory
 
 

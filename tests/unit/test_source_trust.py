@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_job
-from hydra.core.hydra_config import HydraConfig
+from helpers import finished_run
 from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.build import build, load_trained
 from runner.ckpt.files import save_weights
-from runner.loop import fit
 
 MARKER = Path("/tmp/runner-source-pwned")
 
@@ -32,12 +30,7 @@ def source_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A finished digits run folder (3 steps): model.safetensors and .hydra/config.yaml."""
     directory = tmp_path_factory.mktemp("source")
     torch.set_num_threads(1)
-    cfg = compose_job(directory, "logger=none", "+experiment=digits", "trainer.max_duration=3st")
-    run = fit(build(cfg))
-    HydraConfig.instance().cfg = None
-    (directory / ".hydra").mkdir()
-    save_weights(run.task, directory / "model.safetensors")
-    OmegaConf.save(cfg, directory / ".hydra" / "config.yaml")
+    finished_run(directory, "logger=none", "+experiment=digits", "trainer.max_duration=3st")
     yield directory
 
 
