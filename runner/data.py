@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import random
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -216,26 +216,20 @@ class DataModule:
         return self._loader(dataset, sampler, device or torch.device("cpu"), self.seed + rank)
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to `device`, without blocking when the memory is pinned."""
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    # the batch with fn applied to every tensor in it, nested in mappings, lists and tuples; anything else as it is
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(_map_tensors(v, fn) for v in batch)
     return batch
 
 
-def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
-    if isinstance(batch, torch.Tensor):
-        batch.record_stream(stream)
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            _record_stream(value, stream)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            _record_stream(value, stream)
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to `device`, without blocking when the memory is pinned."""
+    return _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
 def device_batches(loader: Iterable, device: torch.device) -> Iterator[Any]:
@@ -253,20 +247,18 @@ def device_batches(loader: Iterable, device: torch.device) -> Iterator[Any]:
 
     ahead = None
     for batch in loader:
+        following = issue(batch)  # on its way before the batch ahead of it is handed out
         if ahead is not None:
-            following = issue(batch)
             yield _ready(*ahead, compute)
-            ahead = following
-        else:
-            ahead = issue(batch)
+        ahead = following
     if ahead is not None:
         yield _ready(*ahead, compute)
 
 
 def _ready(batch: Any, copied: torch.cuda.Event, compute: torch.cuda.Stream) -> Any:
     compute.wait_event(copied)  # the compute stream waits on the device: the host goes on
-    _record_stream(batch, compute)  # its memory is not reused until the compute stream is done with it
-    return batch
+    # its memory is not reused until the compute stream is done with it
+    return _map_tensors(batch, lambda t: t.record_stream(compute) or t)
 
 
 def batch_size_of(batch: Any) -> int:

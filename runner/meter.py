@@ -76,10 +76,9 @@ class Meter:
 
     def state_dict(self) -> dict[str, Any]:
         """The sums since the last log, so a resumed run's next row averages the same steps."""
-        records = torch.stack([t.float() for r in self.records for t in r]).tolist() if self.records else []
         return {
             "sums": {k: float(v) for k, v in self.sums.items()},  # host values: every rank's is gathered
-            "records": [records[i : i + 3] for i in range(0, len(records), 3)],
+            "records": self._stacked(torch.device("cpu")).tolist(),
             "micro": self.micro,
             "lr": self.lr,
             "nonfinite_steps": self.nonfinite_steps,
@@ -114,6 +113,12 @@ class Meter:
             self.first_step_s = time.perf_counter() - self.clock
             self.start()  # throughput from here on
 
+    def _stacked(self, device: torch.device) -> torch.Tensor:
+        # the records as one float32 [steps, 3] tensor on `device` (restored ones are on the host)
+        if not self.records:
+            return torch.zeros(0, 3, device=device)
+        return torch.stack([t.to(device, torch.float32) for r in self.records for t in r]).view(-1, 3)
+
     def read(self, strategy: Any, params: list[torch.Tensor]) -> dict[str, float]:
         """Means since the last read, norms, LR, skipped steps, throughput and memory, with one device sync; then
         start over.
@@ -121,8 +126,7 @@ class Meter:
         `strategy` (runner.run.Strategy) sums over ranks; `params` are the trained parameters."""
         p, keys, device = self.progress, list(self.sums), strategy.device
         param_norm = strategy.norm([q.detach() for q in params])  # FSDP: over every rank's shards
-        # [steps, 3] (restored records are on the host: .to is a no-op for the others)
-        records = torch.stack([t.to(device, torch.float32) for r in self.records for t in r]).view(-1, 3).double()
+        records = self._stacked(device).double()
         local = [torch.as_tensor(self.sums[k], device=device).double().reshape(1) for k in keys]
         local += [records[:, 0].sum().reshape(1), torch.tensor([float(self.micro)], device=device, dtype=torch.float64)]
         totals = strategy.all_sum(torch.cat(local))  # sums over every rank: global means
