@@ -40,14 +40,6 @@ from runner.loop import fit
 from runner.run import Callback, Run
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
     yield lambda *overrides: compose_job(tmp_path / "run", "logger=none", *overrides)

@@ -24,14 +24,6 @@ from runner.build import build
 from runner.loop import fit
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
     yield lambda *overrides: compose_job(tmp_path / "run", "logger=none", *overrides)
