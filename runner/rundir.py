@@ -16,6 +16,7 @@ RUN_INFO = "run.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 MODEL = "model.safetensors"
+MODEL_PART = "model.{}.safetensors"  # one part of a task made of several models (an SAE of a family)
 CHECKPOINTS = "checkpoints"
 LOG = "runner.log"  # what rank 0 printed (runner.log.tee); Hydra names it after hydra.job.name
 

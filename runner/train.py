@@ -13,12 +13,12 @@ from omegaconf import DictConfig
 
 from runner.build import build
 from runner.ckpt.callback import Checkpoint
-from runner.ckpt.files import load_checkpoint, newest_valid, save_weights
+from runner.ckpt.files import load_checkpoint, newest_valid, save_weights, weight_parts
 from runner.ckpt.state import model_weights, restore
 from runner.log.info import run_info, run_metadata
 from runner.loop import fit
 from runner.run import Callback, Run, StopReason
-from runner.rundir import CHECKPOINTS, MODEL, RUN_INFO, SUMMARY, write_json
+from runner.rundir import CHECKPOINTS, MODEL, MODEL_PART, RUN_INFO, SUMMARY, write_json
 from runner.sweeps.job import SweepJob
 
 
@@ -91,7 +91,8 @@ def _preemptible(run: Run) -> Iterator[None]:
 
 
 def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: SweepJob | None = None) -> Run:
-    """Build the run, resume it if asked, fit, and write model.safetensors and summary.json (rank 0).
+    """Build the run, resume it if asked, fit, and write model.safetensors and summary.json (rank 0); a task made of
+    several models (`parts`) also gets one model.<name>.safetensors each.
 
     `sweep`: the job of a sweep this run is (its loggers name and group it so), or None.
     """
@@ -133,6 +134,8 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
         weights = model_weights(run) if summary is not None else None  # collective under FSDP: every rank
         if summary is not None and run.strategy.is_main:
             save_weights(weights, run_dir / MODEL)
+            for name, part in weight_parts(run.task, weights).items():
+                save_weights(part, run_dir / MODEL_PART.format(name))
             write_json(run_dir / SUMMARY, summary)
         for logger in run.loggers:
             logger.close(summary)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.sae.metrics import feature_recovery
+from experiments.sae.multi import combined, members
 from runner.progress import parse_duration
 from runner.run import Callback
 
@@ -25,9 +26,14 @@ class GroundTruthRecovery(Callback):
     def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
         """Score the decoder against the truth (metrics added here are logged with the validation's row)."""
         truth = getattr(run.val_loader.dataset, "true_features", None) if run.val_loader is not None else None
-        if truth is not None:
-            scores = feature_recovery(run.task.W_dec.detach(), truth.to(run.task.W_dec.device), self.thresholds)
-            metrics.update({f"val/{k}": v for k, v in scores.items()})
+        if truth is None:
+            return
+        per_sae = {}
+        for prefix, sae in members(run.task):
+            per_sae[prefix] = feature_recovery(sae.W_dec.detach(), truth.to(sae.W_dec.device), self.thresholds)
+            metrics.update({f"val/{prefix}{k}": v for k, v in per_sae[prefix].items()})
+        if len(per_sae) > 1:  # a family's unprefixed scores: the mean over its SAEs
+            metrics.update({f"val/{k}": v for k, v in combined(per_sae).items()})
 
 
 class ResampleDead(Callback):
@@ -48,14 +54,18 @@ class ResampleDead(Callback):
 
     @torch.no_grad()
     def on_optimizer_step(self, run: Run) -> None:
-        """Resample at each tick of `every` while `until` has not elapsed."""
-        p, sae = run.progress, run.task
+        """Resample at each tick of `every` while `until` has not elapsed (each SAE of a family)."""
+        p = run.progress
         if not p.ticked(self.every) or p.elapsed(self.until):
             return
-        dead = sae.dead_mask().nonzero().flatten()
-        if len(dead) == 0:
-            return
-        x = self._inputs(run).to(sae.W_dec.device)
+        x = None
+        for _, sae in members(run.task):
+            dead = sae.dead_mask().nonzero().flatten()
+            if len(dead) > 0:
+                x = self._inputs(run) if x is None else x  # one draw of inputs for the whole family
+                self._resample(run, sae, dead, x.to(sae.W_dec.device))
+
+    def _resample(self, run: Run, sae, dead: torch.Tensor, x: torch.Tensor) -> None:
         xn = x.float() * sae.input_scale
         err = (sae.decode(*sae.activate(sae.pre_activations(xn))) - xn).pow(2).sum(1)
         picks = torch.multinomial(err / err.sum(), len(dead), replacement=len(dead) > len(err))

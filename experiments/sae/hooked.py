@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from experiments.sae.multi import combined, members
 from runner import ConfigError
 from runner.build import TRUSTED_TARGETS, build_data, load_trained
 from runner.data import DataModule, TensorData, batch_size_of, to_device
@@ -73,17 +74,46 @@ class SourceModel:
         return captured[0]
 
     @torch.no_grad()
-    def loss(self, replace: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
-        """Mean validation loss of the source model, with the module's output passed through `replace`."""
-        total, count = 0.0, 0
-        hook = (lambda out: self._spliced(out, replace)) if replace else (lambda out: None)
-        with self._hook(hook):
-            for batch in self.data.val_loader():
-                batch = to_device(batch, self.device)
-                size = batch_size_of(batch)
-                total += float(self.model.validation_step(batch)["loss"]) * size
-                count += size
-        return total / count
+    def compare(self, replacements: dict[str, Callable[[torch.Tensor], torch.Tensor] | None]) -> dict[str, dict]:
+        """Over the validation split, for each named replacement of the module's output (None: the clean model): the
+        model's mean validation loss ("ce") and, when the model's output is logits, the KL divergence of its
+        next-token distribution from the clean model's ("kl", nats per token, over the same tokens as the loss)."""
+        sums = {name: torch.zeros(2, dtype=torch.float64) for name in replacements}
+        count, has_logits = 0, True
+        for batch in self.data.val_loader():
+            batch = to_device(batch, self.device)
+            size = batch_size_of(batch)
+            clean = self._run(batch, None)
+            for name, replace in replacements.items():
+                loss, logits = clean if replace is None else self._run(batch, replace)
+                has_logits = has_logits and logits is not None
+                kl = _kl(clean[1], logits) if has_logits else torch.zeros((), dtype=torch.float64)
+                sums[name] += torch.stack([loss.double().cpu(), kl.cpu()]) * size
+            count += size
+        means = {name: (total / count).tolist() for name, total in sums.items()}
+        return {name: {"ce": ce, **({"kl": kl} if has_logits else {})} for name, (ce, kl) in means.items()}
+
+    def _run(
+        self, batch: Any, replace: Callable[[torch.Tensor], torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The loss of one batch with the module's output replaced, and the model's own output (logits) when it is a
+        # tensor: the root module's forward hook sees what validation_step computed its loss from.
+        outputs: list[Any] = []
+        root = self.model.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+        try:
+            with self._hook((lambda out: self._spliced(out, replace)) if replace else (lambda out: None)):
+                loss = self.model.validation_step(batch)["loss"]
+        finally:
+            root.remove()
+        logits = outputs[-1] if outputs and torch.is_tensor(outputs[-1]) and outputs[-1].is_floating_point() else None
+        return loss, logits
+
+
+def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(clean || other) of the distributions given by logits [..., vocab], averaged over positions, in float64."""
+    p = clean.double().log_softmax(-1)
+    q = other.double().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1).mean()
 
 
 class ActivationBuffer:
@@ -169,8 +199,10 @@ class HookedData(DataModule):
 
 class SpliceEval(Callback):
     """Callback: the source model's validation loss with the SAE's reconstruction spliced into `module` (positions
-    from `skip_positions` on), and the fraction of loss recovered against two ablations of those positions: zero,
-    (L_zero - L_sae) / (L_zero - L_clean), and their mean activation, (L_mean - L_sae) / (L_mean - L_clean)."""
+    from `skip_positions` on), the KL divergence of its next-token distribution from the clean model's, and the
+    fraction of loss recovered against two ablations of those positions: zero, (L_zero - L_sae) / (L_zero - L_clean),
+    and their mean activation, (L_mean - L_sae) / (L_mean - L_clean). Each SAE of a family (model=sae_multi) gets its
+    own, as val/<name>/<metric>, and the unprefixed metrics are their means."""
 
     def __init__(
         self,
@@ -182,33 +214,54 @@ class SpliceEval(Callback):
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
         self.skip = skip_positions
         self.source: SourceModel | None = None
-        self.provides = (
-            "val/ce_clean",
-            "val/ce_zero_ablated",
-            "val/ce_mean_ablated",
-            "val/ce_spliced",
-            "val/loss_recovered",
-            "val/loss_recovered_mean",
+        self.ablated: dict[str, dict] = {}
+        self.provides = tuple(
+            f"val/{name}"
+            for name in (
+                "ce_clean",
+                "ce_zero_ablated",
+                "ce_mean_ablated",
+                "kl_zero_ablated",
+                "kl_mean_ablated",
+                "ce_spliced",
+                "kl_spliced",
+                "loss_recovered",
+                "loss_recovered_mean",
+            )
         )
 
     def on_validation_end(self, run, metrics: dict[str, float]) -> None:
-        """Add the clean, ablated and spliced losses and the fractions of loss recovered."""
+        """Add the clean, ablated and spliced losses, the KL divergences and the fractions of loss recovered."""
         if self.source is None:
             self.source = SourceModel(self.checkpoint, self.module, run.device, self.trusted_targets, self.skip)
             mean = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()]).mean(0)
-            self.clean, self.zero = self.source.loss(), self.source.loss(torch.zeros_like)
-            self.mean = self.source.loss(lambda acts: mean.expand_as(acts))
-        sae: nn.Module = run.task
-        sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
-        spliced = self.source.loss(lambda acts: sae(acts.float()).to(acts.dtype))
-        sae.train()
-        metrics.update(
-            {
-                "val/ce_clean": self.clean,
-                "val/ce_zero_ablated": self.zero,
-                "val/ce_mean_ablated": self.mean,
-                "val/ce_spliced": spliced,
-                "val/loss_recovered": (self.zero - spliced) / (self.zero - self.clean),
-                "val/loss_recovered_mean": (self.mean - spliced) / (self.mean - self.clean),
+            self.ablated = self.source.compare(
+                {"clean": None, "zero": torch.zeros_like, "mean": lambda acts: mean.expand_as(acts)}
+            )
+        clean, zero, mean = (self.ablated[name] for name in ("clean", "zero", "mean"))
+        family = members(run.task)
+        for _, sae in family:
+            sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
+        spliced = self.source.compare({prefix: _through(sae) for prefix, sae in family})
+        for _, sae in family:
+            sae.train()
+        metrics["val/ce_clean"] = clean["ce"]
+        for name in ("zero", "mean"):
+            metrics.update({f"val/{what}_{name}_ablated": value for what, value in self.ablated[name].items()})
+        per_sae = {
+            prefix: {
+                "ce_spliced": got["ce"],
+                **({"kl_spliced": got["kl"]} if "kl" in got else {}),
+                "loss_recovered": (zero["ce"] - got["ce"]) / (zero["ce"] - clean["ce"]),
+                "loss_recovered_mean": (mean["ce"] - got["ce"]) / (mean["ce"] - clean["ce"]),
             }
-        )
+            for prefix, got in spliced.items()
+        }
+        for prefix, values in per_sae.items():
+            metrics.update({f"val/{prefix}{name}": value for name, value in values.items()})
+        if len(per_sae) > 1:
+            metrics.update({f"val/{name}": value for name, value in combined(per_sae).items()})
+
+
+def _through(sae: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda acts: sae(acts.float()).to(acts.dtype)

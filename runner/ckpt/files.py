@@ -60,6 +60,15 @@ def save_weights(model: torch.nn.Module | dict[str, torch.Tensor], path: str | P
     rundir.write_atomic(path, _safetensors(weights), fsync=True)
 
 
+def weight_parts(task: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The weights of each part of a task made of several models (`task.parts`: name -> prefix of its weights, as a
+    family of SAEs has), under the part's own names: a file of its own loads into that part alone."""
+    return {
+        name: {key[len(prefix) :]: value for key, value in weights.items() if key.startswith(prefix)}
+        for name, prefix in getattr(task, "parts", {}).items()
+    }
+
+
 def write_checkpoint(folder: Path, model: dict[str, torch.Tensor], state: dict[str, Any], info: dict[str, Any]) -> None:
     """Write a checkpoint folder atomically: temporary folder, fsync every file, rename, fsync the parent."""
     tmp = folder.parent / f".tmp-{folder.name}"

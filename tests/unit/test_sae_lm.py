@@ -67,6 +67,37 @@ def test_sae_lm_trains_on_the_residual_stream_and_reports_loss_recovered(compose
         (m["val/ce_zero_ablated"] - m["val/ce_spliced"]) / (m["val/ce_zero_ablated"] - m["val/ce_clean"])
     )
     assert 0 < m["val/fve"] <= 1 and 0 < m["val/l0"] <= 8
+    # KL(clean || spliced) in nats per token: positive, and below what either ablation costs
+    assert 0 < m["val/kl_spliced"] < m["val/kl_mean_ablated"] < m["val/kl_zero_ablated"], m
+
+
+def test_kl_is_zero_for_the_identity_and_matches_a_hand_computation(lm_run: Path) -> None:
+    source = SourceModel(str(lm_run), "blocks.0", skip_positions=1)
+    halved = source.compare({"same": lambda acts: acts, "half": lambda acts: acts / 2})
+    assert halved["same"]["kl"] == pytest.approx(0, abs=1e-12)
+    assert halved["same"]["ce"] == pytest.approx(source.compare({"clean": None})["clean"]["ce"], rel=1e-6)
+    batch = next(iter(source.data.val_loader()))
+    tokens = batch["tokens"][:, :-1]
+    clean = source.model(tokens).double().log_softmax(-1)
+    with source._hook(lambda out: torch.cat([out[:, :1], out[:, 1:] / 2], dim=1)):
+        half = source.model(tokens).double().log_softmax(-1)
+    kl = (clean.exp() * (clean - half)).sum(-1).mean()
+    assert kl > 0
+    one_batch = SourceModel(str(lm_run), "blocks.0", skip_positions=1)
+    one_batch.data.val_loader = lambda: [batch]
+    assert one_batch.compare({"half": lambda acts: acts / 2})["half"]["kl"] == pytest.approx(float(kl), rel=1e-9)
+
+
+def test_a_family_of_saes_on_the_residual_stream_reports_each_splice(compose_cfg: Callable, lm_run: Path) -> None:
+    family = ["model=sae_multi", "model.ks=[4,8]", "model.base.n_latents=128"]
+    small = [o for o in SAE_LM_SMALL if not o.startswith(("model.n_latents", "model.k="))]
+    cfg = compose_cfg("+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *family, *small)
+    run = fit(build(cfg))
+    m = run.state.metrics
+    for name in ("ce_spliced", "kl_spliced", "loss_recovered", "fve", "l0"):
+        assert m[f"val/{name}"] == pytest.approx((m[f"val/k4/{name}"] + m[f"val/k8/{name}"]) / 2), name
+    assert m["val/k4/l0"] <= 4 < m["val/k8/l0"] <= 8
+    assert m["val/k4/ce_spliced"] != m["val/k8/ce_spliced"]
 
 
 def test_splicing_keeps_the_skipped_positions_and_replaces_the_others(lm_run: Path) -> None:
