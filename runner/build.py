@@ -277,12 +277,19 @@ def load_trained(checkpoint: str | Path, trusted: Sequence[str] = TRUSTED_TARGET
         if key not in cfg:
             raise ConfigError(f"{config} has no `{key}`: is {run_dir} the folder of a runner run?")
     source = OmegaConf.create({k: _trusted_node(cfg, k, config, trusted) for k in ("model", "data")})
-    model = instantiate(source.model)
+    # A key the data decided (an SAE's d_in) is null in the saved config: the data decides it again
+    decided = _decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
+    model = instantiate(source.model, **decided)
     try:
         load_weights(model, weights, strict=True, what="source.checkpoint")
     except ConfigError as error:  # a truncated file or weights of another architecture
         raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
     return model.eval().requires_grad_(False), source
+
+
+def _has_null(node: DictConfig) -> bool:
+    # literal nulls only (an interpolation that resolves to null is the config's own choice, not the data's)
+    return any(value is None for value in OmegaConf.to_container(node, resolve=False).values())
 
 
 def build_data(cfg: DictConfig) -> Any:

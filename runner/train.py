@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.build import build
 from runner.ckpt.callback import Checkpoint
@@ -18,7 +18,7 @@ from runner.ckpt.state import model_weights, restore
 from runner.log.info import run_info, run_metadata
 from runner.loop import fit
 from runner.run import Callback, Run, StopReason
-from runner.rundir import CHECKPOINTS, MODEL, MODEL_PART, RUN_INFO, SUMMARY, write_json
+from runner.rundir import CHECKPOINTS, CONFIG, MODEL, MODEL_PART, RUN_INFO, SUMMARY, write_atomic, write_json
 from runner.sweeps.job import SweepJob
 
 
@@ -113,6 +113,11 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
         run.stop_reason = StopReason(manifest["stop_reason"])
     if run.strategy.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless train() is called from Python
+        if not (run_dir / CONFIG).exists():
+            # run_dir=X moves the run away from Hydra's output folder, which keeps .hydra/: the run folder must hold
+            # its config anyway (a finished run is an SAE's source.checkpoint, read from there)
+            (run_dir / CONFIG).parent.mkdir(exist_ok=True)
+            write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(cfg).encode())
         info = run_metadata(str(run.device), run.world_size)
         if run.settings.data_info:
             info["data"] = run.settings.data_info

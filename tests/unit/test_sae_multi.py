@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from experiments.sae.model import BatchTopKSAE, TopKSAE
 from experiments.sae.multi import MultiSAE
 from runner import ConfigError
-from runner.build import build
+from runner.build import build, load_trained
 from runner.train import train
 
 SMALL = (
@@ -96,6 +96,9 @@ def test_sae_multi_run_logs_each_sae_and_writes_its_own_weights(compose_cfg: Cal
         alone = TopKSAE(d_in=16, n_latents=64, k=k)
         alone.load_state_dict(part)  # strict: the file is exactly one SAE's weights
         assert torch.equal(part["W_dec"], whole[f"saes.{name}.W_dec"])
+    # the run folder holds its config although Hydra did not make it (run_dir elsewhere): a usable finished run
+    family, _ = load_trained(run_dir)
+    assert torch.equal(family.saes["k4"].W_dec, whole["saes.k4.W_dec"])
 
 
 def test_sae_multi_needs_no_d_in_and_refuses_a_wrong_one(compose_cfg: Callable[..., DictConfig]) -> None:
