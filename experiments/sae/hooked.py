@@ -189,6 +189,11 @@ class HookedData(DataModule):
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
             )
         source = SourceModel(checkpoint, module, trusted_targets=trusted_targets, skip_positions=skip_positions)
+        if source.data.val_loader() is None:
+            raise ConfigError(
+                f"the source run {checkpoint} has no validation split, which the SAE validates (and splices) on: "
+                "train the source with one (the lm data: data.val_every > 0 with at least that many files)"
+            )
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
         if d is not None and val.shape[1] != d:
             raise ConfigError(f"{module} outputs {val.shape[1]} features but model.d_in={d}")

@@ -20,6 +20,8 @@ SMOKE = {
     "overhead": ["--steps", "70", "--warmup", "5", "--reps", "1", "--sizes", "tiny"],
     "startup": ["--steps", "3", "--reps", "1"],
     "sae_throughput": ["--steps", "4", "--reps", "1", "--batch", "256"],
+    # a one-block source, a ring of 2048 positions refilled every 8 steps of 128
+    "sae_multi": ["--n-layer", "1", "--cycles", "1", "--reps", "1", "data.buffer_size=2048", "data.batch_size=128"],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
     # a one-layer GPT on one stdlib package; eager and activation checkpointing (compiling takes ~30 s from cold)
     "lm": [
@@ -94,6 +96,14 @@ def test_sae_throughput_smoke(runs: dict[str, Future]) -> None:
     assert result["max_decoder_diff"] == 0.0
     assert result["shape"] == {"d_in": 256, "n_latents": 1024, "k": 5, "batch": 256} and result["mfu"] is None  # CPU
     assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0
+
+
+def test_sae_multi_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_multi"].result()
+    assert result["steps_timed"] == 8 and result["layer"] == 0
+    assert result["one_s"] > 0 and result["four_s"] > 0
+    assert result["ratio"] == result["four_s"] / result["one_s"]  # one repetition: its ratio is the medians'
+    assert 0 < result["source_share_of_one"] < 1
 
 
 def test_checkpoint_smoke(runs: dict[str, Future]) -> None:
