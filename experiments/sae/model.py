@@ -229,21 +229,25 @@ class SAE(nn.Module):
         xn = x.float() * self.input_scale
         values, indices = self.activate(self.pre_activations(xn))
         xn, recon = xn.double(), self.decode(values, indices).double()
+        fired = values > 0
+        rate = fired.double().mean(0) if indices is None else self._dense(fired.double(), indices).mean(0)
         return {
             "sse": (recon - xn).pow(2).sum(1).mean(),
             "x_mean": xn.mean(0),  # [d]
             "x_sq": xn.pow(2).sum(1).mean(),
             "l0": (values > 0).sum(1).double().mean(),
             "dead_fraction": self.dead_mask().double().mean(),
+            "firing_rate": rate,  # [n_latents]: the split's mean is each latent's firing rate over all its inputs
         }
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The split's metrics from validation_step's means: FVE = 1 - SSE/SST with SST about the per-dimension mean
         of the whole split (not about zero, and not a mean of per-batch ratios), NMSE against E||x||^2, MSE per
-        element in the inputs' own units."""
+        element in the inputs' own units, and the fraction of latents that never fired on the split."""
         sse, sst = means["sse"], means["x_sq"] - means["x_mean"].pow(2).sum()
         # a subclass's own validation outputs pass through as their means
-        others = {k: v for k, v in means.items() if k not in ("sse", "x_mean", "x_sq", "l0", "dead_fraction")}
+        own = ("sse", "x_mean", "x_sq", "l0", "dead_fraction", "firing_rate")
+        others = {k: v for k, v in means.items() if k not in own}
         return {
             **others,
             "loss": sse / sst,
@@ -253,6 +257,8 @@ class SAE(nn.Module):
             "mse": sse / self.d_in / self.input_scale.double() ** 2,
             "l0": means["l0"],
             "dead_fraction": means["dead_fraction"],
+            # latents that fired on none of the split's inputs (tokens, for a language model's activations)
+            "unfired_fraction": (means["firing_rate"] == 0).double().mean(),
         }
 
 

@@ -836,6 +836,26 @@ def test_validation_fve_is_streamed_over_the_split_about_its_mean_in_float64() -
     assert metrics["val/nmse"] == pytest.approx(float(sse / xd.pow(2).sum()), rel=1e-5)
 
 
+def test_unfired_fraction_counts_latents_silent_over_the_whole_split_not_per_batch() -> None:
+    from helpers import make_run
+
+    from runner.data import TensorData
+    from runner.loop import evaluate
+
+    # Identity encoder, k=1: each input fires the latent of its largest coordinate. The first batch fires latent 0
+    # only, the second latent 1 only: over the split 2 of 4 latents never fire (per batch, 3 of 4 would look dead).
+    sae = TopKSAE(d_in=4, n_latents=4, k=1, geometric_median_init=False, normalize_input=False)
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.eye(4))
+        sae.b_enc.zero_()
+        sae.b_dec.zero_()
+    x = torch.cat([torch.eye(4)[0].expand(8, 4), torch.eye(4)[1].expand(8, 4)]) * 2
+    data = DataModule({"train": TensorData(x), "val": TensorData(x)}, val_batch_size=8, batch_size=8)
+    run = make_run(sae, splits={"train": TensorData(x), "val": TensorData(x)}, batch_size=8)
+    run.val_loader = data.val_loader()
+    assert evaluate(run)["val/unfired_fraction"] == 0.5
+
+
 def test_auxk_reconstructs_the_residual_without_the_decoder_bias_a_second_time() -> None:
     # The residual x - recon already holds b_dec once (recon = codes @ W_dec + b_dec); the dead latents' reconstruction
     # of it must not add b_dec again (a bug of the field's reference code).
