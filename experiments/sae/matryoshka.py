@@ -98,10 +98,22 @@ class MatryoshkaSAE(BatchTopKSAE):
         return out
 
     def validation_step(self, batch) -> dict[str, torch.Tensor]:
-        """The parent's metrics plus each prefix's `prefix_<m>_nmse`."""
+        """The parent's statistics plus each prefix's squared error, in float64 (validation_summary makes them
+        `prefix_<m>_nmse` over the whole split)."""
         out = super().validation_step(batch)
         # The parent's step keeps its codes to itself: encoding again is one more forward on a validation batch.
         xn = (batch[0] if isinstance(batch, (tuple, list)) else batch).float() * self.input_scale
         codes, _ = self.activate(self.pre_activations(xn))
-        losses, metrics = self.prefix_losses(xn, codes, self.decode(codes, None))
-        return {**out, **metrics, "matryoshka_loss": losses.sum()}
+        recons = self.prefix_decodes(codes).double()
+        return {**out, "prefix_sse": (recons - xn.double()).pow(2).sum(2).mean(1)}  # [n_prefixes]
+
+    def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The parent's metrics, each prefix's SSE / sum of squares over the split, and the sum of the prefixes'
+        SSE / SST (`matryoshka_loss`, as trained)."""
+        means = dict(means)
+        sse = means.pop("prefix_sse")
+        out = super().validation_summary(means)
+        sst = means["x_sq"] - means["x_mean"].pow(2).sum()
+        out.update({f"prefix_{m}_nmse": sse[i] / means["x_sq"] for i, m in enumerate(self.prefix_ends)})
+        out["matryoshka_loss"] = (sse / sst).sum()
+        return out

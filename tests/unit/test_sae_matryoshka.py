@@ -104,7 +104,7 @@ def test_trained_prefixes_reconstruct_better_as_they_grow(
         "data.splits.n_features=64",
         "data.splits.mean_active=2",
         "data.batch_size=256",
-        "data.val_batch_size=2048",
+        "data.val_batch_size=512",  # four batches: the prefixes' errors are streamed over the split as nmse is
         "data.splits.n_val=2048",
         "trainer.max_duration=150st",
         "checkpoint=none",
@@ -117,5 +117,5 @@ def test_trained_prefixes_reconstruct_better_as_they_grow(
     errors = [m[f"val/prefix_{end}_nmse"] for end in (16, 48, 128)]
     assert errors[0] >= errors[1] >= errors[2], errors
     assert errors[2] < 0.7 * errors[0], errors
-    assert errors[2] == pytest.approx(m["val/nmse"])
+    assert errors[2] == pytest.approx(m["val/nmse"], rel=1e-9)
     assert m["val/l0"] == pytest.approx(3.0, rel=0.35)  # batchtopk: k on average, through the learned threshold
