@@ -17,6 +17,10 @@ from runner.data import DataModule, TensorData, batch_size_of, to_device
 from runner.run import Callback
 
 
+class _Captured(Exception):
+    """Raised by the capturing hook: what follows the hooked module is not needed."""
+
+
 class SourceModel:
     """A frozen runner-trained model, the data it was trained on, and a forward hook on one of its modules.
 
@@ -67,9 +71,15 @@ class SourceModel:
 
     @torch.no_grad()
     def activations(self, batch: Any) -> torch.Tensor:
-        """The module's output for one input batch, as [rows, d]."""
+        """The module's output for one input batch, as [rows, d]; the model's forward stops there (the blocks after
+        a hooked residual stream, the head and the loss are never computed)."""
         captured = []
-        with self._hook(lambda out: captured.append(self._kept(out.detach()).flatten(0, -2))):
+
+        def grab(out: torch.Tensor) -> None:
+            captured.append(self._kept(out.detach()).flatten(0, -2))
+            raise _Captured
+
+        with self._hook(grab), contextlib.suppress(_Captured):
             self.model.validation_step(to_device(batch, self.device))
         return captured[0]
 

@@ -114,3 +114,19 @@ def test_skipping_positions_of_a_module_without_positions_is_refused(compose_cfg
     source.skip = 1
     with pytest.raises(ConfigError, match=r"source.skip_positions=1, but blocks.0.mlp.down outputs \[4, 32\]"):
         source._kept(torch.ones(4, 32))
+
+
+def test_activations_stop_the_source_forward_at_the_hooked_block(lm_run: Path) -> None:
+    source = SourceModel(str(lm_run), "blocks.0", skip_positions=1)
+    batch = next(iter(source.data.val_loader()))
+    calls = []
+    handles = [source.model.blocks[1].register_forward_hook(lambda *_: calls.append("blocks.1"))]
+    handles.append(source.model.head.register_forward_hook(lambda *_: calls.append("head")))
+    acts = source.activations(batch)
+    assert calls == []  # nothing after blocks.0 ran
+    full = []
+    with source._hook(lambda out: full.append(out[:, 1:].flatten(0, 1))):
+        source.model.validation_step(batch)
+    assert calls == ["blocks.1", "head"] and torch.equal(acts, full[0])
+    for handle in handles:
+        handle.remove()
