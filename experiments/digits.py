@@ -50,14 +50,28 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
 
 
-def digits_splits(val_fraction: float = 0.2, seed: int = 0) -> dict[str, TensorData]:
-    """{'train': ..., 'val': ...} datasets of (image, label) tensors."""
+def digits_splits(val_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0) -> dict[str, TensorData]:
+    """{'train': ..., 'val': ..., 'test': ...} datasets of (image, label) tensors; the test split (when
+    test_fraction > 0) is carved out of the held-out val_fraction, so that the training split does not change."""
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"data.splits.val_fraction must be in (0, 1), got {val_fraction}")
+    if not 0.0 <= test_fraction < val_fraction:
+        raise ConfigError(
+            f"data.splits.test_fraction={test_fraction} must be in [0, val_fraction={val_fraction}): the test split "
+            "is part of the held-out images"
+        )
     x, y = load_digits()
     train, val = stratified_split(y, val_fraction, seed)
     x, y = torch.from_numpy(x), torch.from_numpy(y)
-    return {"train": TensorData(x[train], y[train]), "val": TensorData(x[val], y[val])}
+    if test_fraction == 0:
+        return {"train": TensorData(x[train], y[train]), "val": TensorData(x[val], y[val])}
+    kept, test = stratified_split(y[val].numpy(), test_fraction / val_fraction, seed + 1)
+    val, test = val[kept], val[test]
+    return {
+        "train": TensorData(x[train], y[train]),
+        "val": TensorData(x[val], y[val]),
+        "test": TensorData(x[test], y[test]),
+    }
 
 
 class MLPClassifier(nn.Module):

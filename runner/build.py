@@ -253,18 +253,22 @@ def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str
     return OmegaConf.create(node)
 
 
-def load_trained(checkpoint: str | Path, trusted: Sequence[str] = TRUSTED_TARGETS) -> tuple[nn.Module, DictConfig]:
-    """A model trained by runner, frozen in eval mode: `checkpoint` is a run folder or its model.safetensors.
+def load_trained(
+    checkpoint: str | Path, trusted: Sequence[str] = TRUSTED_TARGETS, weights: str | Path | None = None
+) -> tuple[nn.Module, DictConfig]:
+    """A model trained by runner, frozen in eval mode: `checkpoint` is a run folder or its model.safetensors;
+    `weights`, other weights for that run's model (one of its checkpoint folders, a .safetensors file).
 
     The model is built from that run's own config only if every `_target_` in it is under `trusted` module paths;
     the returned config's `data` is checked the same way before build_data may use it.
     """
     path = Path(checkpoint)
     run_dir = path if path.is_dir() else path.parent
-    weights = run_dir / MODEL if path.is_dir() else path
+    what = "source.checkpoint" if weights is None else "weights"
+    weights = Path(weights) if weights is not None else run_dir / MODEL if path.is_dir() else path
     config = run_dir / CONFIG
     for needed in (weights, config):
-        if not needed.is_file():
+        if not needed.exists():
             raise ConfigError(
                 f"{needed} does not exist: give the folder of a finished runner run (or its "
                 "model.safetensors), e.g. source.checkpoint=outputs/2026-01-01/12-00-00"
@@ -281,7 +285,7 @@ def load_trained(checkpoint: str | Path, trusted: Sequence[str] = TRUSTED_TARGET
     decided = _decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
     model = instantiate(source.model, **decided)
     try:
-        load_weights(model, weights, strict=True, what="source.checkpoint")
+        load_weights(model, weights, strict=True, what=what)
     except ConfigError as error:  # a truncated file or weights of another architecture
         raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
     return model.eval().requires_grad_(False), source

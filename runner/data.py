@@ -209,7 +209,13 @@ class DataModule:
 
     def val_loader(self, rank: int = 0, world_size: int = 1, device: torch.device | None = None) -> DataLoader | None:
         """The validation loader for this rank (every sample once over all ranks), or None without a 'val' split."""
-        dataset = self.splits.get("val")
+        return self.split_loader("val", rank, world_size, device)
+
+    def split_loader(
+        self, split: str, rank: int = 0, world_size: int = 1, device: torch.device | None = None
+    ) -> DataLoader | None:
+        """A loader over the named split for evaluation, in order (every sample once over all ranks), or None."""
+        dataset = self.splits.get(split)
         if dataset is None:
             return None
         sampler = torch.utils.data.BatchSampler(_Shard(len(dataset), rank, world_size), self.val_batch_size, False)

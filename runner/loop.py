@@ -5,7 +5,7 @@ lives here, in one place; every feature is a component or a callback."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -225,32 +225,44 @@ def check_monitored_metrics(run: Run, validation_metrics: set[str]) -> None:
         )
 
 
-@torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """One pass over the validation loader, named 'val/<key>': each validation_step output (a number, or a tensor of
-    any shape) averaged over the whole split in float64, weighted by batch size; a task with `validation_summary`
-    turns those means into its metrics (a ratio of sums, say, which a mean of per-batch ratios is not)."""
-    run.task.eval()
+    """One pass over the run's validation loader: evaluate_loader with the run's task, precision and ranks."""
+    return evaluate_loader(run.task, run.val_loader, run.precision, run.device, run.strategy.all_sum)
+
+
+@torch.no_grad()
+def evaluate_loader(
+    task: torch.nn.Module,
+    loader: Iterable,
+    precision: Precision,
+    device: torch.device,
+    all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda total: total,
+) -> dict[str, float]:
+    """One pass over `loader`, named 'val/<key>': each validation_step output (a number, or a tensor of any shape)
+    averaged over the whole split in float64, weighted by batch size (over every rank's shard: `all_sum`); a task
+    with `validation_summary` turns those means into its metrics (a ratio of sums, say, which a mean of per-batch
+    ratios is not)."""
+    task.eval()
     sums: dict[str, torch.Tensor] = {}
     count = 0
-    for batch in run.val_loader:
-        batch = to_device(batch, run.device)
+    for batch in loader:
+        batch = to_device(batch, device)
         size = batch_size_of(batch)
-        with run.precision.autocast():
-            out = run.task.validation_step(batch)
+        with precision.autocast():
+            out = task.validation_step(batch)
         for key, value in out.items():
-            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value, device=run.device).detach().double() * size
+            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value, device=device).detach().double() * size
         count += size
-    run.task.train()
+    task.train()
     if not sums:
         return {}
     # Sums and counts over every rank's shard, not a mean of means; one device sync.
-    flat = [*(s.reshape(-1) for s in sums.values()), torch.tensor([count], device=run.device).double()]
-    totals = run.strategy.all_sum(torch.cat(flat))
+    flat = [*(s.reshape(-1) for s in sums.values()), torch.tensor([count], device=device).double()]
+    totals = all_sum(torch.cat(flat))
     parts = (totals[:-1] / totals[-1]).split([s.numel() for s in sums.values()])
     means = {k: p.reshape(s.shape) for (k, s), p in zip(sums.items(), parts, strict=True)}
-    metrics = _summary(run.task, means)
-    values = torch.stack([torch.as_tensor(v, device=run.device).double() for v in metrics.values()]).tolist()
+    metrics = _summary(task, means)
+    values = torch.stack([torch.as_tensor(v, device=device).double() for v in metrics.values()]).tolist()
     return {f"val/{k}": v for k, v in zip(metrics, values, strict=True)}
 
 

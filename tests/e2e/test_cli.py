@@ -15,8 +15,8 @@ import torch
 import yaml
 from helpers import CONF_DIR, cli, explain, jsonl, metric_rows, ok, read_json
 
-# The digits data: 1797 images; the stratified split rounds each class's 20% share, giving 359 val and 1438 train
-# samples, i.e. 45 micro-batches of 32 per epoch (44 full ones and one of 30).
+# The digits data: 1797 images; the stratified split rounds each class's 20% share, giving 359 held out (val and
+# test) and 1438 train samples, i.e. 45 micro-batches of 32 per epoch (44 full ones and one of 30).
 TRAIN_SAMPLES, BATCHES_PER_EPOCH, BATCH = 1438, 45, 32
 TRAIN_LOG_KEYS = {
     "train/loss",

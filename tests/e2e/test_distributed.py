@@ -237,8 +237,8 @@ def test_early_stopping_that_one_rank_alone_would_not_trigger_stops_every_rank_a
     done = summary(run_dir)
     assert (done["stop_reason"], done["progress"]["step"]) == ("early_stopping", 15)
     skew = [v for _, v in values(run_dir, "val/skew")]
-    # the 359 validation samples are sharded 180 + 179: the reduction weights each rank's value by its samples
-    assert skew[:3] == pytest.approx([(180 / k + 179 * k) / 359 for k in (1, 2, 3)], rel=1e-7)  # float32 values
+    # the 179 validation samples are sharded 90 + 89: the reduction weights each rank's value by its samples
+    assert skew[:3] == pytest.approx([(90 / k + 89 * k) / 179 for k in (1, 2, 3)], rel=1e-7)  # float32 values
 
 
 def test_ddp_preempted_and_resumed_on_every_rank_equals_the_uninterrupted_run(runs: dict[str, Future]) -> None:

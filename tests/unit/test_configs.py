@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import CONF_DIR, compose_job
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_object
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -270,8 +270,10 @@ def test_digits_experiment_applies_its_settings(built: Callable[..., tuple[DictC
     assert type(saver).__name__ == "Checkpoint" and saver.dir == Path(cfg.run_dir) / "checkpoints"
     linears = [m for m in run.task.modules() if isinstance(m, nn.Linear)]
     assert [m.out_features for m in linears] == [512, 512, 10]
-    # 1797 digits; the stratified split rounds each class's 20% share: 359 val, 1438 train (45 micro-batches of 32)
-    assert (len(run.train_loader.dataset), len(run.val_loader.dataset)) == (1438, 359)
+    # 1797 digits; the stratified split rounds each class's 20% share: 359 held out, 1438 train (45 micro-batches of
+    # 32); the held-out images are halved, again per class, into val (179) and test (180)
+    assert (len(run.train_loader.dataset), len(run.val_loader.dataset)) == (1438, 179)
+    assert len(instantiate(cfg.data.splits)["test"]) == 180
     assert len(run.train_loader) == 45
     assert run.progress.total_steps() == 60 * 45
 

@@ -1,5 +1,5 @@
 """A seeded run writes the metrics.jsonl rows recorded before the code was reorganised (issue 15): the same rows,
-keys and counts exactly, every float to 1e-6 (the recording machine's CPU kernels are not every machine's)."""
+keys and counts exactly, every float to 1e-5 (the recording machine's CPU kernels are not every machine's)."""
 
 from __future__ import annotations
 
@@ -30,14 +30,16 @@ def recorded_threads():
 def test_a_seeded_digits_run_writes_the_recorded_rows(
     golden: dict, compose_cfg: Callable, tmp_path: Path, recorded_threads: None
 ) -> None:
-    train(compose_cfg(*golden["overrides"], "logger=jsonl", run_dir=tmp_path / "run"))
+    # recorded before digits had a test split: validation on all the held-out images, as then
+    overrides = [*golden["overrides"], "data.splits.test_fraction=0"]
+    train(compose_cfg(*overrides, "logger=jsonl", run_dir=tmp_path / "run"))
     rows = metric_rows(tmp_path / "run")
     assert [sorted(r) for r in rows] == [sorted(r) for r in golden["rows"]]
     for row, recorded in zip(rows, golden["rows"], strict=True):
         exact = {k: v for k, v in recorded.items() if not isinstance(v, float)}
         assert {k: row[k] for k in exact} == exact
-        # Another CPU (AVX-512 or not, its core count) sums floats in another order: last-bit differences that
-        # stay below 1e-6 relative over these runs. A changed computation (another RNG draw, a changed default, a
-        # batch seen twice) moves them by far more.
+        # Another CPU (AVX-512 or not, its core count) sums floats in another order: last-bit differences that grow
+        # over the steps (1.14e-6 relative in one gradient norm at step 70 on a 2026-11-24 machine). A changed
+        # computation (another RNG draw, a changed default, a batch seen twice) moves them by far more.
         floats = {k: v for k, v in recorded.items() if isinstance(v, float)}
-        assert {k: row[k] for k in floats} == pytest.approx(floats, rel=1e-6, abs=1e-9), row["step"]
+        assert {k: row[k] for k in floats} == pytest.approx(floats, rel=1e-5, abs=1e-9), row["step"]
