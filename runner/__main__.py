@@ -149,7 +149,12 @@ def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s
 
 
 def cli() -> None:
-    """The command: under torchrun or SLURM, join the process group first and agree on one run folder."""
+    """The command: under torchrun or SLURM, join the process group first and agree on one run folder;
+    `runner init DIR` makes a project of your own (runner.init)."""
+    if sys.argv[1:2] == ["init"]:
+        from runner.init import main as init
+
+        sys.exit(init(sys.argv[2:]))
     # hydra-core is pinned to 1.3.x, whose _run_hydra reports errors through this module-level function.
     hydra_utils.run_and_report = _hydra_user_errors(hydra_utils.run_and_report)
     try:
