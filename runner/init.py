@@ -59,7 +59,7 @@ def splits(n_train: int = 4096, n_val: int = 512, d_in: int = 8, noise: float = 
     return {"train": TensorData(x[:n_train], y[:n_train]), "val": TensorData(x[n_train:], y[n_train:])}
 '''
 
-MODEL_YAML = """# NAME's model (NAME/model.py). Every key is a constructor argument: model.hidden=128 on the command line.
+MODEL_YAML = """# NAME's model (NAME/model.py). Each key is a constructor argument: model.hidden=128 to change it.
 _target_: NAME.model.Model
 d_in: 8
 hidden: 64
