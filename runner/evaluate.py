@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 
 from runner import ConfigError
 from runner.build import TRUSTED_TARGETS, build_data, load_trained
-from runner.loop import evaluate_loader
 from runner.run import Precision
 from runner.rundir import CONFIG, write_json
+from runner.validation import evaluate_loader
 
 USAGE = "usage: python -m runner.evaluate RUN_DIR [split=val] [weights=PATH] [device=cpu] [data.KEY=VALUE ...]"
 

@@ -5,7 +5,7 @@ lives here, in one place; every feature is a component or a callback."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from runner import ConfigError
 from runner.data import batch_size_of, device_batches, to_device, tokens_of, with_last
 from runner.run import Precision, Run, StopReason
+from runner.validation import evaluate_loader, summarize
 
 
 @dataclass
@@ -207,7 +208,7 @@ def validation_metrics(
         batch = to_device(next(iter(val_loader)), device)
         with precision.autocast():
             out = task.validation_step(batch)
-            names = {f"val/{k}" for k in _summary(task, {k: torch.as_tensor(v) for k, v in out.items()})}
+            names = {f"val/{k}" for k in summarize(task, {k: torch.as_tensor(v) for k, v in out.items()})}
         task.train()
     return names
 
@@ -228,47 +229,6 @@ def check_monitored_metrics(run: Run, validation_metrics: set[str]) -> None:
 def evaluate(run: Run) -> dict[str, float]:
     """One pass over the run's validation loader: evaluate_loader with the run's task, precision and ranks."""
     return evaluate_loader(run.task, run.val_loader, run.precision, run.device, run.strategy.all_sum)
-
-
-@torch.no_grad()
-def evaluate_loader(
-    task: torch.nn.Module,
-    loader: Iterable,
-    precision: Precision,
-    device: torch.device,
-    all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda total: total,
-) -> dict[str, float]:
-    """One pass over `loader`, named 'val/<key>': each validation_step output (a number, or a tensor of any shape)
-    averaged over the whole split in float64, weighted by batch size (over every rank's shard: `all_sum`); a task
-    with `validation_summary` turns those means into its metrics (a ratio of sums, say, which a mean of per-batch
-    ratios is not)."""
-    task.eval()
-    sums: dict[str, torch.Tensor] = {}
-    count = 0
-    for batch in loader:
-        batch = to_device(batch, device)
-        size = batch_size_of(batch)
-        with precision.autocast():
-            out = task.validation_step(batch)
-        for key, value in out.items():
-            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value, device=device).detach().double() * size
-        count += size
-    task.train()
-    if not sums:
-        return {}
-    # Sums and counts over every rank's shard, not a mean of means; one device sync.
-    flat = [*(s.reshape(-1) for s in sums.values()), torch.tensor([count], device=device).double()]
-    totals = all_sum(torch.cat(flat))
-    parts = (totals[:-1] / totals[-1]).split([s.numel() for s in sums.values()])
-    means = {k: p.reshape(s.shape) for (k, s), p in zip(sums.items(), parts, strict=True)}
-    metrics = _summary(task, means)
-    values = torch.stack([torch.as_tensor(v, device=device).double() for v in metrics.values()]).tolist()
-    return {f"val/{k}": v for k, v in zip(metrics, values, strict=True)}
-
-
-def _summary(task: torch.nn.Module, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    summary = getattr(task, "validation_summary", None)
-    return summary(means) if summary is not None else means
 
 
 def validate(run: Run) -> dict[str, float]:

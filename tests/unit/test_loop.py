@@ -236,6 +236,46 @@ def test_ema_tracks_the_average_and_validates_with_it():
     torch.testing.assert_close(run.task.linear.weight, rec.weights[-1])
 
 
+def test_several_ema_decays_are_each_tracked_validated_saved_and_resumed(tmp_path):
+    from safetensors.torch import load_file
+
+    from runner.validation import evaluate_loader
+
+    ema = EMA(decay=[0.9, 0.5], every="1st", validate_with_ema=True, apply_at_end=False, run_dir=str(tmp_path))
+    rec, logger = Recorder(), ListLogger()
+    run = make_run(max_duration="5st", callbacks=[rec, ema], val_interval="5st")
+    run.loggers.append(logger)
+    start = run.task.linear.weight.detach().clone()
+    fit(run)
+    for decay, key in ((0.9, "0.9"), (0.5, "0.5")):
+        expected = start
+        for w in rec.weights:
+            expected = expected + (1 - decay) * (w - expected)
+        torch.testing.assert_close(ema.state_dict()["shadows"][key]["linear.weight"], expected)
+    saved = ema.state_dict()
+    assert saved["shadow"]["linear.weight"] is saved["shadows"]["0.9"]["linear.weight"]  # the first is the run's
+    # the second average, validated on its own after the run's validation, and written at the end
+    val = [m for _, m in logger.rows if "val/ema_0.5/loss" in m][0]
+    live = {k: v.clone() for k, v in run.task.state_dict().items()}
+    run.task.load_state_dict(saved["shadows"]["0.5"])
+    again = evaluate_loader(run.task, run.val_loader, run.precision, run.device)
+    assert val["val/ema_0.5/loss"] == pytest.approx(again["val/loss"], rel=1e-12)
+    assert val["val/loss"] != val["val/ema_0.5/loss"]
+    file = load_file(tmp_path / "model.ema_0.5.safetensors")
+    torch.testing.assert_close(file["linear.weight"], saved["shadows"]["0.5"]["linear.weight"])
+    run.task.load_state_dict(live)
+    # resume: both averages come back; a checkpoint of one decay resumes a one-decay EMA, and refuses a new decay
+    back = EMA(decay=[0.9, 0.5])
+    back.load_state_dict(saved)
+    assert torch.equal(back.shadows[1][0], ema.shadows[1][0])
+    old = {"shadow": saved["shadow"]}
+    EMA(decay=0.9).load_state_dict(old)
+    with pytest.raises(ConfigError, match=r"no average for \['0.5'\]"):
+        EMA(decay=[0.9, 0.5]).load_state_dict(old)
+    with pytest.raises(ConfigError, match="distinct"):
+        EMA(decay=[0.9, 0.9])
+
+
 def test_gradient_clipping_bounds_the_update():
     run = make_run(max_duration="1st", lr=1.0, clip=1e-3, shuffle=False)
     before = [p.detach().clone() for p in run.task.parameters()]

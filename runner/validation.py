@@ -1,0 +1,53 @@
+"""One evaluation pass over a loader, as validation computes it: float64 means over the whole split (every rank's
+shard), then the task's validation_summary. A leaf module: the loop, the EMA callback and `runner.evaluate` use it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from runner.data import batch_size_of, to_device
+from runner.run import Precision
+
+
+@torch.no_grad()
+def evaluate_loader(
+    task: torch.nn.Module,
+    loader: Iterable,
+    precision: Precision,
+    device: torch.device,
+    all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda total: total,
+) -> dict[str, float]:
+    """One pass over `loader`, named 'val/<key>': each validation_step output (a number, or a tensor of any shape)
+    averaged over the whole split in float64, weighted by batch size (over every rank's shard: `all_sum`); a task
+    with `validation_summary` turns those means into its metrics (a ratio of sums, say, which a mean of per-batch
+    ratios is not)."""
+    task.eval()
+    sums: dict[str, torch.Tensor] = {}
+    count = 0
+    for batch in loader:
+        batch = to_device(batch, device)
+        size = batch_size_of(batch)
+        with precision.autocast():
+            out = task.validation_step(batch)
+        for key, value in out.items():
+            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value, device=device).detach().double() * size
+        count += size
+    task.train()
+    if not sums:
+        return {}
+    # Sums and counts over every rank's shard, not a mean of means; one device sync.
+    flat = [*(s.reshape(-1) for s in sums.values()), torch.tensor([count], device=device).double()]
+    totals = all_sum(torch.cat(flat))
+    parts = (totals[:-1] / totals[-1]).split([s.numel() for s in sums.values()])
+    means = {k: p.reshape(s.shape) for (k, s), p in zip(sums.items(), parts, strict=True)}
+    metrics = summarize(task, means)
+    values = torch.stack([torch.as_tensor(v, device=device).double() for v in metrics.values()]).tolist()
+    return {f"val/{k}": v for k, v in zip(metrics, values, strict=True)}
+
+
+def summarize(task: torch.nn.Module, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The task's metrics from the split's means: its validation_summary, or the means themselves."""
+    summary = getattr(task, "validation_summary", None)
+    return summary(means) if summary is not None else means
