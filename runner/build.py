@@ -153,6 +153,7 @@ def _build(cfg: DictConfig) -> Run:
     if not hasattr(task, "validation_step"):
         val_loader = None  # validation_step is optional: a task without one is never validated
     precision = instantiate(cfg.precision, device=dist.device)
+    precision.cast(task)  # before anything runs or wraps the model: bf16_true stores its parameters in bf16
     metric_names = validation_metrics(task, val_loader, precision, dist.device)
     # Activation checkpointing before DDP/FSDP wrap the units, compile after (runner/compile.py says why); both in
     # place, so the state-dict keys stay the eager model's.
@@ -163,7 +164,7 @@ def _build(cfg: DictConfig) -> Run:
     # parameters with shards, which the optimizer must hold.
     forward = dist.wrap(task)
     compiled = instantiate(cfg.compile).apply(task) if _on(cfg, "compile") else None
-    optimizer = _optimizer(cfg.optimizer, param_groups(task), dist.device)
+    optimizer = _optimizer(cfg.optimizer, precision.optimizer_groups(param_groups(task)), dist.device)
     progress = TrainingProgress(
         trainer.max_duration,
         batch_size=data.batch_size,

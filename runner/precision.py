@@ -1,4 +1,5 @@
-"""Numeric precision as small objects with one interface: fp32, bf16 autocast, fp16 autocast with loss scaling."""
+"""Numeric precision as small objects with one interface: fp32, bf16 autocast, fp16 autocast with loss scaling, and
+bf16 parameters with fp32 master weights."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ class FP32:
                 del optimizer.found_inf
         elif not skip.item():
             optimizer.step()
+
+    def cast(self, task: torch.nn.Module) -> None:
+        """Store the task's parameters as this precision keeps them (as they are, but for bf16_true)."""
+
+    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The tensors the optimizer steps (the parameters themselves, but for bf16_true's fp32 masters)."""
+        return groups
 
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint."""
@@ -116,3 +124,61 @@ class ScaledAutocast(Autocast):
         """Restore state_dict()."""
         if "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+class MasterWeights(Autocast):
+    """Low-precision parameters (bf16_true): the model holds its parameters in `dtype` (half the memory of weights
+    and gradients, no casts of weights in the forward), and the optimizer steps fp32 master copies, which are copied
+    back after each step, so small updates are not rounded away. Buffers (counters, running statistics) stay as
+    they are. The forward still runs under autocast, which casts fp32 inputs and keeps reductions in fp32."""
+
+    def __init__(
+        self, dtype: str = "bfloat16", device: torch.device | str = "cpu", flush_denormal: bool = True
+    ) -> None:
+        super().__init__(dtype, device, flush_denormal)
+        if self.dtype != torch.bfloat16:
+            raise ConfigError(
+                "precision=*_true keeps parameters in bfloat16 only: float16 parameters also need their gradients "
+                "scaled (use precision=fp16, autocast with loss scaling, instead)"
+            )
+        self.name = "bf16_true"
+        self.params: list[torch.Tensor] = []
+        self.master: list[torch.Tensor] = []
+
+    def cast(self, task: torch.nn.Module) -> None:
+        """Keep fp32 copies of the trainable parameters, then store the parameters themselves in `dtype`."""
+        self.params = [p for p in task.parameters() if p.requires_grad and p.is_floating_point()]
+        self.master = [p.detach().float().clone() for p in self.params]
+        for p in self.params:
+            p.data = p.data.to(self.dtype)
+
+    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups with each model parameter replaced by its fp32 master copy."""
+        master = {id(p): m for p, m in zip(self.params, self.master, strict=True)}
+        try:
+            return [{**group, "params": [master[id(p)] for p in group["params"]]} for group in groups]
+        except KeyError:
+            raise ConfigError(
+                "precision=bf16_true steps fp32 copies of the model's own parameters, which distributed=fsdp replaces "
+                "with shards: with FSDP use precision=bf16"
+            ) from None
+
+    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+        """Hand the (clipped) gradients to the masters in fp32, step them, copy them back in `dtype`."""
+        for p, m in zip(self.params, self.master, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        super().step(optimizer, skip)
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.master)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fp32 master weights (the model's own are their rounding)."""
+        return {"master": self.master}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the masters, and the model's parameters from them."""
+        with torch.no_grad():
+            saved = [t.to(m.device) for t, m in zip(state["master"], self.master, strict=True)]
+            torch._foreach_copy_(self.master, saved)
+            torch._foreach_copy_(self.params, self.master)
