@@ -144,7 +144,8 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     assert isinstance(run.optimizer, torch.optim.Optimizer)
     assert type(run.optimizer) is get_object(cfg.optimizer._target_)
     grouped = [p for g in run.optimizer.param_groups for p in g["params"]]
-    assert len(grouped) == len(params) and {id(p) for p in grouped} == {id(p) for p in params}
+    stepped = getattr(run.precision, "master", None) or params  # bf16_true steps fp32 copies of the parameters
+    assert len(grouped) == len(params) and {id(p) for p in grouped} == {id(p) for p in stepped}
     for group in run.optimizer.param_groups:
         if all(p.ndim < 2 for p in group["params"]):
             assert group["weight_decay"] == 0.0
