@@ -173,7 +173,9 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
             expected_dtype = getattr(torch, cfg.precision.dtype) if "dtype" in cfg.precision else torch.float32
             assert run.task(batch[0]).dtype == expected_dtype
     dtype = cfg.precision.get("dtype", "float32")
-    assert run.precision.name == {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    assert run.precision.name == {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype] + (
+        "_true" if cfg.precision._target_.endswith("MasterWeights") else ""
+    )
     assert torch.isfinite(out["loss"])
 
     # distributed and data
