@@ -147,6 +147,12 @@ class MasterWeights(Autocast):
 
     def cast(self, task: torch.nn.Module) -> None:
         """Keep fp32 copies of the trainable parameters, then store the parameters themselves in `dtype`."""
+        if hasattr(task, "after_optimizer_step"):
+            raise ConfigError(
+                f"precision=bf16_true steps fp32 master copies of the weights, which {type(task).__name__}'s "
+                "after_optimizer_step (a constraint it keeps on its weights, such as an SAE's unit-norm decoder) "
+                "would not reach: use precision=bf16"
+            )
         self.params = [p for p in task.parameters() if p.requires_grad and p.is_floating_point()]
         self.master = [p.detach().float().clone() for p in self.params]
         for p in self.params:

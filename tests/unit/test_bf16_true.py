@@ -84,3 +84,8 @@ def test_bf16_true_refuses_parameters_it_does_not_hold() -> None:
         precision.optimizer_groups([{"params": [torch.nn.Parameter(torch.zeros(2))]}])
     with pytest.raises(ConfigError, match="bfloat16 only"):
         MasterWeights(dtype="float16")
+
+
+def test_bf16_true_refuses_a_task_that_constrains_its_weights_after_each_step(compose_cfg: Callable) -> None:
+    with pytest.raises(ConfigError, match="TopKSAE's after_optimizer_step .* use precision=bf16"):
+        build(compose_cfg("+experiment=sae", "precision=bf16_true"))
