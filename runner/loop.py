@@ -96,6 +96,8 @@ def optimizer_step(run: Run, params: list[torch.Tensor], window: _Window, last: 
         # clip_grad_norm_'s own arithmetic, without a branch on the host: below the threshold it multiplies by
         # exactly 1 (a skipped step's NaN coefficient is harmless: its update is dropped).
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
+    for cb in run.callbacks:
+        cb.on_before_optimizer_step(run)
     precision.step(optimizer, skip)
     # A task may keep a constraint after each step (an SAE renormalises its decoder rows). It runs after skipped
     # steps too (whether a step was skipped is known on the device only): a skipped step left the weights as they were.

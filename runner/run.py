@@ -188,6 +188,9 @@ class Callback(Protocol):
     def on_fit_start(self, run: Run) -> None:
         """Before the first micro-batch (after a checkpoint, if any, was restored)."""
 
+    def on_before_optimizer_step(self, run: Run) -> None:
+        """Before the optimizer steps: the gradients are final (reduced, unscaled, clipped)."""
+
     def on_optimizer_step(self, run: Run) -> None:
         """After each optimizer step (skipped non-finite steps included) and the progress count."""
 
