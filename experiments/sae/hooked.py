@@ -1,4 +1,5 @@
-"""Live activations from a named module of a frozen model trained by runner, served through a shuffling ring buffer."""
+"""Live activations from a named module of a frozen model trained by runner, served through a shuffling ring buffer
+(experiments.sae.buffer), and the spliced model's losses."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
+from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.multi import combined, members
 from runner import ConfigError
 from runner.build import TRUSTED_TARGETS, build_data, load_trained
@@ -124,57 +125,6 @@ def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     p = clean.double().log_softmax(-1)
     q = other.double().log_softmax(-1)
     return (p.exp() * (p - q)).sum(-1).mean()
-
-
-class ActivationBuffer:
-    """A ring of `capacity` activations served in shuffled order; once half is served, that half is refilled
-    with fresh activations from the source and the whole ring is reshuffled (so consecutive batches mix inputs)."""
-
-    def __init__(self, source: SourceModel, capacity: int = 16384, seed: int = 0) -> None:
-        self.source, self.capacity = source, capacity
-        self.generator = torch.Generator().manual_seed(seed)
-        self.loader, self.epoch = source.data.train_loader(), 0
-        self.inputs = self._inputs()
-        self.ring = torch.cat([a for a in self._fill(capacity)])
-        self.order, self.pos = torch.randperm(capacity, generator=self.generator), 0
-
-    def _inputs(self) -> Iterator[Any]:
-        while True:  # loops over the source's training inputs, epoch after epoch
-            self.loader.batch_sampler.set_epoch(self.epoch)
-            yield from self.loader
-            self.epoch += 1
-
-    def _fill(self, n: int) -> Iterator[torch.Tensor]:
-        while n > 0:
-            acts = self.source.activations(next(self.inputs)).cpu()[:n]
-            n -= len(acts)
-            yield acts
-
-    def take(self, n: int) -> torch.Tensor:
-        """The next `n` activations."""
-        if self.pos + n > self.capacity // 2:
-            served = self.order[: self.pos]
-            self.ring[served] = torch.cat(list(self._fill(len(served))))
-            self.order, self.pos = torch.randperm(self.capacity, generator=self.generator), 0
-        rows = self.order[self.pos : self.pos + n]
-        self.pos += n
-        return self.ring[rows]
-
-
-class HookedActivations(Dataset):
-    """`size` activations per epoch drawn from an ActivationBuffer (stateful: the loader must have num_workers=0)."""
-
-    def __init__(self, buffer: ActivationBuffer, size: int) -> None:
-        self.buffer, self.size = buffer, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
-        return self.__getitems__([index])
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
-        return (self.buffer.take(len(indices)),)
 
 
 class HookedData(DataModule):
