@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
+from experiments.sae.cache import SHARD_ROWS, cached, identity
 from experiments.sae.multi import combined, members
 from runner import ConfigError
 from runner.build import TRUSTED_TARGETS, build_data, load_trained
@@ -128,7 +129,11 @@ def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 
 class HookedData(DataModule):
-    """Train on live activations of `module` in the model of run `checkpoint`; validate on its validation inputs."""
+    """Train on live activations of `module` in the model of run `checkpoint`; validate on its validation inputs.
+
+    With `cache` (a folder: experiments.sae.cache), the training activations are the first `cache_rows` (default
+    samples_per_epoch) of the source's stream, written there once and read back memory-mapped, in the sampler's
+    shuffled order; validation activations are computed live either way."""
 
     def __init__(
         self,
@@ -139,11 +144,15 @@ class HookedData(DataModule):
         d: int | None = None,
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
+        cache: str | None = None,
+        cache_rows: int | None = None,
+        cache_dtype: str = "float32",
+        cache_shard_rows: int = SHARD_ROWS,
         **loader,
     ) -> None:
-        if loader.get("num_workers", 0) != 0:
+        if cache is None and loader.get("num_workers", 0) != 0:
             raise ConfigError("activations_hooked keeps its buffer in this process: set data.num_workers=0")
-        if buffer_size < 2 * loader.get("batch_size", 1):
+        if cache is None and buffer_size < 2 * loader.get("batch_size", 1):
             raise ConfigError(
                 f"data.buffer_size={buffer_size} must hold at least two batches "
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
@@ -157,9 +166,16 @@ class HookedData(DataModule):
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
         if d is not None and val.shape[1] != d:
             raise ConfigError(f"{module} outputs {val.shape[1]} features but model.d_in={d}")
-        buffer = ActivationBuffer(source, buffer_size, loader.get("seed", 0))
-        super().__init__({"train": HookedActivations(buffer, samples_per_epoch), "val": TensorData(val)}, **loader)
+        if cache is None:
+            train = HookedActivations(ActivationBuffer(source, buffer_size, loader.get("seed", 0)), samples_per_epoch)
+        else:
+            key = identity(checkpoint, module, skip_positions, cache_dtype, val.shape[1])
+            train = cached(cache, source, key, cache_rows or samples_per_epoch, cache_shard_rows)
+            loader["shuffle"] = True  # the cache holds the rows in the source's order; the sampler shuffles them
+        super().__init__({"train": train, "val": TensorData(val)}, **loader)
         self.model_args = {"d_in": val.shape[1]}  # the SAE's width is the module's
+        if cache is not None:
+            self.info = {"activation_cache": str(cache), "cached_rows": len(train)}
 
 
 class SpliceEval(Callback):

@@ -3,13 +3,12 @@ from the source, and the GPT's loss with the SAE spliced in against zero and mea
 
 from __future__ import annotations
 
-import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import StopAt, assert_same_state, finished_run, metric_rows
+from helpers import TINY_LM, StopAt, assert_same_state, finished_run, metric_rows
 
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.hooked import SourceModel
@@ -19,21 +18,6 @@ from runner.ckpt import state as ckpt_state
 from runner.loop import fit
 from runner.train import train
 
-JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")  # 5 real files, ~50 kB
-TINY_LM = [
-    "+experiment=lm",
-    f"data.paths=[{JSON_PACKAGE}]",
-    "data.val_every=2",
-    "data.val_windows=16",
-    "model.n_layer=2",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.seq_len=32",
-    "logger=none",
-    "callbacks=none",
-    "checkpoint=none",
-    "trainer.max_duration=20st",
-]
 SAE_LM_SMALL = [
     "model.n_latents=128",
     "model.k=8",
