@@ -14,6 +14,7 @@ import queue
 import struct
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -70,6 +71,21 @@ LAUNCHER_TINY = [
     "callbacks=none",
     "data.batch_size=16",
     "distributed=ddp",
+]
+# A GPT small enough to train in seconds on one stdlib package (5 files, ~50 kB): a source for the SAE experiments
+TINY_LM = [
+    "+experiment=lm",
+    f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
+    "data.val_every=2",
+    "data.val_windows=16",
+    "model.n_layer=2",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.seq_len=32",
+    "logger=none",
+    "callbacks=none",
+    "checkpoint=none",
+    "trainer.max_duration=20st",
 ]
 
 

@@ -1,4 +1,5 @@
-"""Live activations from a named module of a frozen model trained by runner, served through a shuffling ring buffer."""
+"""Live activations from a named module of a frozen model trained by runner, served through a shuffling ring buffer
+(experiments.sae.buffer), and the spliced model's losses."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
+from experiments.sae.buffer import ActivationBuffer, HookedActivations
+from experiments.sae.cache import SHARD_ROWS, cached, identity
 from experiments.sae.multi import combined, members
 from runner import ConfigError
 from runner.build import TRUSTED_TARGETS, build_data, load_trained
@@ -126,59 +128,12 @@ def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return (p.exp() * (p - q)).sum(-1).mean()
 
 
-class ActivationBuffer:
-    """A ring of `capacity` activations served in shuffled order; once half is served, that half is refilled
-    with fresh activations from the source and the whole ring is reshuffled (so consecutive batches mix inputs)."""
-
-    def __init__(self, source: SourceModel, capacity: int = 16384, seed: int = 0) -> None:
-        self.source, self.capacity = source, capacity
-        self.generator = torch.Generator().manual_seed(seed)
-        self.loader, self.epoch = source.data.train_loader(), 0
-        self.inputs = self._inputs()
-        self.ring = torch.cat([a for a in self._fill(capacity)])
-        self.order, self.pos = torch.randperm(capacity, generator=self.generator), 0
-
-    def _inputs(self) -> Iterator[Any]:
-        while True:  # loops over the source's training inputs, epoch after epoch
-            self.loader.batch_sampler.set_epoch(self.epoch)
-            yield from self.loader
-            self.epoch += 1
-
-    def _fill(self, n: int) -> Iterator[torch.Tensor]:
-        while n > 0:
-            acts = self.source.activations(next(self.inputs)).cpu()[:n]
-            n -= len(acts)
-            yield acts
-
-    def take(self, n: int) -> torch.Tensor:
-        """The next `n` activations."""
-        if self.pos + n > self.capacity // 2:
-            served = self.order[: self.pos]
-            self.ring[served] = torch.cat(list(self._fill(len(served))))
-            self.order, self.pos = torch.randperm(self.capacity, generator=self.generator), 0
-        rows = self.order[self.pos : self.pos + n]
-        self.pos += n
-        return self.ring[rows]
-
-
-class HookedActivations(Dataset):
-    """`size` activations per epoch drawn from an ActivationBuffer (stateful: the loader must have num_workers=0)."""
-
-    def __init__(self, buffer: ActivationBuffer, size: int) -> None:
-        self.buffer, self.size = buffer, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
-        return self.__getitems__([index])
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
-        return (self.buffer.take(len(indices)),)
-
-
 class HookedData(DataModule):
-    """Train on live activations of `module` in the model of run `checkpoint`; validate on its validation inputs."""
+    """Train on live activations of `module` in the model of run `checkpoint`; validate on its validation inputs.
+
+    With `cache` (a folder: experiments.sae.cache), the training activations are the first `cache_rows` (default
+    samples_per_epoch) of the source's stream, written there once and read back memory-mapped, in the sampler's
+    shuffled order; validation activations are computed live either way."""
 
     def __init__(
         self,
@@ -189,11 +144,15 @@ class HookedData(DataModule):
         d: int | None = None,
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
+        cache: str | None = None,
+        cache_rows: int | None = None,
+        cache_dtype: str = "float32",
+        cache_shard_rows: int = SHARD_ROWS,
         **loader,
     ) -> None:
-        if loader.get("num_workers", 0) != 0:
+        if cache is None and loader.get("num_workers", 0) != 0:
             raise ConfigError("activations_hooked keeps its buffer in this process: set data.num_workers=0")
-        if buffer_size < 2 * loader.get("batch_size", 1):
+        if cache is None and buffer_size < 2 * loader.get("batch_size", 1):
             raise ConfigError(
                 f"data.buffer_size={buffer_size} must hold at least two batches "
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
@@ -207,9 +166,16 @@ class HookedData(DataModule):
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
         if d is not None and val.shape[1] != d:
             raise ConfigError(f"{module} outputs {val.shape[1]} features but model.d_in={d}")
-        buffer = ActivationBuffer(source, buffer_size, loader.get("seed", 0))
-        super().__init__({"train": HookedActivations(buffer, samples_per_epoch), "val": TensorData(val)}, **loader)
+        if cache is None:
+            train = HookedActivations(ActivationBuffer(source, buffer_size, loader.get("seed", 0)), samples_per_epoch)
+        else:
+            key = identity(checkpoint, module, skip_positions, cache_dtype, val.shape[1])
+            train = cached(cache, source, key, cache_rows or samples_per_epoch, cache_shard_rows)
+            loader["shuffle"] = True  # the cache holds the rows in the source's order; the sampler shuffles them
+        super().__init__({"train": train, "val": TensorData(val)}, **loader)
         self.model_args = {"d_in": val.shape[1]}  # the SAE's width is the module's
+        if cache is not None:
+            self.info = {"activation_cache": str(cache), "cached_rows": len(train)}
 
 
 class SpliceEval(Callback):

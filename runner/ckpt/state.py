@@ -47,6 +47,7 @@ def training_state(run: Run, gather: bool = True) -> dict[str, Any]:
     the optimizer's shards under FSDP. With gather=False, no communication: this rank's values stand in for every
     rank's, and its shards for the full tensors (the same shapes: a DTensor's shape is the full tensor's)."""
     per_rank = run.strategy.gather if gather else (lambda value: [value] * run.world_size)
+    dataset = stateful_data(run)
     return {
         "optimizer": run.strategy.optimizer_state(run.optimizer) if gather else run.optimizer.state_dict(),
         "schedule": run.schedule.state_dict(),
@@ -59,7 +60,19 @@ def training_state(run: Run, gather: bool = True) -> dict[str, Any]:
         "loggers": {type(logger).__name__: logger.state_dict() for logger in run.loggers},
         "shapes": _shapes(run),
         "exactness": exactness(run),
+        # by rank: each has its own (an SAE's activation buffer), as of the batches trained on, not those fetched ahead
+        **({"data": per_rank(dataset.state_dict(run.progress.micro_batch))} if dataset is not None else {}),
     }
+
+
+def stateful_data(run: Run) -> Any:
+    """The training dataset when it has state of its own that a resume needs (an SAE's activation buffer), or None.
+
+    Such a dataset has `state_dict(batches)`, its state after this rank's first `batches` training micro-batches
+    (the loop fetches ahead of what it trains), and `load_state_dict(state, batches)`, where `state` is None for a
+    checkpoint that holds none (written before the dataset had state)."""
+    dataset = getattr(run.train_loader, "dataset", None)
+    return dataset if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict") else None
 
 
 def _shapes(run: Run) -> dict[str, list[int]]:
@@ -172,6 +185,10 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
     # another world size only with resume_allow_changes: ranks beyond the checkpoint's reuse its ranks' values
     run.state.load_state_dict(_own(state["state"], run.strategy.rank))
     set_rng_state(_own(state["rng"], run.strategy.rank))
+    dataset = stateful_data(run)
+    if dataset is not None:
+        saved = state.get("data")
+        dataset.load_state_dict(_own(saved, run.strategy.rank) if saved else None, run.progress.micro_batch)
     for i, cb in enumerate(run.callbacks):
         if _key(i, cb) in state["callbacks"]:
             cb.load_state_dict(state["callbacks"][_key(i, cb)])

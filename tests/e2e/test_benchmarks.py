@@ -22,6 +22,8 @@ SMOKE = {
     "sae_throughput": ["--steps", "4", "--reps", "1", "--batch", "256"],
     # a one-block source, a ring of 2048 positions refilled every 8 steps of 128
     "sae_multi": ["--n-layer", "1", "--cycles", "1", "--reps", "1", "data.buffer_size=2048", "data.batch_size=128"],
+    # a one-block source; 5,000 rows in shards of 2,048
+    "sae_cache": ["--rows", "5000", "--shard-rows", "2048", "--n-layer", "1", "--layer", "0"],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
     # a one-layer GPT on one stdlib package; eager and activation checkpointing (compiling takes ~30 s from cold)
     "lm": [
@@ -104,6 +106,13 @@ def test_sae_multi_smoke(runs: dict[str, Future]) -> None:
     assert result["one_s"] > 0 and result["four_s"] > 0
     assert result["ratio"] == result["four_s"] / result["one_s"]  # one repetition: its ratio is the medians'
     assert 0 < result["source_share_of_one"] < 1
+
+
+def test_sae_cache_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_cache"].result()
+    assert result["rows"] == 5000 and result["d"] == 128 and result["mb"] == 5000 * 128 * 4 / 1e6
+    for name in ("forward", "write", "read_warm", "read_cold"):
+        assert result[f"{name}_rows_per_s"] > 0 and result[f"{name}_mb_per_s"] > 0, name
 
 
 def test_checkpoint_smoke(runs: dict[str, Future]) -> None:

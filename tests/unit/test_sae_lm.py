@@ -3,34 +3,21 @@ from the source, and the GPT's loss with the SAE spliced in against zero and mea
 
 from __future__ import annotations
 
-import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import finished_run
+from helpers import TINY_LM, StopAt, assert_same_state, finished_run, metric_rows
 
+from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.hooked import SourceModel
 from runner import ConfigError
 from runner.build import build
+from runner.ckpt import state as ckpt_state
 from runner.loop import fit
+from runner.train import train
 
-JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")  # 5 real files, ~50 kB
-TINY_LM = [
-    "+experiment=lm",
-    f"data.paths=[{JSON_PACKAGE}]",
-    "data.val_every=2",
-    "data.val_windows=16",
-    "model.n_layer=2",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.seq_len=32",
-    "logger=none",
-    "callbacks=none",
-    "checkpoint=none",
-    "trainer.max_duration=20st",
-]
 SAE_LM_SMALL = [
     "model.n_latents=128",
     "model.k=8",
@@ -130,3 +117,60 @@ def test_activations_stop_the_source_forward_at_the_hooked_block(lm_run: Path) -
     assert calls == ["blocks.1", "head"] and torch.equal(acts, full[0])
     for handle in handles:
         handle.remove()
+
+
+# ---- exact resume: the activation buffer's state is checkpointed -------------------------------------------------
+# 8 steps of 128 positions from a ring of 512: half the ring (2 batches) is refilled every 2 steps, so the checkpoint
+# at step 3 is taken when the batch fetched ahead (step 4's) has already triggered a refill.
+RESUMED = [
+    "model.n_latents=64",
+    "model.k=4",
+    "data.batch_size=128",
+    "data.buffer_size=512",
+    "data.samples_per_epoch=640",  # 5 batches an epoch: the resumed half crosses an epoch too
+    "trainer.max_duration=8st",
+    "trainer.val_interval=4st",
+    "trainer.log_interval=2st",
+    "logger=jsonl",
+    "callbacks=none",
+    "checkpoint.interval=1000st",
+]
+
+
+def test_a_hooked_sae_run_stopped_and_resumed_equals_the_uninterrupted_run(
+    compose_cfg: Callable, lm_run: Path, tmp_path: Path
+) -> None:
+    overrides = ["+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *RESUMED]
+    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
+    train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(3)])
+    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"))
+    assert second.progress.step == 8
+    assert_same_state(whole, second)
+    assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
+
+
+def test_a_checkpoint_without_the_buffer_s_state_still_resumes(
+    compose_cfg: Callable, lm_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides = ["+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *RESUMED]
+    with monkeypatch.context() as old:  # a checkpoint as runner wrote them before the buffer had state
+        old.setattr(ckpt_state, "stateful_data", lambda run: None)
+        train(compose_cfg(*overrides, run_dir=tmp_path / "old"), extra_callbacks=[StopAt(3)])
+    assert "data" not in torch.load(tmp_path / "old/checkpoints/last/state.pt", weights_only=True)
+    with pytest.warns(RuntimeWarning, match="holds no activation buffer state"):
+        second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "old"))
+    assert second.progress.step == 8 and second.stop_reason == "max_duration"
+    assert second.train_loader.dataset.taken == 8 + 1  # counted on from the checkpoint's 3 (one fetched ahead)
+
+
+def test_the_buffer_state_saved_for_a_batch_replays_what_followed_it(lm_run: Path) -> None:
+    # On CUDA the loop is two batches ahead of the step it trains; with a ring of two batches every take refills.
+    source = SourceModel(str(lm_run), "blocks.0", skip_positions=1)
+    served = HookedActivations(ActivationBuffer(source, capacity=64, seed=3), size=10**6)
+    first = [served.__getitems__(list(range(32)))[0] for _ in range(6)]
+    state = served.state_dict(4)  # the loop trained on 4 batches and fetched 2 more
+    again = HookedActivations(ActivationBuffer(source, capacity=64, seed=3), size=10**6)
+    again.load_state_dict(state, 4)
+    assert all(torch.equal(again.__getitems__(list(range(32)))[0], rows) for rows in first[4:])
+    with pytest.warns(RuntimeWarning, match="keeps no state for batch 1"):
+        served.state_dict(1)

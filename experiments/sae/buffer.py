@@ -1,0 +1,146 @@
+"""Live activations in a shuffling ring buffer, and the training dataset that serves it, with the state that a
+checkpoint needs to resume it exactly (the source model itself: experiments.sae.hooked)."""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+
+class ActivationBuffer:
+    """A ring of `capacity` activations served in shuffled order; once half is served, that half is refilled
+    with fresh activations from the source and the whole ring is reshuffled (so consecutive batches mix inputs).
+
+    `source` gives `activations(batch) -> [rows, d]` for a batch of its training inputs (`source.data`'s train
+    loader, epoch after epoch; what an input batch gives beyond the rows a fill needs is dropped). The ring is
+    filled at the first take, so a buffer whose state a checkpoint restores never computes one it throws away."""
+
+    def __init__(self, source: Any, capacity: int = 16384, seed: int = 0) -> None:
+        self.source, self.capacity = source, capacity
+        self.generator = torch.Generator().manual_seed(seed)
+        self.loader = source.data.train_loader()
+        self.epoch = self.consumed = 0  # where the source's inputs are: the epoch, and its batches used so far
+        self.inputs = self._inputs()
+        self.ring: torch.Tensor | None = None
+        self.order, self.pos = torch.empty(0, dtype=torch.long), 0
+
+    def _inputs(self) -> Iterator[Any]:
+        while True:  # the source's training inputs, epoch after epoch, from (epoch, consumed) on
+            self.loader.batch_sampler.set_epoch(self.epoch, skip=self.consumed)
+            for batch in self.loader:
+                self.consumed += 1
+                yield batch
+            self.epoch, self.consumed = self.epoch + 1, 0
+
+    def _fill(self, n: int) -> torch.Tensor:
+        parts = []
+        while n > 0:
+            acts = self.source.activations(next(self.inputs)).cpu()[:n]
+            n -= len(acts)
+            parts.append(acts)
+        return torch.cat(parts)
+
+    def _shuffle(self) -> None:
+        self.order, self.pos = torch.randperm(self.capacity, generator=self.generator), 0
+
+    def take(self, n: int) -> torch.Tensor:
+        """The next `n` activations."""
+        if self.ring is None:
+            self.ring = self._fill(self.capacity)
+            self._shuffle()
+        elif self.pos + n > self.capacity // 2:
+            served = self.order[: self.pos]
+            # a new ring rather than writes into this one: a checkpoint may still need it (HookedActivations.history)
+            self.ring = self.ring.index_put((served,), self._fill(len(served)))
+            self._shuffle()
+        rows = self.order[self.pos : self.pos + n]
+        self.pos += n
+        return self.ring[rows]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next takes depend on: the ring, its order and position, the generator, the source's input
+        position. The tensors are the buffer's own (never written in place afterwards), not copies."""
+        return {
+            "ring": self.ring,
+            "order": self.order,
+            "pos": self.pos,
+            "generator": self.generator.get_state(),
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict(); the source's inputs go on with the next unused batch."""
+        self.ring, self.order, self.pos = state["ring"], state["order"], int(state["pos"])
+        self.generator.set_state(state["generator"])
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self.inputs = self._inputs()
+
+
+class HookedActivations(Dataset):
+    """`size` activations per epoch drawn from an ActivationBuffer (stateful: the loader must have num_workers=0).
+
+    Exact resume: the loop fetches a batch or two ahead of the step it trains (runner.loop's with_last, and the copy
+    ahead in runner.data.device_batches on CUDA), so when a checkpoint is taken the buffer has served more than the
+    checkpoint's step trained on. The buffer's state after each of the last `history` batches is kept (references:
+    a refill makes a new ring), and a checkpoint saves the one after the batches the run has trained on. This assumes
+    the loop is the training loader's only reader: a callback that draws from it too (sae_resample) takes from the
+    same stream between steps, which a resume cannot replay."""
+
+    def __init__(self, buffer: ActivationBuffer, size: int, history: int = 4) -> None:
+        self.buffer, self.size = buffer, size
+        self.taken = 0  # batches served since the run began (the progress counter's micro_batch, once trained on)
+        self.history = deque([(0, buffer.state_dict())], maxlen=history)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
+        rows = self.buffer.take(len(indices))
+        self.taken += 1
+        self.history.append((self.taken, self.buffer.state_dict()))
+        return (rows,)
+
+    def state_dict(self, batches: int) -> dict[str, Any]:
+        """The buffer's state after this rank's first `batches` training batches (runner.ckpt.state saves it)."""
+        for taken, state in reversed(self.history):
+            if taken == batches:
+                return state
+        warnings.warn(
+            f"the activation buffer has served {self.taken} batches and keeps no state for batch {batches}: "
+            "something besides the training loop read the training loader (sae_resample?); this checkpoint saves "
+            "the buffer as it is now, and a resume from it is not bit-identical to an uninterrupted run",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return self.history[-1][1]
+
+    def load_state_dict(self, state: dict[str, Any] | None, batches: int) -> None:
+        """Put back state_dict(batches); None (a checkpoint written before the buffer's state was saved) or a ring of
+        another size (data.buffer_size changed, resume_allow_changes): keep the fresh buffer, not bit-exact."""
+        ring = None if state is None else state["ring"]
+        why = (
+            "the checkpoint holds no activation buffer state (written before runner saved it)"
+            if state is None
+            else f"the checkpoint's buffer holds {len(ring)} rows, this run's {self.buffer.capacity}"
+            if ring is not None and len(ring) != self.buffer.capacity
+            else None
+        )
+        if why:
+            warnings.warn(
+                f"{why}: the buffer starts afresh, so the resumed run is not bit-identical to an uninterrupted one",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            self.buffer.load_state_dict(state)
+        self.taken = batches
+        self.history = deque([(batches, self.buffer.state_dict())], maxlen=self.history.maxlen)

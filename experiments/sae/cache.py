@@ -1,0 +1,197 @@
+"""source.cache=DIR: a hooked module's activations written to disk once (.npy shards, then a manifest naming what
+they were made from), read back memory-mapped by every later run that hooks the same module of the same weights.
+
+A cache is complete when its manifest.json exists: shards are written under temporary names and renamed when whole,
+the manifest last (atomically), so an interrupted write leaves no manifest, and the next run rewrites the cache from
+scratch. A reader opens only the shards the manifest lists, each checked for its size and shape. One writer at a time:
+it holds an flock on DIR/.lock (another run that finds no manifest waits for it, then reads what it wrote); under
+torchrun only rank 0 writes and the other ranks poll for the manifest, giving up with an error when the writer's
+heartbeat (DIR/.writing, touched after each shard) has not moved for WAIT_S seconds, so no rank can hang for good
+(a cache dir that only rank 0's machine sees, say)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from runner import ConfigError
+from runner.rundir import MODEL, fsync_dir, read_json, write_atomic
+
+MANIFEST, LOCK, HEARTBEAT = "manifest.json", ".lock", ".writing"
+SHARD_ROWS = 65536
+WAIT_S = 600.0  # a waiting rank gives up when the writer shows no progress for this long
+DTYPES = ("float32", "float16")
+# what the activations were made from: a cache that differs in any of these is refused
+IDENTITY = ("weights_sha256", "module", "skip_positions", "dtype", "d")
+
+
+class Shards(Dataset):
+    """The first `rows` rows of several memory-mapped [n_i, d] shards, as one dataset; a batch is one sorted read
+    per shard it touches (the order inside a batch does not matter to an SAE)."""
+
+    def __init__(self, arrays: list[np.ndarray], rows: int) -> None:
+        self.arrays, self.rows = arrays, rows
+        self.starts = np.cumsum([0, *(len(a) for a in arrays)])
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
+        rows = np.sort(np.asarray(indices))
+        shard = np.searchsorted(self.starts, rows, side="right") - 1
+        parts = [self.arrays[s][rows[shard == s] - self.starts[s]] for s in np.unique(shard)]
+        return (torch.from_numpy(np.concatenate(parts)).float(),)
+
+
+def identity(checkpoint: str, module: str, skip_positions: int, dtype: str, d: int) -> dict[str, Any]:
+    """What a cache of these activations is made from (the source's weights by their sha256, not their path)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"data.cache_dtype={dtype!r}: use one of {list(DTYPES)}")
+    path = Path(checkpoint)
+    weights = path / MODEL if path.is_dir() else path
+    digest = hashlib.sha256()
+    with open(weights, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return {
+        "source": str(path.resolve()),
+        "weights_sha256": digest.hexdigest(),
+        "module": module,
+        "skip_positions": skip_positions,
+        "dtype": dtype,
+        "d": d,
+    }
+
+
+def read(directory: Path, key: dict[str, Any], rows: int) -> Shards | None:
+    """The cache in `directory` if it is complete and made from `key`; None if there is none (or it is damaged:
+    rewrite it); a ConfigError if it was made from something else or holds fewer than `rows` rows."""
+    manifest = read_json(directory / MANIFEST)
+    if manifest is None or not isinstance(manifest.get("shards"), list) or not isinstance(manifest.get("rows"), int):
+        return None
+    differs = [k for k in IDENTITY if manifest.get(k) != key[k]]
+    if differs:
+        was = ", ".join(f"{k}={manifest.get(k)!r}" for k in differs)
+        now = ", ".join(f"{k}={key[k]!r}" for k in differs)
+        raise ConfigError(
+            f"the activation cache in {directory} was written from {manifest.get('module')} of run "
+            f"{manifest.get('source')} ({was}); this run has {now} (source {key['source']}): use another "
+            "source.cache dir, or delete that one"
+        )
+    if manifest["rows"] < rows:
+        raise ConfigError(
+            f"the activation cache in {directory} holds {manifest['rows']} rows; this run asks for {rows} "
+            f"(data.cache_rows): set data.cache_rows<={manifest['rows']}, or use another source.cache dir"
+        )
+    if sum(shard["rows"] for shard in manifest["shards"]) != manifest["rows"]:
+        return None
+    arrays = []
+    for shard in manifest["shards"]:
+        path = directory / shard["file"]
+        try:
+            array = np.load(path, mmap_mode="r") if path.stat().st_size == shard["bytes"] else None
+        except (OSError, ValueError):
+            array = None
+        if array is None or array.shape != (shard["rows"], key["d"]) or array.dtype != np.dtype(key["dtype"]):
+            return None  # a shard went missing or was cut short after the manifest was written
+        arrays.append(array)
+    return Shards(arrays, rows)
+
+
+def _activations(source: Any) -> Iterator[torch.Tensor]:
+    # the source's training inputs in its loader's order, epoch after epoch (as the ring buffer reads them)
+    loader = source.data.train_loader()
+    for epoch in itertools.count():
+        loader.batch_sampler.set_epoch(epoch)
+        for batch in loader:
+            yield source.activations(batch).cpu()
+
+
+def write(directory: Path, key: dict[str, Any], source: Any, rows: int, shard_rows: int = SHARD_ROWS) -> None:
+    """Run the source over its training inputs and write `rows` activations to `directory`: shards of `shard_rows`,
+    each renamed into place when whole, then the manifest."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST).unlink(missing_ok=True)  # a damaged cache: nothing may read it while it is rewritten
+    for stale in [*directory.glob("shard-*.npy"), *directory.glob(".shard-*")]:
+        stale.unlink()
+    stream, pending, shards = _activations(source), [], []
+    for i, start in enumerate(range(0, rows, shard_rows)):
+        n = min(shard_rows, rows - start)
+        while sum(map(len, pending)) < n:
+            pending.append(next(stream))
+        block = torch.cat(pending)
+        pending = [block[n:]]  # the rest of the last input's activations open the next shard
+        data = io.BytesIO()
+        np.save(data, block[:n].float().numpy().astype(key["dtype"]))
+        name = f"shard-{i:05d}.npy"
+        write_atomic(directory / name, data.getbuffer(), fsync=True)  # a temporary name until it is whole
+        shards.append(
+            {"file": name, "rows": n, "bytes": data.tell(), "sha256": hashlib.sha256(data.getbuffer()).hexdigest()}
+        )
+        (directory / HEARTBEAT).touch()
+    fsync_dir(directory)  # the shards' names are on disk before the manifest that lists them
+    manifest = {**key, "rows": rows, "shards": shards, "written_at": time.strftime("%FT%T")}
+    write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode(), fsync=True)
+    fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+        yield
+
+
+def _rank() -> int:
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_rank() if initialized else 0
+
+
+def cached(directory: str | Path, source: Any, key: dict[str, Any], rows: int, shard_rows: int = SHARD_ROWS) -> Shards:
+    """The activations of `source` described by `key`, from the cache in `directory`, written first if it is not
+    there (by rank 0; the other ranks wait for its manifest)."""
+    directory = Path(directory)
+    found = read(directory, key, rows)
+    if found is not None:
+        return found
+    if _rank() != 0:
+        return _wait(directory, key, rows)
+    with _locked(directory):
+        found = read(directory, key, rows)  # another run may have written it while this one waited for the lock
+        if found is None:
+            print(f"source.cache: writing {rows} activations of {key['module']} to {directory}", flush=True)
+            write(directory, key, source, rows, shard_rows)
+            found = read(directory, key, rows)
+    if found is None:
+        raise ConfigError(f"the activation cache just written to {directory} does not read back: is the disk full?")
+    return found
+
+
+def _wait(directory: Path, key: dict[str, Any], rows: int) -> Shards:
+    started = time.time()
+    while (found := read(directory, key, rows)) is None:
+        beat = directory / HEARTBEAT
+        last = max(started, beat.stat().st_mtime if beat.exists() else 0.0)
+        if time.time() - last > WAIT_S:
+            raise ConfigError(
+                f"rank {_rank()} waited {WAIT_S:.0f} s for rank 0 to write the activation cache in {directory} and "
+                "saw no progress: source.cache must be a folder that every rank sees (a shared filesystem)"
+            )
+        time.sleep(1.0)
+    return found
