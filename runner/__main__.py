@@ -148,6 +148,14 @@ def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s
     raise error
 
 
+def debug_last(args: list[str]) -> list[str]:
+    """`args` with each `debug=X` moved to the end as `+debug=X`. Hydra merges `+experiment=...` after every default,
+    so a debug option in the defaults list would lose to the experiment's own durations; appended after it, the debug
+    option's values win, and values given on the command line still win over both."""
+    debug = [a for a in args if a.startswith(("debug=", "+debug="))]
+    return [a for a in args if a not in debug] + ["+" + a.lstrip("+") for a in debug]
+
+
 def cli() -> None:
     """The command: under torchrun or SLURM, join the process group first and agree on one run folder."""
     # hydra-core is pinned to 1.3.x, whose _run_hydra reports errors through this module-level function.
@@ -165,6 +173,7 @@ def cli() -> None:
             print(f"elastic restart {restart_count()}: resuming from the newest checkpoint", file=sys.stderr)
     if rank > 0:
         sys.argv += QUIET_RANK
+    sys.argv[1:] = debug_last(sys.argv[1:])
     if environment()["world_size"] == 1:
         main()
         return
