@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import CONF_DIR
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.__main__ import debug_last
@@ -17,6 +17,7 @@ from runner.loop import fit
 from runner.run import Logger, Run
 
 OPTIONS = sorted(f.stem for f in (CONF_DIR / "debug").glob("*.yaml"))
+EXPERIMENTS = sorted(f.stem for f in (CONF_DIR / "experiment").glob("*.yaml"))
 DIGITS_TRAIN, DIGITS_STEPS = 1438, 45  # digits' training split, and its optimizer steps of 32 per epoch
 
 
@@ -39,6 +40,21 @@ def test_a_debug_option_on_the_command_line_is_appended_after_the_experiment() -
     args = ["debug=fast", "+experiment=sae", "seed=1", "trainer.max_duration=7st"]
     assert debug_last(args) == ["+experiment=sae", "seed=1", "trainer.max_duration=7st", "+debug=fast"]
     assert debug_last(["+experiment=sae", "+debug=fast"]) == ["+experiment=sae", "+debug=fast"]
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("option", OPTIONS)
+def test_option_composes_with_every_experiment_and_its_values_win(
+    option: str, experiment: str, compose_cfg: Callable[..., DictConfig]
+) -> None:
+    cfg = compose_cfg(f"+experiment={experiment}", f"+debug={option}")
+    own = OmegaConf.load(CONF_DIR / "debug" / f"{option}.yaml")
+    for key, value in own.get("trainer", {}).items():
+        assert cfg.trainer[key] == value, (key, cfg.trainer[key])
+    for key, value in own.get("data", {}).items():
+        assert cfg.data[key] == value
+    if option != "none":
+        assert cfg.checkpoint.get("_target_") is None and list(cfg.logger) == ["console"]
 
 
 @pytest.mark.parametrize("option", OPTIONS)
