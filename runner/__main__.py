@@ -31,6 +31,7 @@ from runner.dist.env import (
     shared_launch_time,
     with_resume_auto,
 )
+from runner.log.ranks import log_rank, record_failure
 from runner.log.tee import tee_to
 from runner.run import StopReason
 from runner.rundir import LOG, SUMMARY, FolderInUse, claim, unlock, write_json
@@ -104,11 +105,12 @@ def main(cfg: DictConfig) -> float | None:
     if threads is not None:
         torch.set_num_threads(threads)
     started, job = time.perf_counter(), sweep_job()
-    run_dir, is_main = Path(hydra_cfg.runtime.output_dir), environment()["rank"] == 0
+    run_dir, rank = Path(hydra_cfg.runtime.output_dir), environment()["rank"]
     try:
-        if is_main:  # rank 0 owns the folder: its lock, its log
+        if rank == 0:  # rank 0 owns the folder: its lock, its log
             claim(run_dir, hydra_cfg.output_subdir)
             tee_to(run_dir / LOG)
+        log_rank(run_dir, rank)  # every rank: its warnings and errors in logs/rank-K.log
         run = train(cfg, sweep=job)
     except Exception as error:
         return _failed(cfg, error, job, time.perf_counter() - started)
@@ -138,6 +140,7 @@ def main(cfg: DictConfig) -> float | None:
 def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s: float) -> float | None:
     if not isinstance(error, FolderInUse):  # (that folder is another run's)
         _record_failure(cfg, error, wall_time_s)  # summary.json says why (a sweep's results.csv reads it)
+        record_failure(error)  # and logs/rank-K.log, with the traceback, on every rank
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # one failed job must not end the sweep (fail_fast: SweepResults)
         if not isinstance(error, ConfigError):
             traceback.print_exc()
@@ -146,6 +149,14 @@ def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s
     if isinstance(error, ConfigError):
         _fail(error, 2)
     raise error
+
+
+def debug_last(args: list[str]) -> list[str]:
+    """`args` with each `debug=X` moved to the end as `+debug=X`. Hydra merges `+experiment=...` after every default,
+    so a debug option in the defaults list would lose to the experiment's own durations; appended after it, the debug
+    option's values win, and values given on the command line still win over both."""
+    debug = [a for a in args if a.startswith(("debug=", "+debug="))]
+    return [a for a in args if a not in debug] + ["+" + a.lstrip("+") for a in debug]
 
 
 def cli() -> None:
@@ -170,6 +181,7 @@ def cli() -> None:
             print(f"elastic restart {restart_count()}: resuming from the newest checkpoint", file=sys.stderr)
     if rank > 0:
         sys.argv += QUIET_RANK
+    sys.argv[1:] = debug_last(sys.argv[1:])
     if environment()["world_size"] == 1:
         main()
         return

@@ -41,11 +41,12 @@ class EpochOrder(torch.utils.data.Sampler):
     torch's BatchSampler over a DistributedSampler) calls set_epoch at each epoch's start.
     """
 
-    def __init__(self, n: int, shuffle: bool = True, seed: int = 0) -> None:
-        self.n, self.shuffle, self.seed, self.epoch = n, shuffle, seed, 0
+    def __init__(self, n: int, shuffle: bool = True, seed: int = 0, repeat: bool = False) -> None:
+        self.n, self.shuffle, self.seed, self.epoch, self.repeat = n, shuffle, seed, 0, repeat
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        # repeat (data.overfit_batches): every epoch is epoch 0, so its first batches are the same samples each time
+        self.epoch = 0 if self.repeat else epoch
 
     def __iter__(self) -> Iterator[int]:
         if not self.shuffle:
@@ -67,6 +68,9 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
     rank gets the same number of micro-batches, at least one sample in each, sizes differing by at most one): the loop
     weights each micro-batch's loss by its share of the step's samples, so that step is still the mean over its samples.
     Fewer leftover samples than ranks are dropped.
+
+    `limit_steps` (a fraction or a number) keeps each epoch's first global batches (data.limit_train_batches: an
+    epoch that short is what TrainingProgress counts); `repeat` lays out every epoch as the first (overfit_batches).
     """
 
     def __init__(
@@ -79,6 +83,8 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        limit_steps: float | int | None = None,
+        repeat: bool = False,
     ) -> None:
         check_whole(accumulate, "trainer.accumulate_grad_batches")
         self.n, self.batch_size, self.rank, self.world_size, self.accumulate = (
@@ -88,11 +94,14 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
             world_size,
             accumulate,
         )
-        self.sampler, self.drop_last, self.skip = EpochOrder(n, shuffle, seed), drop_last, 0
+        self.sampler, self.drop_last, self.skip = EpochOrder(n, shuffle, seed, repeat), drop_last, 0
         self.global_batch = batch_size * world_size * accumulate
         self.full_steps, rest = divmod(n, self.global_batch)
         if drop_last or rest < world_size:
             rest = 0
+        steps = limited(limit_steps, self.full_steps + bool(rest), "data.limit_train_batches")
+        if steps < self.full_steps + bool(rest):
+            self.full_steps, rest = steps, 0  # whole global batches only: the short one is the epoch's last
         # the short step's micro-batches: as few as keep every rank's slice within batch_size, and none empty
         k = min(math.ceil(rest / (batch_size * world_size)), rest // world_size)
         self.last_step = [rest // k + (j < rest % k) for j in range(k)] if k else []  # global micro-batch sizes
@@ -140,6 +149,17 @@ class _Shard(torch.utils.data.Sampler):
         return len(self.indices)
 
 
+def limited(limit: float | int | None, total: int, name: str) -> int:
+    """How many of `total` batches `limit` keeps: a fraction in (0, 1] (at least one batch), or a whole number."""
+    if limit is None:
+        return total
+    if isinstance(limit, float) and 0 < limit <= 1:
+        return max(1, int(limit * total))
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+        return min(limit, total)
+    raise ConfigError(f"{name} must be a fraction in (0, 1] or a whole number of batches >= 1, got {limit!r}")
+
+
 def _collate(batch: Any) -> Any:
     # A dataset's __getitems__ (TensorData's) already returns a batch; a list of samples gets the default collate.
     if isinstance(batch, list):
@@ -167,6 +187,9 @@ class DataModule:
         drop_last: bool = False,
         seed: int = 0,
         tokens_per_sample: float | None = None,
+        limit_train_batches: float | int | None = None,
+        limit_val_batches: float | int | None = None,
+        overfit_batches: int | None = None,
     ) -> None:
         if "train" not in splits:
             raise ConfigError(f"data.splits must have a 'train' split, got {sorted(splits)}")
@@ -175,6 +198,16 @@ class DataModule:
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.shuffle, self.drop_last, self.seed = num_workers, shuffle, drop_last, seed
         self.tokens_per_sample = tokens_per_sample
+        # Shorter epochs for debugging (runner/conf/debug/): the samplers shrink, so TrainingProgress counts the
+        # shorter epochs like any other. Training: limit_train_batches (optimizer steps per epoch, a fraction or a
+        # number) or overfit_batches (that many global batches, the same ones every epoch); validation:
+        # limit_val_batches (a fraction of the split, or batches per rank).
+        if overfit_batches is not None:
+            check_whole(overfit_batches, "data.overfit_batches")
+            if limit_train_batches is not None:
+                raise ConfigError("data.overfit_batches and data.limit_train_batches both limit training: set one")
+        self.limit_train_batches, self.limit_val_batches = limit_train_batches, limit_val_batches
+        self.overfit_batches = overfit_batches
         self.info: dict[str, Any] = {}  # facts about the data for run.json (a corpus's size and hash, say)
         # Model keys that the data decides, filled where the model's config leaves them null (runner.build): an
         # SAE's d_in is its activations' width.
@@ -203,7 +236,16 @@ class DataModule:
         """The training loader for this rank: its micro-batches of the global batches (GlobalBatchSampler)."""
         dataset = self.splits["train"]
         sampler = GlobalBatchSampler(
-            len(dataset), self.batch_size, rank, world_size, accumulate, self.shuffle, self.seed, self.drop_last
+            len(dataset),
+            self.batch_size,
+            rank,
+            world_size,
+            accumulate,
+            self.shuffle,
+            self.seed,
+            self.drop_last,
+            limit_steps=self.overfit_batches or self.limit_train_batches,
+            repeat=self.overfit_batches is not None,
         )
         return self._loader(dataset, sampler, device or torch.device("cpu"), self.seed + rank)
 
@@ -218,7 +260,13 @@ class DataModule:
         dataset = self.splits.get(split)
         if dataset is None:
             return None
-        sampler = torch.utils.data.BatchSampler(_Shard(len(dataset), rank, world_size), self.val_batch_size, False)
+        n = len(dataset)
+        limit = self.limit_val_batches
+        if split == "val" and limit is not None:  # its first samples: the same ones at every validation
+            per_batch = self.val_batch_size * world_size  # one batch on every rank
+            kept = limited(limit, math.ceil(n / per_batch), "data.limit_val_batches")
+            n = min(n, kept * per_batch) if isinstance(limit, int) else max(min(world_size, n), int(limit * n))
+        sampler = torch.utils.data.BatchSampler(_Shard(n, rank, world_size), self.val_batch_size, False)
         return self._loader(dataset, sampler, device or torch.device("cpu"), self.seed + rank)
 
 

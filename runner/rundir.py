@@ -19,6 +19,7 @@ MODEL = "model.safetensors"
 MODEL_PART = "model.{}.safetensors"  # one part of a task made of several models (an SAE of a family)
 CHECKPOINTS = "checkpoints"
 LOG = "runner.log"  # what rank 0 printed (runner.log.tee); Hydra names it after hydra.job.name
+RANK_LOG = "logs/rank-{}.log"  # each rank's warnings and errors (runner.log.ranks), the only file other ranks write
 
 
 def write_atomic(path: str | Path, data: bytes, fsync: bool = False) -> Path:

@@ -2,8 +2,10 @@
 on the command line, e.g. `model._target_=_tasks.Affine` or `+callbacks.slow._target_=_tasks.SleepEachStep`."""
 
 import json
+import logging
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -128,6 +130,22 @@ class Desync(Callback):
         if run.progress.step == self.step and run.strategy.rank == 1:
             with torch.no_grad():
                 dict(run.task.named_parameters())[self.parameter].view(-1)[0] += 1e-6
+
+
+class Misbehave(Callback):
+    """After optimizer step `step`, rank `rank` warns (warnings.warn and a logging warning, both naming the rank) or,
+    with `raise_error`, raises RuntimeError: what logs/rank-K.log must hold."""
+
+    def __init__(self, step: int, rank: int = 1, raise_error: bool = False) -> None:
+        self.step, self.rank, self.raise_error = step, rank, raise_error
+
+    def on_optimizer_step(self, run) -> None:
+        if run.progress.step != self.step or run.strategy.rank != self.rank:
+            return
+        if self.raise_error:
+            raise RuntimeError(f"misbehaving on rank {self.rank} at step {self.step}")
+        warnings.warn(f"a warning from rank {self.rank}", UserWarning, stacklevel=1)
+        logging.getLogger("tests.misbehave").warning("a logged warning from rank %d", self.rank)
 
 
 # ---- a tiny language model: Block units for compile, activation checkpointing and FSDP, token batches --------------

@@ -144,8 +144,8 @@ def shared_launch_time() -> float:
 
 
 # Hydra overrides for a rank > 0 (under torchrun, or a SLURM task): rank 0 owns the filesystem, the other ranks write
-# no .hydra/ and no runner.log.
-QUIET_RANK = ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+# no .hydra/ and no runner.log (only their logs/rank-K.log: runner.log.ranks).
+QUIET_RANK = ["hydra.output_subdir=null", "hydra/job_logging=quiet_rank"]
 
 
 def with_resume_auto(overrides: list[str]) -> list[str]:

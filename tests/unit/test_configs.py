@@ -44,7 +44,9 @@ EXPECTED_GROUPS = {
     "experiment",
     "compile",
     "activation_checkpointing",
+    "debug",
 }
+APPENDED = {"experiment", "debug"}  # groups added with +group=option, after every default (runner.__main__.debug_last)
 GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF_DIR / group).glob("*.yaml"))]
 EXPERIMENTS = [option for group, option in OPTIONS if group == "experiment"]
@@ -100,7 +102,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str]:
     host = option if group == "experiment" else HOSTS.get((group, option)) or _host(group, option)
-    overrides = [f"+experiment={host}"] + ([] if group == "experiment" else [f"{group}={option}"])
+    overrides = [f"+experiment={host}"] + ([] if group == "experiment" else [_select(group, option)])
     if (group, option) == ("data", "activations_file"):
         overrides.append(f"data.train_path={inputs['acts']}")
     if (group, option) == ("data", "tokens_file"):
@@ -110,6 +112,10 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
     if host == "sae_lm":
         overrides += [f"source.checkpoint={inputs['lm']}", "data.buffer_size=4096"]
     return overrides + _unit_overrides(group, option)
+
+
+def _select(group: str, option: str) -> str:
+    return f"{'+' if group in APPENDED else ''}{group}={option}"
 
 
 def _unit_overrides(group: str, option: str) -> list[str]:
@@ -182,7 +188,8 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     assert run.strategy.is_main and run.world_size == 1
     assert type(run.strategy) is get_object(cfg.distributed._target_)
     n_train = len(run.train_loader.dataset)
-    assert len(run.train_loader) == math.ceil(n_train / cfg.data.batch_size)
+    if not cfg.data.get("limit_train_batches") and not cfg.data.get("overfit_batches"):  # (debug=limit, overfit)
+        assert len(run.train_loader) == math.ceil(n_train / cfg.data.batch_size)
     assert run.val_loader is not None and len(run.val_loader.dataset) > 0
 
     # progress and durations
@@ -220,7 +227,7 @@ def test_expected_groups_are_discovered() -> None:
     assert "digits" in EXPERIMENTS
 
 
-def test_base_config_defaults_do_not_list_experiment() -> None:
+def test_base_config_defaults_list_neither_experiment_nor_debug() -> None:
     base = OmegaConf.load(CONF_DIR / "config.yaml")
     defaults = OmegaConf.to_container(base.defaults)
     names = [entry if isinstance(entry, str) else next(iter(entry)) for entry in defaults]
@@ -228,7 +235,8 @@ def test_base_config_defaults_do_not_list_experiment() -> None:
     assert "_self_" in names
     for name in names:
         # plain, optional or override entries: "experiment", "optional experiment", "override /experiment", ...
-        assert "experiment" not in name.replace("/", " ").split(), f"defaults list selects an experiment: {name!r}"
+        for group in APPENDED:
+            assert group not in name.replace("/", " ").split(), f"defaults list selects {group}: {name!r}"
 
 
 def test_base_config_composes_without_experiment(compose_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
@@ -259,7 +267,7 @@ def test_option_builds_in_its_experiment(
 def test_option_builds_on_base_config(
     group: str, option: str, built: Callable[..., tuple[DictConfig, Run]], tmp_path: Path
 ) -> None:
-    cfg, run = built(f"{group}={option}", *_unit_overrides(group, option))
+    cfg, run = built(_select(group, option), *_unit_overrides(group, option))
     assert HydraConfig.get().runtime.choices[group] == option
     check_run(cfg, run, tmp_path)
 
