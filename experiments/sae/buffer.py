@@ -22,6 +22,7 @@ class ActivationBuffer:
 
     def __init__(self, source: Any, capacity: int = 16384, seed: int = 0) -> None:
         self.source, self.capacity = source, capacity
+        self.device = torch.device("cpu")  # where the ring lives: the source's device (to)
         self.generator = torch.Generator().manual_seed(seed)
         self.loader = source.data.train_loader()
         self.epoch = self.consumed = 0  # where the source's inputs are: the epoch, and its batches used so far
@@ -37,16 +38,25 @@ class ActivationBuffer:
                 yield batch
             self.epoch, self.consumed = self.epoch + 1, 0
 
+    def to(self, device: torch.device) -> ActivationBuffer:
+        """Run the source and keep the ring on `device` (the training GPU): activations never leave it."""
+        self.device = torch.device(device)
+        self.source.to(self.device)
+        if self.ring is not None:
+            self.ring, self.order = self.ring.to(self.device), self.order.to(self.device)
+        return self
+
     def _fill(self, n: int) -> torch.Tensor:
         parts = []
         while n > 0:
-            acts = self.source.activations(next(self.inputs)).cpu()[:n]
+            acts = self.source.activations(next(self.inputs)).to(self.device)[:n]
             n -= len(acts)
             parts.append(acts)
         return torch.cat(parts)
 
     def _shuffle(self) -> None:
-        self.order, self.pos = torch.randperm(self.capacity, generator=self.generator), 0
+        # drawn on the host (the same order on any device), copied once: slicing it then reads nothing back
+        self.order, self.pos = torch.randperm(self.capacity, generator=self.generator).to(self.device), 0
 
     def take(self, n: int) -> torch.Tensor:
         """The next `n` activations."""
@@ -77,6 +87,8 @@ class ActivationBuffer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict(); the source's inputs go on with the next unused batch."""
         self.ring, self.order, self.pos = state["ring"], state["order"], int(state["pos"])
+        if self.ring is not None:
+            self.ring, self.order = self.ring.to(self.device), self.order.to(self.device)
         self.generator.set_state(state["generator"])
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         self.inputs = self._inputs()

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.cache import SHARD_ROWS, cached, identity
@@ -70,6 +71,12 @@ class SourceModel:
             yield
         finally:
             handle.remove()
+
+    def to(self, device: torch.device) -> SourceModel:
+        """Move the frozen model to `device`, where its inputs then go."""
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        return self
 
     @torch.no_grad()
     def activations(self, batch: Any) -> torch.Tensor:
@@ -176,6 +183,17 @@ class HookedData(DataModule):
         self.model_args = {"d_in": val.shape[1]}  # the SAE's width is the module's
         if cache is not None:
             self.info = {"activation_cache": str(cache), "cached_rows": len(train)}
+
+    def train_loader(
+        self, rank: int = 0, world_size: int = 1, device: torch.device | None = None, accumulate: int = 1
+    ) -> DataLoader:
+        """The training loader; on a GPU the source runs there and the ring lives there (no copies of activations)."""
+        device = torch.device(device or "cpu")
+        train = self.splits["train"]
+        if device.type == "cuda" and isinstance(train, HookedActivations):
+            train.buffer.to(device)
+            device = torch.device("cpu")  # the loader's device only decides pinning: these batches are born on the GPU
+        return super().train_loader(rank, world_size, device, accumulate)
 
 
 class SpliceEval(Callback):
