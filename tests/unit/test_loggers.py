@@ -213,3 +213,12 @@ def test_a_tracking_uri_of_its_own_is_used(tmp_path: Path) -> None:
 def test_tensorboard_logger_closes_before_it_starts(tmp_path: Path) -> None:
     TensorBoardLogger(str(tmp_path / "tb")).close(None)  # a run that failed to build closes its loggers
     assert not (tmp_path / "tb").exists()
+
+
+def test_only_rank_0_gets_the_loggers(compose_cfg: Callable, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from runner.dist.strategies import Single
+
+    monkeypatch.setattr(Single, "is_main", False)  # as another rank of the job builds it
+    run = build(compose_cfg(*TINY, "logger=[default,tensorboard,mlflow]"))
+    assert run.loggers == []
+    assert not (tmp_path / "run" / "tensorboard").exists() and not (tmp_path / "run" / "mlruns").exists()
