@@ -1,1 +1,20 @@
-"""Loggers (runner.run.Logger): console, metrics.jsonl (jsonl), wandb (wandb_logger); run facts (info)."""
+"""Loggers (runner.run.Logger): console, metrics.jsonl (jsonl), wandb (wandb_logger), TensorBoard
+(tensorboard_logger), MLflow (mlflow_logger); run facts (info). Here: what the optional ones share."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from runner import ConfigError
+
+
+def require(module: str, extra: str) -> None:
+    """A ConfigError naming the pip command when the optional package `module` (runner[`extra`]) is not installed."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"logger={extra} needs the {module} package: pip install 'runner[{extra}]'")
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics that are numbers (bools and strings are left out), as floats."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}

@@ -82,15 +82,16 @@ def _parsed(override: str) -> tuple[str, Any]:
 
 
 def hydra_facts(sweep: SweepJob | None) -> dict[str, Any]:
-    """Which experiment this is and, in a sweep, the sweep folder's name and this job's own overrides; else None."""
+    """Which experiment this is and, in a sweep, the sweep folder (its name, its path) and this job's own overrides;
+    else None."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
-        return {"experiment": None, "sweep": None, "job": None}
+        return {"experiment": None, "sweep": None, "sweep_dir": None, "job": None}
     hc = HydraConfig.get()
     experiment = hc.runtime.choices.get("experiment")
     if sweep is None:
-        return {"experiment": experiment, "sweep": None, "job": None}
+        return {"experiment": experiment, "sweep": None, "sweep_dir": None, "job": None}
     sweep_dir, num = sweep.dir, sweep.num
     # The job is named by what the sweep sets for it: the overrides whose value differs from the sweep command
     # line's (multirun.yaml; the last one of a key wins): "seed=0,1" there, "seed=1" here. Values are compared
@@ -103,5 +104,6 @@ def hydra_facts(sweep: SweepJob | None) -> dict[str, Any]:
         "experiment": experiment,
         # the last two parts (multirun/DATE/TIME -> DATE/TIME): unique across days, short enough to read
         "sweep": "/".join(sweep_dir.parts[-2:]),
+        "sweep_dir": str(sweep_dir),  # where a logger keeps what the jobs share (MLflow's default store)
         "job": f"{num}: {' '.join(own)}" if own else str(num),
     }
