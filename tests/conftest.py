@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONF_DIR, compose_job, module_runs, run_in_background, stop_runs
+from helpers import CONF_DIR, TINY_LM, compose_job, finished_run, module_runs, run_in_background, stop_runs
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -104,3 +104,12 @@ def launcher_for(tmp_path: Path) -> Iterator[Callable]:
 
     yield make
     logging.root.handlers[:], logging.root.level = handlers, level
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A finished tiny GPT run folder (helpers.TINY_LM), as load_trained reads it: model.safetensors and
+    .hydra/config.yaml; one per test module, a source for the SAE experiments."""
+    directory = tmp_path_factory.mktemp("lm")
+    finished_run(directory, *TINY_LM)
+    yield directory

@@ -217,6 +217,22 @@ def assert_same_state(a: Run, b: Run) -> None:
     assert [g["lr"] for g in a.optimizer.param_groups] == [g["lr"] for g in b.optimizer.param_groups]
 
 
+def assert_resume_is_exact(compose_cfg: Any, overrides: list[str], root: Path, stop: int) -> tuple[Run, Run]:
+    """Train `overrides` whole, and again stopped (preempted) at step `stop` then resumed: bit-identical weights,
+    optimizer state and metric rows. Returns (the whole run, the resumed one)."""
+    from runner.train import train
+
+    whole = train(compose_cfg(*overrides, run_dir=root / "whole"))
+    train(compose_cfg(*overrides, run_dir=root / "split"), extra_callbacks=[StopAt(stop)])
+    counter = CountSteps()
+    second = train(compose_cfg(*overrides, "resume=auto", run_dir=root / "split"), extra_callbacks=[counter])
+    assert counter.steps == whole.progress.step - stop  # it did resume: only the rest was trained
+    assert second.progress.step == whole.progress.step
+    assert_same_state(whole, second)
+    assert metric_rows(root / "split") == metric_rows(root / "whole")
+    return whole, second
+
+
 class Regression(nn.Module):
     """Linear regression; training_step returns NaN losses after its first `poison_from` calls."""
 

@@ -3,35 +3,21 @@ exactly (the masters are checkpointed), and is refused with FSDP's sharded param
 
 from __future__ import annotations
 
-import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import CountSteps, StopAt, assert_same_state
+from helpers import TINY_LM, assert_resume_is_exact
 
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit
 from runner.precision import MasterWeights
-from runner.train import train
 
 DIGITS = ["+experiment=digits", "trainer.max_duration=90st", "callbacks=none", "checkpoint=none"]
-TINY_LM = [
-    "+experiment=lm",
-    f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
-    "data.val_every=2",
-    "data.val_windows=16",
-    "model.n_layer=2",
-    "model.d_model=64",
-    "model.n_head=2",
-    "model.seq_len=64",
-    "callbacks=none",
-    "checkpoint=none",
-    "trainer.max_duration=60st",
-    "trainer.val_interval=60st",
-]
+# the helpers' tiny GPT, a little wider and longer
+TINY_LM = [*TINY_LM, "model.d_model=64", "model.seq_len=64", "trainer.max_duration=60st", "trainer.val_interval=60st"]
 
 
 def _trained(compose_cfg: Callable, *overrides: str):
@@ -64,15 +50,10 @@ def test_bf16_true_tracks_fp32_training(compose_cfg: Callable, overrides: list[s
 
 
 def test_bf16_true_resumes_exactly(compose_cfg: Callable, tmp_path: Path) -> None:
-    overrides = [*DIGITS, "precision=bf16_true", "trainer.max_duration=40st", "checkpoint=default"]
-    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
-    train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(20)])
-    counter = CountSteps()
-    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"), extra_callbacks=[counter])
-    assert counter.steps == 20
-    assert_same_state(whole, second)
-    for a, b in zip(whole.precision.master, second.precision.master, strict=True):
-        assert torch.equal(a, b)
+    overrides = [*DIGITS, "precision=bf16_true", "trainer.max_duration=40st", "checkpoint=default", "logger=jsonl"]
+    whole, second = assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=20)
+    for a, b in zip(whole.precision.master, second.precision.master, strict=True):  # checkpointed, restored
+        assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
 def test_bf16_true_refuses_parameters_it_does_not_hold() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_LM, StopAt, assert_same_state, finished_run, metric_rows
+from helpers import assert_resume_is_exact
 from safetensors.torch import load_file, save_file
 
 from experiments.sae import cache as cache_module
@@ -19,7 +19,6 @@ from experiments.sae.hooked import SourceModel
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit
-from runner.train import train
 
 # 2,500 rows in shards of 1,000: three shards, the last one short
 CACHED = [
@@ -35,14 +34,6 @@ CACHED = [
     "logger=none",
     "callbacks=none",
 ]
-
-
-@pytest.fixture(scope="module")
-def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A finished tiny GPT run folder, as load_trained reads it."""
-    directory = tmp_path_factory.mktemp("lm")
-    finished_run(directory, *TINY_LM)
-    yield directory
 
 
 @pytest.fixture
@@ -152,9 +143,4 @@ def test_a_waiting_rank_reads_the_cache_or_gives_up_without_a_writer(
 def test_resume_on_cached_activations_is_exact(compose_cfg: Callable, lm_run: Path, tmp_path: Path) -> None:
     acts = tmp_path / "acts"
     overrides = [*_sae(lm_run, acts), "logger=jsonl", "checkpoint.interval=1000st"]
-    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
-    train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(3)])
-    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"))
-    assert second.progress.step == 8
-    assert_same_state(whole, second)
-    assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
+    assert assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=3)[1].progress.step == 8

@@ -3,12 +3,12 @@ from the source, and the GPT's loss with the SAE spliced in against zero and mea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_LM, StopAt, assert_same_state, finished_run, metric_rows
+from helpers import StopAt, assert_resume_is_exact
 
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.hooked import SourceModel
@@ -30,14 +30,6 @@ SAE_LM_SMALL = [
     "logger=none",
     "checkpoint=none",
 ]
-
-
-@pytest.fixture(scope="module")
-def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A finished tiny GPT run folder, as load_trained reads it: model.safetensors and .hydra/config.yaml."""
-    directory = tmp_path_factory.mktemp("lm")
-    finished_run(directory, *TINY_LM)
-    yield directory
 
 
 def test_sae_lm_trains_on_the_residual_stream_and_reports_loss_recovered(compose_cfg: Callable, lm_run: Path) -> None:
@@ -141,12 +133,7 @@ def test_a_hooked_sae_run_stopped_and_resumed_equals_the_uninterrupted_run(
     compose_cfg: Callable, lm_run: Path, tmp_path: Path
 ) -> None:
     overrides = ["+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *RESUMED]
-    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
-    train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(3)])
-    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"))
-    assert second.progress.step == 8
-    assert_same_state(whole, second)
-    assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
+    assert assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=3)[1].progress.step == 8
 
 
 def test_a_checkpoint_without_the_buffer_s_state_still_resumes(
