@@ -115,7 +115,7 @@ class JumpReLUSAE(SAE):
         out = {"l0_loss": penalty.detach(), "l0_term": self.l0_coeff * ramp * penalty}
         if self.pre_act_coeff > 0:
             # How far below its threshold each dead latent sits (0 for live ones: the mask is on the device, no read),
-            # weighted by decoder norms and normalised by sqrt(d) like the reconstruction; pulls pre up, threshold down.
+            # weighted by decoder norms and divided by sqrt(d) as ReLUSAE divides its L1; pulls pre up, threshold down.
             gap = (self.threshold - pre.float()).clamp_min(0) * self.dead * torch.linalg.vector_norm(self.W_dec, dim=1)
             pre_act = gap.sum(-1).mean() / x.shape[-1] ** 0.5
             out.update(pre_act_loss=pre_act.detach(), pre_act_term=self.pre_act_coeff * pre_act)

@@ -218,9 +218,10 @@ def test_a_short_run_from_the_config_lowers_the_loss(compose_cfg: Callable[..., 
         "model.n_latents=64",
         "data.batch_size=128",
         "data.splits.n_val=256",
-        "trainer.max_duration=30st",
+        "trainer.max_duration=40st",
+        "optimizer.lr=1e-2",
         "trainer.log_interval=1st",
-        "trainer.val_interval=30st",
+        "trainer.val_interval=40st",
         "checkpoint=none",
     )
     run = build(cfg)
@@ -228,7 +229,7 @@ def test_a_short_run_from_the_config_lowers_the_loss(compose_cfg: Callable[..., 
     logged = Losses()
     run.loggers.append(logged)
     fit(run)
-    assert run.stop_reason == "max_duration" and run.state.nonfinite_steps == 0 and len(logged.losses) == 30
+    assert run.stop_reason == "max_duration" and run.state.nonfinite_steps == 0 and len(logged.losses) == 40
     first, last = sum(logged.losses[:5]) / 5, sum(logged.losses[-5:]) / 5
     assert last < 0.7 * first, logged.losses
     assert (run.task.threshold >= 0).all() and run.task.threshold.dtype == torch.float32
