@@ -79,6 +79,15 @@ def test_a_family_mixes_widths_ks_and_architectures() -> None:
         MultiSAE(d_in=8, base=base, ks=[2], saes={"k2": base})
 
 
+def test_a_jumprelu_member_trains_beside_topk_ones(compose_cfg: Callable[..., DictConfig]) -> None:
+    jump = "+model.saes.jump={_target_:experiments.sae.jumprelu.JumpReLUSAE,_partial_:true,n_latents:64}"
+    run = train(compose_cfg(*SMALL, jump))
+    assert set(run.task.saes) == {"k2", "k4", "jump"}
+    m = run.state.metrics
+    assert 0 < m["val/jump/fve"] <= 1 and m["val/jump/l0"] > 0
+    assert m["val/fve"] == pytest.approx((m["val/k2/fve"] + m["val/k4/fve"] + m["val/jump/fve"]) / 3)
+
+
 def test_sae_multi_run_logs_each_sae_and_writes_its_own_weights(compose_cfg: Callable[..., DictConfig]) -> None:
     cfg = compose_cfg(*SMALL, "callbacks=sae_ground_truth")
     run = train(cfg)
