@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.sae.sparse import Pre, SparsePre, pick, pick_flat, plain
 from runner import ConfigError
 from runner.progress import parse_duration
 
@@ -32,7 +33,7 @@ def geometric_median(points: torch.Tensor, iterations: int = 100, tol: float = 1
 
 
 def auxk_loss(
-    pre: torch.Tensor, dead: torch.Tensor, W_dec: torch.Tensor, k_aux: int, residual: torch.Tensor, masked: bool
+    pre: Pre, dead: torch.Tensor, W_dec: torch.Tensor, k_aux: int, residual: torch.Tensor, masked: bool
 ) -> torch.Tensor:
     """How badly the top k_aux `dead` latents (of `pre`, decoded by `W_dec`) reconstruct `residual`, normalised by its
     variance; exactly 0, with no gradient to any latent, when none is dead.
@@ -41,19 +42,22 @@ def auxk_loss(
     their top min(k_aux, n_dead) decoded densely, which with k_aux ~ d/2 codes per row is faster on the CPU than an
     embedding_bag (measured 33 vs 50 ms per step). masked: the top k_aux of every latent with the live ones at -inf,
     which ReLU turns into zero codes (no value, no gradient) when fewer than k_aux are dead, decoded sparsely, and
-    multiplied by (any dead): nothing is read from the device.
+    multiplied by (any dead): nothing is read from the device. Either way the picked values are taken with `pick`, so
+    that a SparsePre's gradient reaches the picked latents only.
     """
     sst = (residual - residual.mean(0)).pow(2).sum(1).mean().clamp_min(1e-8)
+    values = plain(pre)
     if masked:
-        top, picked = pre.masked_fill(~dead, float("-inf")).topk(min(k_aux, pre.shape[1]), dim=1)
+        picked = values.masked_fill(~dead, float("-inf")).topk(min(k_aux, values.shape[1]), dim=1).indices
+        top = pick(pre, picked).masked_fill(~dead[picked], float("-inf"))  # live picks: no value, no gradient
         aux = F.embedding_bag(picked, W_dec, per_sample_weights=F.relu(top), mode="sum")
         return (aux - residual).pow(2).sum(1).mean() / sst * dead.any()
     dead_idx = dead.nonzero().flatten()
     if len(dead_idx) == 0:
-        return torch.zeros((), device=pre.device)
-    dead_pre = pre[:, dead_idx]
-    top, picked = dead_pre.topk(min(k_aux, len(dead_idx)), dim=1)
-    aux = torch.zeros_like(dead_pre).scatter(1, picked, F.relu(top)) @ W_dec[dead_idx]
+        return torch.zeros((), device=values.device)
+    picked = values[:, dead_idx].topk(min(k_aux, len(dead_idx)), dim=1).indices
+    top = pick(pre, dead_idx[picked])
+    aux = top.new_zeros(len(values), len(dead_idx)).scatter(1, picked, F.relu(top)) @ W_dec[dead_idx]
     return (aux - residual).pow(2).sum(1).mean() / sst
 
 
@@ -93,6 +97,7 @@ class SAE(nn.Module):
         # Dead latents as of the last optimizer step, kept on the device: AuxK reads them with no host read.
         self.register_buffer("dead", torch.zeros(n_latents, dtype=torch.bool), persistent=False)
         self._init_checked = False  # the host's copy of `initialized` once read: it never turns false again
+        self.sparse_backward = False  # TopK-style subclasses may turn it on: their codes pick from pre-activations
         if unit_norm_decoder:
             self.W_dec.register_hook(self._remove_parallel_grad)
 
@@ -151,7 +156,7 @@ class SAE(nn.Module):
         """Encoder pre-activations of normalised inputs."""
         return (x - self.b_dec) @ self.W_enc + self.b_enc
 
-    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def activate(self, pre: Pre) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(values [B, k], indices [B, k]) of the active latents per row, or (dense codes [B, n], None)."""
         raise NotImplementedError
 
@@ -179,9 +184,7 @@ class SAE(nn.Module):
         values, indices = self.activate(self.pre_activations(x * self.input_scale))
         return self.decode(values, indices) / self.input_scale
 
-    def aux_loss(
-        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, recon: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def aux_loss(self, x: torch.Tensor, pre: Pre, values: torch.Tensor, recon: torch.Tensor) -> dict[str, torch.Tensor]:
         """Extra loss terms, named '*_term' (added to the loss), and their metrics; none by default."""
         return {}
 
@@ -192,7 +195,8 @@ class SAE(nn.Module):
                 self.initialize_from(x)
             self._init_checked = True
         xn = x.float() * self.input_scale
-        pre = self.pre_activations(xn)
+        # sparse_backward (TopK-style codes): gradients reach only the latents the codes and AuxK pick (sparse.py)
+        pre = SparsePre(xn, self) if self.sparse_backward else self.pre_activations(xn)
         values, indices = self.activate(pre)
         recon = self.decode(values, indices)
         sse = (recon - xn).pow(2).sum(1).mean()
@@ -265,27 +269,32 @@ class SAE(nn.Module):
 class TopKSAE(SAE):
     """Keeps the k largest pre-activations (ReLU'd) per sample; AuxK trains dead latents on the residual."""
 
-    def __init__(self, k: int = 5, auxk_coeff: float = 1 / 32, k_aux: int | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        k: int = 5,
+        auxk_coeff: float = 1 / 32,
+        k_aux: int | None = None,
+        sparse_backward: bool = False,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         if not 0 < k <= self.n_latents:
             raise ConfigError(f"model.k={k} must be in [1, n_latents={self.n_latents}]")
-        self.k, self.auxk_coeff = k, auxk_coeff
+        self.k, self.auxk_coeff, self.sparse_backward = k, auxk_coeff, sparse_backward
         self.k_aux = k_aux or self.d_in // 2
 
-    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def activate(self, pre: Pre) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k values (ReLU'd) and their indices."""
-        values, indices = pre.topk(self.k, dim=1, sorted=False)
-        return F.relu(values), indices
+        indices = plain(pre).topk(self.k, dim=1, sorted=False).indices
+        return F.relu(pick(pre, indices)), indices
 
-    def aux_loss(
-        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, recon: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def aux_loss(self, x: torch.Tensor, pre: Pre, values: torch.Tensor, recon: torch.Tensor) -> dict[str, torch.Tensor]:
         """AuxK: the top k_aux dead latents reconstruct the main residual (gradient reaches dead latents only)."""
         if self.auxk_coeff <= 0:
             return {"auxk_loss": torch.zeros((), device=x.device)}  # the same keys every step, for the log means
         # On a GPU, picking out the dead columns would read their number from the device every step; on the CPU
         # there is nothing to wait for, and the gather is the faster way (auxk_loss).
-        masked = pre.device.type != "cpu"
+        masked = x.device.type != "cpu"
         auxk = auxk_loss(pre, self.dead, self.W_dec, self.k_aux, (x - recon).detach(), masked)
         return {"auxk_loss": auxk.detach(), "auxk_term": self.auxk_coeff * auxk}
 
@@ -328,28 +337,30 @@ class BatchTopKSAE(SAE):
         auxk_coeff: float = 1 / 32,
         k_aux: int | None = None,
         threshold_momentum: float = 0.99,
+        sparse_backward: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         if not 0 < k <= self.n_latents:
             raise ConfigError(f"model.k={k} must be in [1, n_latents={self.n_latents}]")
-        self.k, self.momentum = k, threshold_momentum
+        self.k, self.momentum, self.sparse_backward = k, threshold_momentum, sparse_backward
         self.auxk_coeff, self.k_aux = auxk_coeff, k_aux or self.d_in // 2
         self.register_buffer("threshold", torch.full((), -1.0))
 
-    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def activate(self, pre: Pre) -> tuple[torch.Tensor, None]:
         """Training: batch top-k (and update the threshold); eval: everything above the threshold."""
-        pre = F.relu(pre)
         if not self.training:
+            pre = F.relu(plain(pre))
             return pre * (pre > self.threshold), None
-        flat = pre.flatten()
-        top, idx = flat.topk(min(self.k * pre.shape[0], flat.numel()), sorted=False)
+        flat = F.relu(plain(pre).detach()).flatten()  # to select from; the kept values' gradient comes from pick
+        idx = flat.topk(min(self.k * len(plain(pre)), len(flat)), sorted=False).indices
+        top = F.relu(pick_flat(pre, idx))
         with torch.no_grad():
             smallest = top.detach().min()
             new = torch.where(
                 self.threshold < 0, smallest, self.momentum * self.threshold + (1 - self.momentum) * smallest
             )
             self.threshold.copy_(new)
-        return torch.zeros_like(flat).scatter(0, idx, top).view_as(pre), None
+        return torch.zeros_like(flat).scatter(0, idx, top).view_as(plain(pre)), None
 
     aux_loss = TopKSAE.aux_loss  # the same AuxK on dead latents

@@ -1,0 +1,130 @@
+"""The restricted encoder backward (`sparse_backward`): the same losses and, up to float summation order, the same
+gradients as autograd's dense path, for TopK (with AuxK on no, a few and many dead latents, gathered and masked),
+BatchTopK and Matryoshka, under accumulation; and no [B, n_latents] tensor anywhere in its backward.
+
+One CPU thread; the module takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from experiments.sae.matryoshka import MatryoshkaSAE
+from experiments.sae.model import SAE, BatchTopKSAE, TopKSAE, auxk_loss
+from experiments.sae.sparse import SparsePre, pick, pick_flat, plain
+
+D, N, B = 16, 96, 40  # B and N differ from every other size here, so a [B, N] tensor is recognisable
+
+
+def _make(kind: str, sparse: bool, n_dead: int) -> SAE:
+    torch.manual_seed(0)
+    shape = {"d_in": D, "n_latents": N, "k": 4, "k_aux": 6, "sparse_backward": sparse}
+    if kind == "topk":
+        sae = TopKSAE(**shape)
+    elif kind == "batchtopk":
+        sae = BatchTopKSAE(**shape)
+    else:
+        sae = MatryoshkaSAE(**shape, group_sizes=[16, 32, 48], activation=kind.split("_")[1])
+    dead = torch.randperm(N, generator=torch.Generator().manual_seed(1))[:n_dead]
+    with torch.no_grad():
+        sae.since_fired[dead] = 10_000  # dead as of the last step: AuxK trains them
+    sae.after_optimizer_step()
+    assert sae.n_dead == n_dead
+    return sae
+
+
+def _batches(n: int = 2) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randn(B, D, generator=gen) * 3 + 1 for _ in range(n)]  # a mean and a scale: normalisation matters
+
+
+@pytest.mark.parametrize("n_dead", [0, 3, 30])  # no dead latent, fewer than k_aux (6), more than k_aux
+@pytest.mark.parametrize("kind", ["topk", "batchtopk", "matryoshka_topk", "matryoshka_batchtopk"])
+def test_sparse_backward_gives_the_dense_gradients_under_accumulation(kind: str, n_dead: int) -> None:
+    seen = {}
+    for sparse in (False, True):
+        sae = _make(kind, sparse, n_dead)
+        losses = []
+        for x in _batches():  # two micro-batches: their gradients accumulate in .grad
+            out = sae.training_step(x)
+            (out["loss"] / 2).backward()
+            losses.append(out["loss"].detach())
+        seen[sparse] = losses, {name: p.grad.clone() for name, p in sae.named_parameters()}
+    (dense_losses, dense), (sparse_losses, sparse) = seen[False], seen[True]
+    for a, b in zip(dense_losses, sparse_losses, strict=True):
+        assert torch.equal(a, b)  # the forward is the same arithmetic
+    for name, grad in dense.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(sparse[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("n_dead", [0, 3, 30])
+def test_masked_auxk_with_sparse_backward_gives_the_dense_gradients(n_dead: int) -> None:
+    # The GPU's AuxK (masked top-k: with fewer dead latents than k_aux it also picks live ones, at -inf), run here,
+    # against the dense backward of the CPU's AuxK (the dead columns gathered).
+    seen = {}
+    for sparse in (False, True):
+        sae = _make("topk", sparse, n_dead)
+        x = _batches(1)[0]
+        pre = SparsePre(x, sae) if sparse else sae.pre_activations(x)
+        values, indices = sae.activate(pre)
+        recon = sae.decode(values, indices)
+        auxk = auxk_loss(pre, sae.dead, sae.W_dec, sae.k_aux, (x - recon).detach(), masked=sparse)
+        ((recon - x).pow(2).mean() + auxk).backward()
+        seen[sparse] = auxk.detach(), {name: p.grad for name, p in sae.named_parameters()}
+    (dense_aux, dense), (sparse_aux, sparse) = seen[False], seen[True]
+    torch.testing.assert_close(sparse_aux, dense_aux)
+    assert (float(dense_aux) > 0) == (n_dead > 0)
+    for name, grad in dense.items():
+        torch.testing.assert_close(sparse[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pick_differentiates_every_input_like_gather() -> None:
+    # In float64 and with an input that wants a gradient too (an SAE's inputs do not; the Function serves both).
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(B, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    params = [torch.randn(*s, dtype=torch.float64, generator=gen, requires_grad=True) for s in [(D, N), (N,), (D,)]]
+    W_enc, b_enc, b_dec = params
+    indices = torch.stack([torch.randperm(N, generator=gen)[:7] for _ in range(B)])
+    flat = torch.randperm(B * N, generator=gen)[:50]
+    weights = torch.randn(B, 7, dtype=torch.float64, generator=gen), torch.randn(50, dtype=torch.float64, generator=gen)
+    grads = {}
+    for sparse in (False, True):
+        sae = torch.nn.Module()
+        sae.W_enc, sae.b_enc, sae.b_dec = W_enc, b_enc, b_dec
+        pre = SparsePre(x, sae) if sparse else (x - b_dec) @ W_enc + b_enc
+        torch.testing.assert_close(plain(pre), ((x - b_dec) @ W_enc + b_enc).detach())
+        loss = (pick(pre, indices) * weights[0]).sum() + (pick_flat(pre, flat) * weights[1]).sum()
+        grads[sparse] = torch.autograd.grad(loss, [x, *params])
+    for name, dense, sparse in zip(["x", "W_enc", "b_enc", "b_dec"], grads[False], grads[True], strict=True):
+        torch.testing.assert_close(sparse, dense, msg=name)
+
+
+class _Shapes(TorchDispatchMode):
+    """The shapes of every tensor the ops under it make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        self.shapes |= {tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        return out
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_sparse_backward_makes_no_batch_by_latents_tensor(sparse: bool) -> None:
+    sae = _make("topk", sparse, n_dead=30)
+    out = sae.training_step(_batches(1)[0])
+    with _Shapes() as seen:
+        out["loss"].backward()
+    assert ((B, N) in seen.shapes) != sparse  # the dense path's gradient of the pre-activations, and only it
+    assert sae.W_enc.grad.shape == (D, N)
