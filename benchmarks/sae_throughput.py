@@ -1,7 +1,7 @@
 """SAE training throughput: runner's fit() against a minimal hand-written loop of the same SAE, in one process.
 
     python benchmarks/sae_throughput.py [--size preset|usual] [--device cpu|cuda] [--precision fp32|bf16]
-                                        [--steps 60] [--reps 3] [--json out.json]
+                                        [--backward dense sparse] [--steps 60] [--reps 3] [--json out.json]
 
 Sizes: `preset`, the default TopK SAE of +experiment=sae (d=256, 1024 latents, k=5, AuxK, batch 2048) on its synthetic
 activations, generated batch by batch as the preset does (on the GPU when it trains there); `usual`, the field's usual
@@ -14,6 +14,12 @@ differences). On CUDA both loops use fused Adam (runner's `optimizer.fused: null
 copied without blocking, and the hand loop reads nothing from the GPU: the clock is read after
 torch.cuda.synchronize() at the start and the end only. The SAE's step reads nothing from the GPU either (AuxK
 masks the dead latents on the device). On the CPU, torch's default Adam in both.
+
+`--backward`: the SAE's encoder backward, autograd's dense one (`model.sparse_backward=false`) and the one restricted to
+the picked latents (`true`, experiments/sae/sparse.py); each is run by both loops, all four contenders interleaved in
+one process (the order rotates each repetition), so the table gives runner / hand for each backward and sparse / dense
+for each loop, as medians of the per-repetition ratios with their min and max. The top-level figures of `--json`
+(hand_samples_per_s, runner_samples_per_s, ratio) are the first backward's.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
 
 from benchmarks.common import default_device, device_name, fused, mib, peak_gpu_mb, synchronize  # noqa: E402
 from experiments.sae.data import SyntheticData, synthetic_splits  # noqa: E402
@@ -47,7 +54,7 @@ SIZES = {  # name: (d_in, n_latents, k, batch)
 }
 
 
-def setup(size: str, steps: int, batch: int, device: str):
+def setup(size: str, steps: int, batch: int, device: str, sparse_backward: bool):
     d, n, k, _ = SIZES[size]
     torch.manual_seed(0)
     if size == "preset":
@@ -58,7 +65,7 @@ def setup(size: str, steps: int, batch: int, device: str):
     module = SyntheticData if size == "preset" else DataModule
     loader = module(splits, batch_size=batch, shuffle=False).train_loader(device=torch.device(device))
     torch.manual_seed(1)
-    model = TopKSAE(d_in=d, n_latents=n, k=k, dead_window="10st").to(device)
+    model = TopKSAE(d_in=d, n_latents=n, k=k, dead_window="10st", sparse_backward=sparse_backward).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused(device))  # as runner's build makes it here
     progress = TrainingProgress(
         f"{steps}st",
@@ -86,9 +93,9 @@ def _stop(device: str, start: float, samples: int) -> dict[str, float | None]:
     return {"samples_per_s": samples / (time.perf_counter() - start), "peak_gpu_mb": peak_gpu_mb(device)}
 
 
-def hand_written(size: str, steps: int, batch: int, device: str, precision: str) -> tuple[dict, torch.Tensor]:
+def hand_written(size: str, steps: int, batch: int, device: str, precision: str, sparse: bool) -> tuple[dict, Tensor]:
     """The loop by hand: no read from the device in it (the model's own aside)."""
-    model, opt, loader, progress = setup(size, steps, batch, device)
+    model, opt, loader, progress = setup(size, steps, batch, device, sparse)
     sched = wsd(optimizer=opt, progress=progress).scheduler
     autocast = _precision(precision, device).autocast
     start = _start(device)
@@ -103,9 +110,9 @@ def hand_written(size: str, steps: int, batch: int, device: str, precision: str)
     return _stop(device, start, steps * batch), model.W_dec.detach().cpu().clone()
 
 
-def runner_fit(size: str, steps: int, batch: int, device: str, precision: str) -> tuple[dict, torch.Tensor]:
+def runner_fit(size: str, steps: int, batch: int, device: str, precision: str, sparse: bool) -> tuple[dict, Tensor]:
     """runner's fit() on a Run built by hand with the same model, optimizer, schedule and loader."""
-    model, opt, loader, progress = setup(size, steps, batch, device)
+    model, opt, loader, progress = setup(size, steps, batch, device, sparse)
     run = Run(
         task=model,
         optimizer=opt,
@@ -122,11 +129,16 @@ def runner_fit(size: str, steps: int, batch: int, device: str, precision: str) -
     return _stop(device, start, steps * batch), model.W_dec.detach().cpu().clone()
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=list(SIZES), default="preset")
     parser.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--backward", nargs="+", choices=["dense", "sparse"], default=["dense", "sparse"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=None, help="default: the size's")
     parser.add_argument("--reps", type=int, default=3)
@@ -135,23 +147,47 @@ def main() -> None:
     device = args.device
     batch = args.batch or SIZES[args.size][3]
     torch.set_flush_denormal(True)
-    rates: dict[str, list[float]] = {"hand": [], "runner": []}
-    peaks: dict[str, list[float]] = {"hand": [], "runner": []}
-    diffs = []
-    loops = [("hand", hand_written), ("runner", runner_fit)]
+    contenders = [(loop, bwd) for bwd in args.backward for loop in ("hand", "runner")]
+    rates: dict[tuple[str, str], list[float]] = {c: [] for c in contenders}
+    peaks: dict[tuple[str, str], list[float]] = {c: [] for c in contenders}
+    diffs: dict[str, list[float]] = {bwd: [] for bwd in args.backward}
+    loops = {"hand": hand_written, "runner": runner_fit}
     for rep in range(args.reps):
         decoders = {}
-        for name, fn in loops if rep % 2 == 0 else loops[::-1]:  # alternate who goes first
-            figures, decoders[name] = fn(args.size, args.steps, batch, device, args.precision)
-            rates[name].append(figures["samples_per_s"])
+        shift = rep % len(contenders)
+        for loop, bwd in contenders[shift:] + contenders[:shift]:  # rotate who goes first
+            fn = loops[loop]
+            figures, decoders[loop, bwd] = fn(args.size, args.steps, batch, device, args.precision, bwd == "sparse")
+            rates[loop, bwd].append(figures["samples_per_s"])
             if figures["peak_gpu_mb"] is not None:
-                peaks[name].append(figures["peak_gpu_mb"])
-        diffs.append((decoders["hand"] - decoders["runner"]).abs().max().item())
-    hand, ours = statistics.median(rates["hand"]), statistics.median(rates["runner"])
+                peaks[loop, bwd].append(figures["peak_gpu_mb"])
+        for bwd in args.backward:
+            diffs[bwd].append((decoders["hand", bwd] - decoders["runner", bwd]).abs().max().item())
     d, n, k, _ = SIZES[args.size]
     peak = peak_flops(torch.device(device), args.precision)
-    mfu = {name: statistics.median(r) * 6 * d * n / peak for name, r in rates.items()} if peak else None
-    gpu = {name: max(p) if p else None for name, p in peaks.items()}
+    median = {c: statistics.median(r) for c, r in rates.items()}
+    mfu = {c: m * 6 * d * n / peak for c, m in median.items()} if peak else None
+    gpu = {c: max(p) if p else None for c, p in peaks.items()}
+    backwards = {}
+    for bwd in args.backward:
+        paired = [r / h for r, h in zip(rates["runner", bwd], rates["hand", bwd], strict=True)]
+        backwards[bwd] = {
+            "hand_samples_per_s": median["hand", bwd],
+            "runner_samples_per_s": median["runner", bwd],
+            "ratio": _spread(paired),  # runner / hand, per repetition
+            "mfu": {loop: mfu[loop, bwd] for loop in loops} if mfu else None,
+            "peak_gpu_mb": {loop: gpu[loop, bwd] for loop in loops},
+            "max_decoder_diff": max(diffs[bwd]),
+            "hand_all": rates["hand", bwd],
+            "runner_all": rates["runner", bwd],
+        }
+    faster = {}
+    if len(args.backward) == 2:  # sparse / dense in samples/s, per loop and repetition
+        faster = {
+            loop: _spread([s / d for s, d in zip(rates[loop, "sparse"], rates[loop, "dense"], strict=True)])
+            for loop in loops
+        }
+    first = backwards[args.backward[0]]
     cuda = torch.device(device).type == "cuda"
     where = device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     result = {
@@ -163,22 +199,28 @@ def main() -> None:
         "steps": args.steps,
         "batch": batch,
         "reps": args.reps,
-        "hand_samples_per_s": hand,
-        "runner_samples_per_s": ours,
-        "ratio": ours / hand,
-        "mfu": mfu,
-        "peak_gpu_mb": gpu,
-        "max_decoder_diff": max(diffs),
-        "hand_all": rates["hand"],
-        "runner_all": rates["runner"],
+        "hand_samples_per_s": first["hand_samples_per_s"],
+        "runner_samples_per_s": first["runner_samples_per_s"],
+        "ratio": first["ratio"]["median"],
+        "mfu": first["mfu"],
+        "max_decoder_diff": max(b["max_decoder_diff"] for b in backwards.values()),
+        "backward": backwards,
+        "sparse_over_dense": faster,
     }
     print(f"{where}; {args.precision}; d={d} latents={n} k={k} batch={batch}; {args.steps} steps x {args.reps} reps")
-    print(f"{'loop':<8} {'samples/s (median)':>19} {'min':>9} {'max':>9} {'MFU':>7} {'GPU MiB':>8}")
-    for name in ("hand", "runner"):
-        share = f"{mfu[name]:.3f}" if mfu else "-"
-        row = f"{statistics.median(rates[name]):>19.0f} {min(rates[name]):>9.0f} {max(rates[name]):>9.0f}"
-        print(f"{name:<8} {row} {share:>7} {mib(gpu[name]):>8}")
-    print(f"runner / hand = {ours / hand:.3f}   max |decoder difference| = {max(diffs):.2e}")
+    print(f"{'loop':<8} {'backward':<9} {'samples/s (median)':>19} {'min':>9} {'max':>9} {'MFU':>7} {'GPU MiB':>8}")
+    for loop, bwd in contenders:
+        share = f"{mfu[loop, bwd]:.3f}" if mfu else "-"
+        row = f"{median[loop, bwd]:>19.0f} {min(rates[loop, bwd]):>9.0f} {max(rates[loop, bwd]):>9.0f}"
+        print(f"{loop:<8} {bwd:<9} {row} {share:>7} {mib(gpu[loop, bwd]):>8}")
+    for bwd, figures in backwards.items():
+        r = figures["ratio"]
+        print(
+            f"{bwd}: runner / hand = {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})   "
+            f"max |decoder difference| = {figures['max_decoder_diff']:.2e}"
+        )
+    for loop, r in faster.items():
+        print(f"{loop}: sparse / dense backward = {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

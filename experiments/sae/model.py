@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.sae.sparse import Pre, SparsePre, pick, pick_flat, plain
+from experiments.sae.sparse import Pre, SparsePre, pick, pick_columns, pick_flat, plain
 from runner import ConfigError
 from runner.progress import parse_duration
 
@@ -42,8 +42,8 @@ def auxk_loss(
     their top min(k_aux, n_dead) decoded densely, which with k_aux ~ d/2 codes per row is faster on the CPU than an
     embedding_bag (measured 33 vs 50 ms per step). masked: the top k_aux of every latent with the live ones at -inf,
     which ReLU turns into zero codes (no value, no gradient) when fewer than k_aux are dead, decoded sparsely, and
-    multiplied by (any dead): nothing is read from the device. Either way the picked values are taken with `pick`, so
-    that a SparsePre's gradient reaches the picked latents only.
+    multiplied by (any dead): nothing is read from the device. A SparsePre's gradient reaches the dead columns only
+    (gathered: densely in them; masked: the picked entries).
     """
     sst = (residual - residual.mean(0)).pow(2).sum(1).mean().clamp_min(1e-8)
     values = plain(pre)
@@ -55,9 +55,9 @@ def auxk_loss(
     dead_idx = dead.nonzero().flatten()
     if len(dead_idx) == 0:
         return torch.zeros((), device=values.device)
-    picked = values[:, dead_idx].topk(min(k_aux, len(dead_idx)), dim=1).indices
-    top = pick(pre, dead_idx[picked])
-    aux = top.new_zeros(len(values), len(dead_idx)).scatter(1, picked, F.relu(top)) @ W_dec[dead_idx]
+    dead_pre = pick_columns(pre, dead_idx)
+    top, picked = dead_pre.topk(min(k_aux, len(dead_idx)), dim=1)
+    aux = torch.zeros_like(dead_pre).scatter(1, picked, F.relu(top)) @ W_dec[dead_idx]
     return (aux - residual).pow(2).sum(1).mean() / sst
 
 

@@ -98,6 +98,9 @@ def test_sae_throughput_smoke(runs: dict[str, Future]) -> None:
     assert result["max_decoder_diff"] == 0.0
     assert result["shape"] == {"d_in": 256, "n_latents": 1024, "k": 5, "batch": 256} and result["mfu"] is None  # CPU
     assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0
+    # both encoder backwards, each run by both loops: identical decoders within a backward
+    assert set(result["backward"]) == {"dense", "sparse"} and set(result["sparse_over_dense"]) == {"hand", "runner"}
+    assert all(figures["max_decoder_diff"] == 0.0 for figures in result["backward"].values())
 
 
 def test_sae_multi_smoke(runs: dict[str, Future]) -> None:

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from experiments.sae.matryoshka import MatryoshkaSAE
 from experiments.sae.model import SAE, BatchTopKSAE, TopKSAE, auxk_loss
-from experiments.sae.sparse import SparsePre, pick, pick_flat, plain
+from experiments.sae.sparse import SparsePre, pick, pick_columns, pick_flat, plain
 
 D, N, B = 16, 96, 40  # B and N differ from every other size here, so a [B, N] tensor is recognisable
 
@@ -86,7 +86,7 @@ def test_masked_auxk_with_sparse_backward_gives_the_dense_gradients(n_dead: int)
         torch.testing.assert_close(sparse[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_pick_differentiates_every_input_like_gather() -> None:
+def test_picks_differentiate_every_input_like_indexing() -> None:
     # In float64 and with an input that wants a gradient too (an SAE's inputs do not; the Function serves both).
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(B, D, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -94,14 +94,16 @@ def test_pick_differentiates_every_input_like_gather() -> None:
     W_enc, b_enc, b_dec = params
     indices = torch.stack([torch.randperm(N, generator=gen)[:7] for _ in range(B)])
     flat = torch.randperm(B * N, generator=gen)[:50]
-    weights = torch.randn(B, 7, dtype=torch.float64, generator=gen), torch.randn(50, dtype=torch.float64, generator=gen)
+    columns = torch.randperm(N, generator=gen)[:9]
+    weights = [torch.randn(*s, dtype=torch.float64, generator=gen) for s in [(B, 7), (50,), (B, 9)]]
     grads = {}
     for sparse in (False, True):
         sae = torch.nn.Module()
         sae.W_enc, sae.b_enc, sae.b_dec = W_enc, b_enc, b_dec
         pre = SparsePre(x, sae) if sparse else (x - b_dec) @ W_enc + b_enc
         torch.testing.assert_close(plain(pre), ((x - b_dec) @ W_enc + b_enc).detach())
-        loss = (pick(pre, indices) * weights[0]).sum() + (pick_flat(pre, flat) * weights[1]).sum()
+        picks = pick(pre, indices), pick_flat(pre, flat), pick_columns(pre, columns)
+        loss = sum((p * w).sum() for p, w in zip(picks, weights, strict=True))
         grads[sparse] = torch.autograd.grad(loss, [x, *params])
     for name, dense, sparse in zip(["x", "W_enc", "b_enc", "b_dec"], grads[False], grads[True], strict=True):
         torch.testing.assert_close(sparse, dense, msg=name)
