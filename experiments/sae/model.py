@@ -274,7 +274,7 @@ class TopKSAE(SAE):
         k: int = 5,
         auxk_coeff: float = 1 / 32,
         k_aux: int | None = None,
-        sparse_backward: bool = False,
+        sparse_backward: bool = True,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -337,7 +337,7 @@ class BatchTopKSAE(SAE):
         auxk_coeff: float = 1 / 32,
         k_aux: int | None = None,
         threshold_momentum: float = 0.99,
-        sparse_backward: bool = False,
+        sparse_backward: bool = True,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
