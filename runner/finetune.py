@@ -26,6 +26,7 @@ from runner.ckpt.files import ADAPTER, read_weights, save_weights
 from runner.rundir import CONFIG, MODEL
 
 MERGED = "model.merged.safetensors"
+TARGET = "runner.finetune.Lora"  # not f"{__name__}.Lora": under `python -m runner.finetune` that is __main__.Lora
 _LORA_A = re.compile(rf"^(.*)\.{ADAPTER}A\.([^.]+)\.weight$")
 
 
@@ -102,7 +103,7 @@ def merge(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     cfg = OmegaConf.load(run_dir / CONFIG)
     lora = cfg.get("finetune") or {}
-    if lora.get("_target_") != f"{__name__}.Lora":
+    if lora.get("_target_") != TARGET:
         raise ConfigError(f"{run_dir} is not a finetune=lora run (its {CONFIG} has no finetune=lora)")
     adapters = read_weights(run_dir / MODEL)
     out = run_dir / MERGED

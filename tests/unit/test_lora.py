@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import runpy
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from safetensors import safe_open
 from runner import ConfigError
 from runner.build import build, load_trained
 from runner.ckpt.files import ADAPTER, ADAPTERS_ONLY, read_weights
-from runner.finetune import MERGED, main, merge
+from runner.finetune import MERGED, merge
 
 pytest.importorskip("peft")
 SHORT = [*TINY_LM, "trainer.max_duration=8st"]
@@ -62,9 +63,13 @@ def test_model_safetensors_holds_only_the_adapters_and_says_so(lora_run) -> None
     assert keys == {n for n, _ in task.named_parameters() if ADAPTER in n}
 
 
-def test_merge_folds_the_adapters_into_the_base_and_computes_what_the_adapted_model_does(lora_run) -> None:
+@pytest.mark.filterwarnings("ignore:'runner.finetune' found in sys.modules:RuntimeWarning")  # runpy, imported here
+def test_merge_folds_the_adapters_into_the_base_and_computes_what_the_adapted_model_does(lora_run, monkeypatch) -> None:
     directory, task = lora_run
-    assert main(["merge", str(directory)]) == 0
+    monkeypatch.setattr(sys, "argv", ["runner.finetune", "merge", str(directory)])
+    with pytest.raises(SystemExit) as done:  # as `python -m runner.finetune merge RUN_DIR` runs it
+        runpy.run_module("runner.finetune", run_name="__main__")
+    assert done.value.code == 0
     merged, _ = load_trained(directory, weights=directory / MERGED)  # the plain GPT, strict load
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
