@@ -27,6 +27,9 @@ from runner import ConfigError, rundir
 PREFIX = "step-"
 FILES = ("model.safetensors", "state.pt")
 MANIFEST_SHA256 = "manifest_sha256"
+# In a weight's name: a LoRA adapter's (PEFT's lora_A / lora_B). A file of only those says so in its metadata.
+ADAPTER = "lora_"
+ADAPTERS_ONLY = {"runner_weights": "lora_adapters_only: merge with python -m runner.finetune merge RUN_DIR"}
 
 
 class CheckpointError(ConfigError):
@@ -51,7 +54,8 @@ def _safetensors(weights: dict[str, torch.Tensor]) -> bytes:
         raise RuntimeError("these weights are FSDP shards: gather them first (runner.ckpt.state.model_weights)")
 
     # clone: safetensors refuses tensors that share storage (tied weights); each key gets its own copy
-    return save({k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()})
+    metadata = ADAPTERS_ONLY if weights and all(ADAPTER in k for k in weights) else None
+    return save({k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()}, metadata=metadata)
 
 
 def save_weights(model: torch.nn.Module | dict[str, torch.Tensor], path: str | Path) -> None:

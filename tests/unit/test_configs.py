@@ -45,6 +45,7 @@ EXPECTED_GROUPS = {
     "compile",
     "activation_checkpointing",
     "debug",
+    "finetune",
 }
 APPENDED = {"experiment", "debug"}  # groups added with +group=option, after every default (runner.__main__.debug_last)
 GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
@@ -67,7 +68,8 @@ def _host(group: str, option: str) -> str:
     return family or "digits"
 
 
-HOSTS = {("data", "tokens_file"): "lm"}  # options no experiment selects, with the experiment they are for
+# options no experiment selects, with the experiment they are for
+HOSTS = {("data", "tokens_file"): "lm", ("finetune", "lora"): "lm"}
 
 
 def _with_digits_params() -> list:
@@ -111,6 +113,8 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
         overrides.append(f"source.checkpoint={inputs['source']}")
     if host == "sae_lm":
         overrides += [f"source.checkpoint={inputs['lm']}", "data.buffer_size=4096"]
+    if (group, option) == ("finetune", "lora"):  # adapters on the tiny GPT of inputs["lm"]
+        overrides += [f"init_from={inputs['lm']}", *(f"model.{k}" for k in ("n_layer=3", "d_model=32", "n_head=2"))]
     return overrides + _unit_overrides(group, option)
 
 
