@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from runner.log import require, scalars
+from runner.log import require, say_lost, scalars
 from runner.run import Logger
 from runner.rundir import MODEL, MODEL_PART, SUMMARY
 
@@ -115,11 +114,7 @@ class MlflowLogger(Logger):
             return self.client.get_experiment_by_name(self.experiment_name).experiment_id
 
     def _lost(self, action: str, error: Exception) -> None:
-        print(
-            f"mlflow: {action} failed ({type(error).__name__}: {error}); training goes on without mlflow",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_lost("mlflow", action, error)
         self.client = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from runner.log import require, scalars
+from runner.log import require, say_lost, scalars
 from runner.run import Logger
 
 
@@ -43,11 +42,7 @@ class TensorBoardLogger(Logger):
             self._lost("start", error)
 
     def _lost(self, action: str, error: Exception) -> None:
-        print(
-            f"tensorboard: {action} failed ({type(error).__name__}: {error}); training goes on without tensorboard",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_lost("tensorboard", action, error)
         self.writer = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:

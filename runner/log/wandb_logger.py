@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from runner.log import say_lost
 from runner.run import Logger
 
 
@@ -120,7 +121,7 @@ class WandbLogger(Logger):
             _say(f"run {self.run.url}")
 
     def _lost(self, action: str, error: Exception) -> None:
-        _say(f"{action} failed ({type(error).__name__}: {error}); training goes on without wandb")
+        say_lost("wandb", action, error)
         self.run = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
