@@ -2,33 +2,21 @@
 the bandwidth only), thresholds stored as they are and kept >= 0 and in float32 under bf16 autocast, the L0 warmup and
 target, the dead latents' pre-activation loss, and a short run from the config that lowers the loss.
 
-One CPU thread, tiny sizes; the module takes a few seconds.
+Tiny sizes (one CPU thread: tests/conftest.py); the module takes a few seconds.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import compose_job
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from experiments.sae.jumprelu import JumpReLUFunction, JumpReLUSAE, StepFunction
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit
-
-
-@pytest.fixture
-def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
-    yield lambda *overrides: compose_job(tmp_path / "run", "logger=none", *overrides)
-    HydraConfig.instance().cfg = None
 
 
 def _tiny(**kwargs) -> JumpReLUSAE:
@@ -213,6 +201,7 @@ def test_a_short_run_from_the_config_lowers_the_loss(compose_cfg: Callable[..., 
     cfg = compose_cfg(
         "+experiment=sae",
         "model=sae_jumprelu",
+        "logger=none",
         "data.splits.d=16",
         "data.splits.n_features=32",
         "model.n_latents=64",
