@@ -144,5 +144,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
             write_json(run_dir / SUMMARY, summary)
         for logger in run.loggers:
             logger.close(summary)
+        if summary is not None:
+            # A rank that exits first with a failure code (a diverged run exits 3) has torchrun stop the others at
+            # once: every rank waits here until rank 0 has written the run's outputs.
+            run.strategy.barrier()
         run.strategy.close()
     return run

@@ -17,6 +17,21 @@ from runner.ckpt.callback import Checkpoint
 from runner.run import Callback
 
 
+class SlowToWrite(MLPClassifier):
+    """Digits, whose final outputs take rank 0 `write_seconds` longer to write (a slow disk): the time in which a
+    rank that exits first with a failure code would have torchrun stop rank 0 mid-write, after training."""
+
+    def __init__(self, write_seconds: float = 0.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.write_seconds = write_seconds
+
+    @property
+    def parts(self) -> dict[str, str]:
+        # read by rank 0 alone, between model.safetensors and summary.json (runner.ckpt.files.weight_parts)
+        time.sleep(self.write_seconds)
+        return {}
+
+
 class SkewedValidation(MLPClassifier):
     """Digits, plus a validation metric 'skew' that rank 0's data alone would see improve at every validation
     (1/k at the k-th) and rank 1's alone would see worsen (k): only their exact reduction decides early stopping."""

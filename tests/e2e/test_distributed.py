@@ -157,6 +157,14 @@ def desynced(root: Path) -> tuple[subprocess.CompletedProcess, Path]:
     return torchrun(*args, f"hydra.run.dir={root}/desynced", cwd=root), root / "desynced"
 
 
+def diverged(root: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """lr 1e30: every rank stops after 10 steps (exit 3); rank 0 takes 3 s more than rank 1 to write its outputs."""
+    slow = ["model._target_=_tasks.SlowToWrite", "+model.write_seconds=3", "checkpoint=none"]
+    args = [*DIGITS_DDP, *slow, "distributed=ddp", "data.batch_size=16"]
+    args += ["trainer.max_duration=20st", "optimizer.lr=1e30", "trainer.max_nonfinite_steps=2"]
+    return torchrun(*args, f"hydra.run.dir={root}/diverged", cwd=root), root / "diverged"
+
+
 def without_rendezvous(root: Path) -> tuple[subprocess.CompletedProcess, Path]:
     """Rank 1 of 2 by its variables (helpers.child_env drops MASTER_* and SLURM_*): a launch without torchrun."""
     env = {"RANK": "1", "WORLD_SIZE": "2"}
@@ -177,6 +185,7 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "one": lambda: single(root, "one", *digits20, "data.batch_size=32"),
         "acc": lambda: single(root, "acc", *digits20, "data.batch_size=16", "trainer.accumulate_grad_batches=2"),
         "without_rendezvous": lambda: without_rendezvous(root),
+        "diverged": lambda: diverged(root),
     }
 
 
@@ -289,3 +298,13 @@ def test_several_processes_without_a_rendezvous_address_is_a_clear_error(runs: d
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, explain(proc)
     assert "error on rank 1: 2 processes but no rendezvous address: launch with torchrun" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_a_diverged_ddp_run_exits_3_after_rank_0_has_written_its_outputs(runs: dict[str, Future]) -> None:
+    # Every rank stops with exit code 3; rank 1 is done first, and torchrun stops the other ranks as soon as one exits
+    # with a failure code: rank 1 must wait for rank 0's outputs (CI once lost summary.json so).
+    proc, run_dir = runs["diverged"].result()
+    assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, explain(proc)  # torchrun's own code is 1
+    assert "\nerror: stopped after 2 optimizer steps in a row" in proc.stderr  # rank 0's, not stopped by torchrun
+    assert summary(run_dir)["stop_reason"] == "nonfinite"
+    assert (run_dir / "model.safetensors").is_file()
