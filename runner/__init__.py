@@ -1,5 +1,6 @@
 """runner: a Hydra-configured PyTorch experiment runner."""
 
+import importlib.util
 from typing import Any
 
 
@@ -12,3 +13,9 @@ def check_whole(value: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
     return value
+
+
+def require(module: str, extra: str, option: str) -> None:
+    """A ConfigError naming the pip command when `option` needs the optional package `module` (runner[`extra`])."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{option} needs the {module} package: pip install 'runner[{extra}]'")

@@ -86,7 +86,7 @@ def _on(cfg: DictConfig, group: str) -> bool:
 
 
 def _interval(progress: TrainingProgress, text: str, name: str) -> Duration:
-    interval = progress.resolve(text)
+    interval = progress.resolve(text, name)
     if interval.value <= 0:
         raise ConfigError(f"{name}={text} must be longer than zero")
     return interval
@@ -136,7 +136,8 @@ def _build(cfg: DictConfig) -> Run:
     data = instantiate(cfg.data)
     train_loader = data.train_loader(dist.rank, dist.world_size, dist.device, cfg.trainer.accumulate_grad_batches)
     val_loader = data.val_loader(dist.rank, dist.world_size, dist.device)
-    if len(train_loader) == 0:
+    epoch = len(train_loader) if hasattr(train_loader, "__len__") else None  # a stream has no epochs
+    if epoch == 0:
         raise ConfigError(
             f"the train loader is empty: {len(train_loader.dataset)} samples make no optimizer step of "
             f"data.batch_size={data.batch_size} x {dist.world_size} rank(s) x trainer.accumulate_grad_batches="
@@ -169,12 +170,14 @@ def _build(cfg: DictConfig) -> Run:
     progress = TrainingProgress(
         trainer.max_duration,
         batch_size=data.batch_size,
-        batches_per_epoch=len(train_loader),
-        samples_per_epoch=train_loader.batch_sampler.samples_per_epoch,
+        batches_per_epoch=epoch,
+        samples_per_epoch=getattr(getattr(train_loader, "batch_sampler", None), "samples_per_epoch", None),
         accumulate=trainer.accumulate_grad_batches,
         world_size=dist.world_size,
         tokens_per_sample=data.tokens_per_sample,
     )
+    config = _plain(cfg)
+    progress.check_durations(config)
     settings = Settings(
         val_interval=_interval(progress, trainer.val_interval, "trainer.val_interval"),
         log_interval=_interval(progress, trainer.log_interval, "trainer.log_interval"),
@@ -183,7 +186,7 @@ def _build(cfg: DictConfig) -> Run:
         stop_check_interval=_interval(progress, trainer.stop_check_interval, "trainer.stop_check_interval"),
         monitor=cfg.get("monitor"),
         config_hash=hashlib.sha256(OmegaConf.to_yaml(cfg).encode()).hexdigest(),
-        config=_plain(cfg),
+        config=config,
         data_info=getattr(data, "info", {}),  # a data module of your own need not have one
         compiled=compiled,
         recomputed=recomputed,

@@ -225,10 +225,13 @@ class DataModule:
             collate_fn=_collate,
             worker_init_fn=_seed_worker,
             generator=torch.Generator().manual_seed(seed),
-            # The platform's own start method, named: a host process may have replaced the global default (joblib's
-            # loky workers do, and their "loky" context cannot start a DataLoader worker: hydra#964).
-            multiprocessing_context=multiprocessing.get_all_start_methods()[0] if self.num_workers > 0 else None,
+            multiprocessing_context=self._start_method(),
         )
+
+    def _start_method(self) -> str | None:
+        # The platform's own start method, named: a host process may have replaced the global default (joblib's
+        # loky workers do, and their "loky" context cannot start a DataLoader worker: hydra#964).
+        return multiprocessing.get_all_start_methods()[0] if self.num_workers > 0 else None
 
     def train_loader(
         self, rank: int = 0, world_size: int = 1, device: torch.device | None = None, accumulate: int = 1

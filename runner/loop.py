@@ -170,7 +170,9 @@ def _agree_on_stop(run: Run) -> None:
 
 def _log(run: Run, metrics: dict[str, float]) -> None:
     p = run.progress
-    metrics = {"epoch": p.epoch_float, "samples": p.samples, **({"tokens": p.tokens} if p.tokens else {}), **metrics}
+    counts = {"epoch": p.epoch_float} if p.batches_per_epoch else {}  # a stream has no epochs
+    counts |= {"samples": p.samples, **({"tokens": p.tokens} if p.tokens else {})}
+    metrics = {**counts, **metrics}
     run.state.metrics.update(metrics)
     for logger in run.loggers:
         logger.log(metrics, p.step)

@@ -98,6 +98,7 @@ class TrainingProgress:
         self.max_duration = parse_duration(max_duration)
         if self.max_duration.unit == "dur":
             raise DurationError("trainer.max_duration cannot be in 'dur' units: it is what 'dur' is a fraction of")
+        self.resolve(self.max_duration, "trainer.max_duration")
         self.step = self.micro_batch = self.epoch = self.batch_in_epoch = self.samples = self.tokens = 0
         self._prev = self._last = (0, 0.0, 0, 0)
         self._warned = False
@@ -187,12 +188,30 @@ class TrainingProgress:
     def _snapshot(self) -> tuple[int, float, int, int]:
         return (self.step, self.epoch_float, self.samples, self.tokens)
 
-    def resolve(self, duration: str | Duration) -> Duration:
-        """Turn a 'dur' fraction into max_duration's unit; other durations are returned as they are."""
+    def resolve(self, duration: str | Duration, name: str = "a duration") -> Duration:
+        """Turn a 'dur' fraction into max_duration's unit; other durations are returned as they are. Epochs are
+        refused when the data has no epoch length (a stream): `name` is the setting the error names."""
         d = parse_duration(duration)
         if d.unit == "dur":
             return Duration(d.value * self.max_duration.value, self.max_duration.unit)
+        if d.unit == "ep" and self.batches_per_epoch is None:
+            raise DurationError(
+                f"{name}={d} counts epochs, but the training data is a stream without an epoch length: write it in "
+                "optimizer steps (st), samples (sa) or tokens (tok)"
+            )
         return d
+
+    def check_durations(self, config: object, path: str = "") -> None:
+        """Resolve every duration string in a plain config (nested dicts and lists), naming its key on error: epochs
+        in a run whose data has no epoch length are refused before the first step, not where a callback first asks."""
+        if isinstance(config, dict):
+            for key, value in config.items():
+                self.check_durations(value, f"{path}.{key}" if path else str(key))
+        elif isinstance(config, list):
+            for i, value in enumerate(config):
+                self.check_durations(value, f"{path}[{i}]")
+        elif isinstance(config, str) and _PATTERN.match(config):
+            self.resolve(config, path)
 
     @staticmethod
     def _value(snapshot: tuple[int, float, int, int], unit: str) -> float:

@@ -216,13 +216,17 @@ class Callback(Protocol):
 
 @runtime_checkable
 class Logger(Protocol):
-    """start(info), log(metrics, step), close(summary); a logger overrides what it needs (subclass this)."""
+    """start(info), log(metrics, step), log_histograms(values, step), close(summary); a logger overrides what it
+    needs (subclass this)."""
 
     def start(self, info: dict[str, Any]) -> None:
         """Called once before training with facts about the run (parameters, batch, steps, config...)."""
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Record metrics at an optimizer step."""
+
+    def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
+        """Record distributions (one value per layer, say) at an optimizer step, where the logger can draw them."""
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """Flush and release; `summary` is what summary.json holds (None if the run failed)."""

@@ -95,6 +95,18 @@ class Affine(nn.Module):
 # python -m runner ... +callbacks.slow._target_=_tasks.SleepEachStep +callbacks.slow.seconds=0.05
 
 
+class StopAt(Callback):
+    """Asks every rank to stop after optimizer step `step`, as a preemption would (a checkpoint, exit 75); a resumed
+    run, past that step, goes on to the end."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_optimizer_step(self, run) -> None:
+        if run.progress.step == self.step:
+            run.request_stop("preempted")
+
+
 class SleepEachStep(Callback):
     """Sleeps `seconds` after every optimizer step: the run lives long enough for a test to signal it at a chosen
     moment (once a checkpoint exists, say) with steps to spare."""

@@ -49,7 +49,7 @@ class Windows(Dataset):
         return {"tokens": torch.from_numpy(rows.astype(np.int64)), "num_tokens": len(indices) * self.seq_len}
 
 
-def _windows_or_error(tokens: np.ndarray, seq_len: int, what: str, limit: int | None = None) -> Windows:
+def windows_or_error(tokens: np.ndarray, seq_len: int, what: str, limit: int | None = None) -> Windows:
     if len(tokens) < seq_len + 1:
         raise ConfigError(
             f"{what} holds {len(tokens):,} tokens, fewer than one window of model.seq_len + 1 = {seq_len + 1}: "
@@ -64,9 +64,9 @@ class TokenData(DataModule):
     def __init__(
         self, train: np.ndarray, val: np.ndarray | None, seq_len: int, val_windows: int | None, **loader: Any
     ) -> None:
-        splits: dict[str, Dataset] = {"train": _windows_or_error(train, seq_len, "the training split")}
+        splits: dict[str, Dataset] = {"train": windows_or_error(train, seq_len, "the training split")}
         if val is not None:
-            splits["val"] = _windows_or_error(val, seq_len, "the validation split", val_windows)
+            splits["val"] = windows_or_error(val, seq_len, "the validation split", val_windows)
         super().__init__(splits, tokens_per_sample=seq_len, **loader)
 
 
@@ -82,7 +82,7 @@ def stdlib_sources() -> list[Path]:
     )
 
 
-def _expand(paths: list[str]) -> list[Path]:
+def expand_paths(paths: list[str]) -> list[Path]:
     files: list[Path] = []
     for pattern in paths:
         matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(str(pattern)), recursive=True))
@@ -93,7 +93,7 @@ def _expand(paths: list[str]) -> list[Path]:
     return files
 
 
-def _read_text(path: Path) -> bytes:
+def read_text(path: Path) -> bytes:
     data = path.read_bytes()
     try:
         data.decode("utf-8")
@@ -116,7 +116,7 @@ def _cache_root(cache_dir: str | None) -> Path:
 def encode_corpus(files: list[Path], val_every: int, cache_dir: str | None = None) -> tuple[Path, dict[str, Any]]:
     """Encode the files as bytes into <cache>/<content hash>/{train,val}.u8 (every `val_every`-th file held out for
     validation, files separated by a NUL byte) unless that folder exists; return it and the corpus's facts."""
-    texts = [_read_text(f) for f in files]
+    texts = [read_text(f) for f in files]
     digest = hashlib.sha256(f"{_FORMAT}:{val_every}:".encode())
     for text in texts:
         digest.update(len(text).to_bytes(8, "little"))
@@ -156,7 +156,7 @@ class TextBytes(TokenData):
         bytes_per_token: float = 1.0,
         **loader: Any,
     ) -> None:
-        files = _expand(list(paths)) if paths else stdlib_sources()
+        files = expand_paths(list(paths)) if paths else stdlib_sources()
         if val_every == 1 or val_every < 0:
             raise ConfigError(f"data.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
         folder, corpus = encode_corpus(files, val_every, cache_dir)

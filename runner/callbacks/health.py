@@ -21,7 +21,9 @@ class TrainingHealth(Callback):
     gradient norm (after unscaling and clipping, as the optimizer sees it), the weight norm and the update/weight
     ratio ||W_after - W_before|| / ||W_before|| of that step; for each module named in `modules`, its output's mean,
     std, largest magnitude and fraction of zeros. Every value goes to `health.jsonl` in `run_dir` (rank 0); the
-    loggers get the `top` layers by gradient norm as health/grad_norm/<name> and the largest update ratio. A layer
+    loggers get the `top` layers by gradient norm as health/grad_norm/<name> and the largest update ratio, and with
+    `histograms` every layer's values (log10) as the histograms health/log10_{grad_norm,param_norm,update_ratio}
+    (TensorBoard, wandb). A layer
     whose gradient norm leaves [vanish, explode] x its running level (an exponential mean of the log norm over the
     measured steps, after `warmup` of them) is named in a warning, once per layer and kind. Nothing is read from the
     device between those steps; a measured step copies the weights once (for the update ratio).
@@ -36,8 +38,9 @@ class TrainingHealth(Callback):
         vanish: float = 0.01,
         warmup: int = 3,
         modules: list[str] | None = None,
+        histograms: bool = True,
     ) -> None:
-        self.path, self.every, self.top = Path(run_dir) / "health.jsonl", every, top
+        self.path, self.every, self.top, self.histograms = Path(run_dir) / "health.jsonl", every, top, histograms
         self.explode, self.vanish, self.warmup = explode, vanish, warmup
         self.module_names = list(modules or [])
         self.names: list[str] = []
@@ -114,8 +117,15 @@ class TrainingHealth(Callback):
         ranked = sorted(layers, key=lambda n: -layers[n]["grad_norm"])[: self.top]
         metrics = {f"health/grad_norm/{name}": layers[name]["grad_norm"] for name in ranked}
         metrics["health/max_update_ratio"] = max((v["update_ratio"] for v in layers.values()), default=0.0)
+        # every layer's values as histograms (log10: norms span orders of magnitude), for loggers that draw them
+        spread = {
+            f"health/log10_{kind}": [math.log10(max(v[kind], 1e-30)) for v in layers.values()]
+            for kind in ("grad_norm", "param_norm", "update_ratio")
+        }
         for logger in run.loggers:
             logger.log(metrics, step)
+            if self.histograms and hasattr(logger, "log_histograms"):
+                logger.log_histograms(spread, step)
 
     def _watch(self, layers: dict[str, dict[str, float]], step: int) -> None:
         # Each layer against its own running level: a norm 10x above it explodes, 100x below it vanishes.

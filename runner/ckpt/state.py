@@ -66,13 +66,16 @@ def training_state(run: Run, gather: bool = True) -> dict[str, Any]:
 
 
 def stateful_data(run: Run) -> Any:
-    """The training dataset when it has state of its own that a resume needs (an SAE's activation buffer), or None.
+    """The training loader (a stream's: runner.streaming) or dataset (an SAE's activation buffer) when it has state
+    of its own that a resume needs, or None.
 
-    Such a dataset has `state_dict(batches)`, its state after this rank's first `batches` training micro-batches
+    Such an object has `state_dict(batches)`, its state after this rank's first `batches` training micro-batches
     (the loop fetches ahead of what it trains), and `load_state_dict(state, batches)`, where `state` is None for a
-    checkpoint that holds none (written before the dataset had state)."""
-    dataset = getattr(run.train_loader, "dataset", None)
-    return dataset if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict") else None
+    checkpoint that holds none (written before the data had state)."""
+    for data in (run.train_loader, getattr(run.train_loader, "dataset", None)):
+        if hasattr(data, "state_dict") and hasattr(data, "load_state_dict"):
+            return data
+    return None
 
 
 def _shapes(run: Run) -> dict[str, list[int]]:

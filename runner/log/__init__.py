@@ -3,17 +3,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from typing import Any
-
-from runner import ConfigError
-
-
-def require(module: str, extra: str) -> None:
-    """A ConfigError naming the pip command when the optional package `module` (runner[`extra`]) is not installed."""
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"logger={extra} needs the {module} package: pip install 'runner[{extra}]'")
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:

@@ -108,9 +108,8 @@ class ConsoleLogger(Logger):
                 **{k: v for k, v in metrics.items() if k.startswith("val/")},
             }
             line = "  ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
-            self.console.print(
-                f"step {step}  epoch {metrics.get('epoch', 0):.2f}  {line}", highlight=False, soft_wrap=True
-            )
+            epoch = f"epoch {metrics['epoch']:.2f}  " if "epoch" in metrics else ""  # a stream has no epochs
+            self.console.print(f"step {step}  {epoch}{line}", highlight=False, soft_wrap=True)
 
     def _plain_line(self, step: int, stats: str) -> None:
         now = time.monotonic()

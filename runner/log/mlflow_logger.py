@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.log import require, say_lost, scalars
+from runner import require
+from runner.log import say_lost, scalars
 from runner.run import Logger
 from runner.rundir import MODEL, MODEL_PART, SUMMARY
 
@@ -47,7 +48,7 @@ class MlflowLogger(Logger):
         tags: dict[str, str] | None = None,
         log_model: bool = True,
     ) -> None:
-        require("mlflow", "mlflow")
+        require("mlflow", "mlflow", "logger=mlflow")
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.run_name = run_name

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.log import require, say_lost, scalars
+import numpy as np
+
+from runner import require
+from runner.log import say_lost, scalars
 from runner.run import Logger
 
 
@@ -16,7 +19,7 @@ class TensorBoardLogger(Logger):
     """
 
     def __init__(self, log_dir: str, flush_secs: float = 30.0) -> None:
-        require("tensorboard", "tensorboard")
+        require("tensorboard", "tensorboard", "logger=tensorboard")
         self.log_dir = log_dir
         self.flush_secs = flush_secs
         self.writer: Any = None
@@ -52,6 +55,16 @@ class TensorBoardLogger(Logger):
         try:
             for key, value in scalars(metrics).items():
                 self.writer.add_scalar(key, value, step)
+        except Exception as error:
+            self._lost("log", error)
+
+    def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
+        """One histogram per key at the optimizer step (TensorBoard's Histograms and Distributions tabs)."""
+        if self.writer is None:
+            return
+        try:
+            for key, numbers in values.items():
+                self.writer.add_histogram(key, np.asarray(numbers, dtype=np.float64), step)
         except Exception as error:
             self._lost("log", error)
 

@@ -133,6 +133,17 @@ class WandbLogger(Logger):
         except Exception as error:
             self._lost("log", error)
 
+    def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
+        """One wandb.Histogram per key at the optimizer step."""
+        if self.run is None:
+            return
+        try:
+            import wandb
+
+            self.run.log({key: wandb.Histogram(numbers) for key, numbers in values.items()}, step=step)
+        except Exception as error:
+            self._lost("log", error)
+
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """Record the summary and finish the run (exit code 1 if it failed), so the next job gets its own run."""
         if self.run is None:

@@ -10,9 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_close_weights, cli, explain, jsonl, metric_rows, ok, read_json, summary, torchrun
+from helpers import (
+    assert_close_weights,
+    assert_same_weights,
+    cli,
+    explain,
+    jsonl,
+    metric_rows,
+    ok,
+    read_json,
+    summary,
+    torchrun,
+)
 
 JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
+EMAIL_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "email" / "*.py")  # 20 files: 16 train, 4 validation
 # 12 steps of 8 windows of 32 bytes: 2 ranks x 4 see the same windows as 1 x 8 (runner.data.GlobalBatchSampler).
 TINY = [
     "+experiment=lm",
@@ -45,6 +57,35 @@ def _run(root: Path, name: str, *overrides: str, ranks: int = 1) -> dict[str, An
     return {"stderr": done.stderr, "run_dir": root / name}
 
 
+# data=text_stream over 2 ranks x 2 loader workers (4 shards of the 16 training files); stopped after step 5 (a test
+# callback asks every rank, as a preemption would) and resumed, or run whole.
+STREAM = [
+    *TINY[:1],
+    "data=text_stream",
+    f"data.paths=[{EMAIL_PACKAGE}]",
+    "data.val_every=5",
+    "data.num_workers=2",
+    "data.block=16",
+    "data.batch_size=4",
+    "data.val_windows=32",
+    "distributed=ddp",
+    *[a for a in TINY if a.startswith(("model.", "trainer."))],
+    "trainer.stop_check_interval=1st",
+    "logger=jsonl",
+    "callbacks=none",
+    "checkpoint.interval=1000st",
+    "+callbacks.stop._target_=_tasks.StopAt",
+]
+
+
+def _stream(root: Path) -> dict[str, Any]:
+    ok(torchrun(*STREAM, "+callbacks.stop.step=1000", f"hydra.run.dir={root / 'stream_whole'}", cwd=root))
+    split = [*STREAM, "+callbacks.stop.step=5", f"hydra.run.dir={root / 'stream_split'}"]
+    stopped = torchrun(*split, cwd=root)
+    resumed = torchrun(*split, "resume=auto", cwd=root)
+    return {"whole": root / "stream_whole", "split": root / "stream_split", "stopped": stopped, "resumed": resumed}
+
+
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     """The module's runs (helpers.module_runs)."""
     return {
@@ -53,6 +94,7 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "fsdp": lambda: _run(
             root, "fsdp", "data.batch_size=4", "distributed=fsdp", "distributed.units=[Block]", ranks=2
         ),
+        "stream": lambda: _stream(root),
         "bad_glob": lambda: cli(*TINY, "data.paths=[/no/such/*.txt]", cwd=root, run_dir=root / "bad_glob"),
     }
 
@@ -88,3 +130,14 @@ def test_a_glob_that_matches_nothing_is_exit_code_2_and_one_paragraph(runs: dict
     assert proc.returncode == 2, explain(proc)
     assert proc.stderr.startswith("error: data.paths: '/no/such/*.txt' matches no file"), explain(proc)
     assert "Traceback" not in proc.stderr
+
+
+def test_a_stream_over_two_ranks_of_two_loader_workers_resumes_exactly(runs: dict[str, Future]) -> None:
+    outcome = runs["stream"].result()
+    stopped, resumed = outcome["stopped"], outcome["resumed"]
+    assert "exitcode  : 75" in stopped.stderr, explain(stopped)  # preempted after step 5, with a checkpoint
+    assert resumed.returncode == 0, explain(resumed)
+    assert summary(outcome["split"])["progress"] == summary(outcome["whole"])["progress"]
+    assert_same_weights(outcome["split"], outcome["whole"])
+    assert metric_rows(outcome["split"]) == metric_rows(outcome["whole"])  # losses, tokens, validations
+    assert "epoch" not in metric_rows(outcome["whole"])[-1]  # a stream has no epochs

@@ -176,7 +176,8 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     assert isinstance(run.precision, FP32)
     assert type(run.precision) is get_object(cfg.precision._target_)
     batch = to_device(next(iter(run.train_loader)), run.device)
-    assert batch_size_of(batch) == min(cfg.data.batch_size, len(run.train_loader.dataset))
+    dataset = run.train_loader.dataset
+    assert batch_size_of(batch) == min(cfg.data.batch_size, len(dataset) if hasattr(dataset, "__len__") else math.inf)
     with torch.no_grad(), run.precision.autocast():
         out = run.task.training_step(batch)
         if hasattr(run.task, "net"):  # the digits MLP: its logits come out in the autocast dtype
@@ -191,16 +192,17 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     # distributed and data
     assert run.strategy.is_main and run.world_size == 1
     assert type(run.strategy) is get_object(cfg.distributed._target_)
-    n_train = len(run.train_loader.dataset)
-    if not cfg.data.get("limit_train_batches") and not cfg.data.get("overfit_batches"):  # (debug=limit, overfit)
-        assert len(run.train_loader) == math.ceil(n_train / cfg.data.batch_size)
+    if hasattr(run.train_loader, "__len__"):  # a stream has no length (data=text_stream)
+        n_train = len(run.train_loader.dataset)
+        if not cfg.data.get("limit_train_batches") and not cfg.data.get("overfit_batches"):  # (debug=limit, overfit)
+            assert len(run.train_loader) == math.ceil(n_train / cfg.data.batch_size)
     assert run.val_loader is not None and len(run.val_loader.dataset) > 0
 
     # progress and durations
     p = run.progress
     assert (p.step, p.micro_batch, p.epoch, p.samples) == (0, 0, 0, 0)
     assert p.max_duration == parse_duration(cfg.trainer.max_duration)
-    assert p.batches_per_epoch == len(run.train_loader)
+    assert p.batches_per_epoch == (len(run.train_loader) if hasattr(run.train_loader, "__len__") else None)
     assert p.accumulate == cfg.trainer.accumulate_grad_batches
     assert isinstance(run.settings.val_interval, Duration) and isinstance(run.settings.log_interval, Duration)
 

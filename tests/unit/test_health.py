@@ -4,15 +4,18 @@ own gradients and weights; a warning naming the layers whose gradients explode."
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import HostReads, Regression, make_run
+from helpers import HostReads, Regression, make_run, offline_run
 
 from runner import ConfigError
 from runner.callbacks.health import TrainingHealth
 from runner.loop import fit
 from runner.run import Callback
+from runner.train import train
 
 
 class Capture(Callback):
@@ -80,3 +83,23 @@ def test_health_refuses_an_interval_it_cannot_count_in_steps_and_an_unknown_modu
         fit(run)
     with pytest.raises(ConfigError, match="give it in optimizer steps"):
         fit(make_run(max_duration="20st", callbacks=[TrainingHealth(str(tmp_path), every="0st")]))
+
+
+def test_every_layer_reaches_tensorboard_and_wandb_as_histograms(
+    offline: None, compose_cfg: Callable, tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = ["+experiment=digits", "trainer.max_duration=10st", "trainer.val_interval=10st", "trainer.log_interval=5st"]
+    train(compose_cfg(*args, "callbacks=health", "logger=[tensorboard,wandb]", "checkpoint=none"))
+    layers = _rows(tmp_path / "run" / "health.jsonl")[-1]["layers"]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"histograms": 0}).Reload()
+    for kind in ("grad_norm", "param_norm", "update_ratio"):
+        logs = [math.log10(v[kind]) for v in layers.values()]
+        drawn = events.Histograms(f"health/log10_{kind}")
+        assert [h.step for h in drawn] == [5, 10]
+        assert drawn[-1].histogram_value.num == len(layers) == 6  # every layer, not only the top 5
+        assert (drawn[-1].histogram_value.min, drawn[-1].histogram_value.max) == pytest.approx((min(logs), max(logs)))
+    at10 = offline_run(tmp_path / "run")["history"][10]  # wandb stores a histogram's fields under its key
+    assert at10["health/log10_grad_norm/_type"] == "histogram"
+    assert sum(at10["health/log10_grad_norm/values"]) == len(layers)  # counts per bin

@@ -367,6 +367,7 @@ def test_duration_error_is_a_config_error():
         ),
         ({"max_duration": "0.5dur", "batch_size": 4, "batches_per_epoch": 10}, "'dur' units"),
         ({"max_duration": "3 epochs", "batch_size": 4, "batches_per_epoch": 10}, "cannot read duration"),
+        ({"max_duration": "1ep", "batch_size": 4, "batches_per_epoch": None}, "1ep counts epochs, but .* a stream"),
     ],
 )
 def test_constructor_errors(kwargs, match):
@@ -383,7 +384,7 @@ def test_constructor_errors(kwargs, match):
         {"max_duration": "128sa", "batch_size": 32, "batches_per_epoch": 100, "world_size": 4},
         {"max_duration": "0.1ep", "batch_size": 4, "batches_per_epoch": 10},
         {"max_duration": "1ep", "batch_size": 4, "batches_per_epoch": 10, "accumulate": 10},
-        {"max_duration": "1ep", "batch_size": 4, "batches_per_epoch": None, "accumulate": 10},
+        {"max_duration": "40sa", "batch_size": 4, "batches_per_epoch": None, "accumulate": 10},  # a stream
     ],
 )
 def test_constructor_accepts_the_boundaries(kwargs):
