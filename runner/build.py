@@ -150,7 +150,7 @@ def _build(cfg: DictConfig) -> Run:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
     task = instantiate(cfg.model, **_decided_by_data(cfg.model, data)).to(dist.device)
     if cfg.get("init_from"):
-        load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True))
+        load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True), say=dist.is_main)
     task = instantiate(cfg.finetune).apply(task) if _on(cfg, "finetune") else task  # adapts init_from's weights
     if not hasattr(task, "validation_step"):
         val_loader = None  # validation_step is optional: a task without one is never validated

@@ -42,17 +42,22 @@ class StreamLoader:
     def __init__(self, loader: Any, layout: dict[str, int]) -> None:
         self.loader, self.dataset, self.layout = loader, loader.dataset, layout
         self.handed = 0  # batches handed out since the run began (a resumed run counts on from its checkpoint)
-        self.states: deque[tuple[int, dict[str, Any]]] = deque([(0, loader.state_dict())], maxlen=8)
+        # (batches, the loader's state after them) for the last few; None: the stream's start (asking torchdata for
+        # a state before the first batch would start its workers)
+        self.states: deque[tuple[int, dict[str, Any] | None]] = deque([(0, None)], maxlen=8)
 
     def __iter__(self) -> Iterator[Any]:
         while True:  # a stream that ends starts again (its dataset decides what its next pass reads)
             with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated since torch 2.9
                 warnings.filterwarnings("ignore", message=".*set_vital.*")
                 batches = iter(self.loader)
+            before = self.handed
             for batch in batches:
                 self.handed += 1
                 self.states.append((self.handed, self.loader.state_dict()))
                 yield batch
+            if self.handed == before:
+                raise RuntimeError(f"the stream {type(self.dataset).__name__} yields no batch")
 
     def state_dict(self, batches: int) -> dict[str, Any]:
         """The loader's state after its first `batches` batches (one of the last few handed out)."""
@@ -83,7 +88,8 @@ class StreamLoader:
                 f"{saved['num_workers']} loader worker(s) (data.num_workers), now {self.layout['world_size']} x "
                 f"{self.layout['num_workers']}: each shard keeps its own place, so resume with the same ones"
             )
-        self.loader.load_state_dict(state["loader"])
+        if state["loader"] is not None:
+            self.loader.load_state_dict(state["loader"])
         self.handed = batches
         self.states = deque([(batches, state["loader"])], maxlen=self.states.maxlen)
 

@@ -1,8 +1,9 @@
 """data=text_stream: byte-level text read as a stream, never encoded up front. Each shard (rank x loader worker) reads
 whole files of its own, in an order shuffled anew at every pass over the corpus, and cuts them into windows of
-seq_len + 1 bytes; blocks of `block` consecutive windows are handed out in a seeded random order, so that a batch mixes
-several files. A shard's place (pass, file, byte offset of its block, windows taken) is a handful of integers: exact
-resume re-reads one block."""
+seq_len + 1 bytes; blocks of `block` consecutive windows (8192: ~1 MB, dozens of files) are handed out in a seeded
+random order, so that a batch mixes many files (blocks of 256 windows, one or two files, trained the lm experiment's
+GPT to 3.09 bits per byte at step 800 where a shuffle of the whole corpus reaches 2.35). A shard's place (pass, file,
+byte offset of its block, windows taken) is a handful of integers: exact resume re-reads one block."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ _SNIFF = 8192  # bytes of each file checked for NUL (a binary file) before strea
 class TextStreamShards(ShardedStream):
     """Windows of seq_len + 1 bytes from `files`, each file followed by a NUL byte; endless (pass after pass)."""
 
-    def __init__(self, files: list[Path], seq_len: int, seed: int = 0, shuffle: bool = True, block: int = 256) -> None:
+    def __init__(self, files: list[Path], seq_len: int, seed: int = 0, shuffle: bool = True, block: int = 8192) -> None:
         self.files = [str(f) for f in files]
         self.sizes = [os.path.getsize(f) for f in files]
         self.seq_len, self.seed, self.shuffle, self.block = seq_len, seed, shuffle, block
@@ -110,7 +111,7 @@ class TextStream(StreamingData):
         paths: list[str] | None = None,
         val_every: int = 20,
         val_windows: int | None = 512,
-        block: int = 256,
+        block: int = 8192,
         bytes_per_token: float = 1.0,
         shuffle: bool = True,
         seed: int = 0,

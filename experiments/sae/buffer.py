@@ -25,12 +25,17 @@ class ActivationBuffer:
         self.device = torch.device("cpu")  # where the ring lives: the source's device (to)
         self.generator = torch.Generator().manual_seed(seed)
         self.loader = source.data.train_loader()
+        self._stream = getattr(self.loader, "batch_sampler", None) is None  # runner.streaming.StreamLoader
         self.epoch = self.consumed = 0  # where the source's inputs are: the epoch, and its batches used so far
         self.inputs = self._inputs()
         self.ring: torch.Tensor | None = None
         self.order, self.pos = torch.empty(0, dtype=torch.long), 0
 
     def _inputs(self) -> Iterator[Any]:
+        if self._stream:  # a source trained on a stream (data=text_stream): endless; its loader keeps its place
+            for batch in self.loader:
+                self.consumed += 1
+                yield batch
         while True:  # the source's training inputs, epoch after epoch, from (epoch, consumed) on
             self.loader.batch_sampler.set_epoch(self.epoch, skip=self.consumed)
             for batch in self.loader:
@@ -82,6 +87,7 @@ class ActivationBuffer:
             "generator": self.generator.get_state(),
             "epoch": self.epoch,
             "consumed": self.consumed,
+            **({"stream": self.loader.state_dict(self.consumed)} if self._stream else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,6 +97,8 @@ class ActivationBuffer:
             self.ring, self.order = self.ring.to(self.device), self.order.to(self.device)
         self.generator.set_state(state["generator"])
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        if self._stream:
+            self.loader.load_state_dict(state["stream"], self.consumed)
         self.inputs = self._inputs()
 
 

@@ -197,11 +197,14 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True, what: str = "init_from") -> dict:
+def load_weights(
+    model: torch.nn.Module, path: str | Path, strict: bool = True, what: str = "init_from", say: bool = True
+) -> dict:
     """Load only weights into `model` from a checkpoint folder, a run folder or a .safetensors file.
 
     Reports missing, unexpected and shape-mismatched keys; with `strict` any of them is an error (`what` names the
-    setting in it), otherwise the matching tensors are loaded and the rest keep their initial values.
+    setting in it), otherwise the matching tensors are loaded and the rest keep their initial values. `say`: print
+    what was loaded (rank 0 does; the other ranks load the same quietly).
     """
     weights = read_weights(path)
     own = bare_names(model.state_dict())
@@ -219,7 +222,7 @@ def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True, 
     with torch.no_grad():
         for name, tensor in usable.items():
             own[name].copy_(tensor)
-    if what == "init_from" or problems:
+    if say and (what == "init_from" or problems):
         print(
             f"{what}: loaded {len(usable)} of {len(own)} tensors from {path}"
             + "".join(f"; {k}: {len(v)}" for k, v in problems.items()),

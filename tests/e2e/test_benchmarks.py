@@ -25,6 +25,14 @@ SMOKE = {
     # a one-block source; 5,000 rows in shards of 2,048
     "sae_cache": ["--rows", "5000", "--shard-rows", "2048", "--n-layer", "1", "--layer", "0"],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
+    "stream": [
+        "--batches",
+        "20",
+        "--reps",
+        "1",
+        "--paths",
+        str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py"),
+    ],
     # a one-layer GPT on one stdlib package; eager and activation checkpointing (compiling takes ~30 s from cold)
     "lm": [
         *("--modes", "eager,ac", "--steps", "4", "--warmup", "2", "--reps", "1", "--threads", "1"),
@@ -116,6 +124,13 @@ def test_sae_cache_smoke(runs: dict[str, Future]) -> None:
     assert result["rows"] == 5000 and result["d"] == 128 and result["mb"] == 5000 * 128 * 4 / 1e6
     for name in ("forward", "write", "read_warm", "read_cold"):
         assert result[f"{name}_rows_per_s"] > 0 and result[f"{name}_mb_per_s"] > 0, name
+
+
+def test_stream_smoke(runs: dict[str, Future]) -> None:
+    result = runs["stream"].result()
+    assert result["batches"] == 20 and set(result["workers"]) == {"0", "2"}
+    for row in result["workers"].values():
+        assert row["runner"] > 0 and row["plain"] > 0 and row["ratio"] == row["runner"] / row["plain"]
 
 
 def test_checkpoint_smoke(runs: dict[str, Future]) -> None:

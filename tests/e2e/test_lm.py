@@ -21,6 +21,7 @@ from helpers import (
     read_json,
     summary,
     torchrun,
+    weights,
 )
 
 JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
@@ -86,6 +87,14 @@ def _stream(root: Path) -> dict[str, Any]:
     return {"whole": root / "stream_whole", "split": root / "stream_split", "stopped": stopped, "resumed": resumed}
 
 
+def _lora(root: Path, runs: dict[str, Future], name: str, ranks: int) -> dict[str, Any]:
+    # LoRA adapters on the GPT of the "one" run, 6 steps of 8 windows: in one process, or 2 ranks x 4 under DDP
+    base = runs["one"].result()["run_dir"]
+    batch = [f"data.batch_size={8 // ranks}", *(["distributed=ddp"] if ranks > 1 else [])]
+    lora = [f"init_from={base}", "finetune=lora", "trainer.max_duration=6st", *batch]
+    return _run(root, name, *lora, ranks=ranks)
+
+
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     """The module's runs (helpers.module_runs)."""
     return {
@@ -95,6 +104,8 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
             root, "fsdp", "data.batch_size=4", "distributed=fsdp", "distributed.units=[Block]", ranks=2
         ),
         "stream": lambda: _stream(root),
+        "lora_one": lambda: _lora(root, runs, "lora_one", ranks=1),
+        "lora_ddp": lambda: _lora(root, runs, "lora_ddp", ranks=2),
         "bad_glob": lambda: cli(*TINY, "data.paths=[/no/such/*.txt]", cwd=root, run_dir=root / "bad_glob"),
     }
 
@@ -141,3 +152,12 @@ def test_a_stream_over_two_ranks_of_two_loader_workers_resumes_exactly(runs: dic
     assert_same_weights(outcome["split"], outcome["whole"])
     assert metric_rows(outcome["split"]) == metric_rows(outcome["whole"])  # losses, tokens, validations
     assert "epoch" not in metric_rows(outcome["whole"])[-1]  # a stream has no epochs
+
+
+def test_lora_under_ddp_trains_the_adapters_like_one_process_and_rank_0_alone_speaks(
+    runs: dict[str, Future],
+) -> None:
+    one, ddp = runs["lora_one"].result(), runs["lora_ddp"].result()
+    assert_close_weights(ddp["run_dir"], one["run_dir"], atol=ATOL)
+    assert all("lora_" in key for key in weights(ddp["run_dir"]))  # the adapters only
+    assert ddp["stderr"].count("init_from: loaded") == 1  # rank 0's line; rank 1 loaded the same quietly

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import StopAt, assert_resume_is_exact
+from helpers import TINY_LM, StopAt, assert_resume_is_exact, finished_run
 
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.hooked import SourceModel
@@ -150,9 +150,21 @@ def test_a_checkpoint_without_the_buffer_s_state_still_resumes(
     assert second.train_loader.dataset.taken == 8 + 1  # counted on from the checkpoint's 3 (one fetched ahead)
 
 
-def test_the_buffer_state_saved_for_a_batch_replays_what_followed_it(lm_run: Path) -> None:
+@pytest.fixture(scope="module")
+def stream_lm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT trained on data=text_stream: its training inputs, which the buffer reads, are a stream."""
+    directory = tmp_path_factory.mktemp("stream_lm")
+    finished_run(directory, *TINY_LM, "data=text_stream", "data.block=4")
+    return directory
+
+
+@pytest.mark.parametrize("source_data", ["windows", "stream"])
+def test_the_buffer_state_saved_for_a_batch_replays_what_followed_it(
+    source_data: str, request: pytest.FixtureRequest
+) -> None:
     # On CUDA the loop is two batches ahead of the step it trains; with a ring of two batches every take refills.
-    source = SourceModel(str(lm_run), "blocks.0", skip_positions=1)
+    run = request.getfixturevalue("lm_run" if source_data == "windows" else "stream_lm_run")
+    source = SourceModel(str(run), "blocks.0", skip_positions=1)
     served = HookedActivations(ActivationBuffer(source, capacity=64, seed=3), size=10**6)
     first = [served.__getitems__(list(range(32)))[0] for _ in range(6)]
     state = served.state_dict(4)  # the loop trained on 4 batches and fetched 2 more

@@ -16,6 +16,7 @@ from experiments.lm.stream import TextStream, TextStreamShards
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt.files import CheckpointError
+from runner.streaming import ShardedStream, StreamingData
 from runner.train import train
 
 EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email" / "*.py")  # 20 real files, ~360 kB
@@ -142,3 +143,31 @@ def test_a_resume_with_other_loader_workers_or_other_files_is_refused(compose_cf
     files[0].write_bytes(b"x" * 301)
     with pytest.raises(CheckpointError, match="reads other data than the checkpoint's"):
         train(compose_cfg(*args, "resume=auto", run_dir=tmp_path / "run"))
+
+
+class Counting(ShardedStream):
+    """A finite stream of your own: the numbers below `n` of this shard, one pass, then the next pass from 0."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.next = n, 0
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next = state["next"]
+
+    def __iter__(self):
+        index, count = self.shard()
+        while self.next < self.n:
+            self.next += 1
+            if (self.next - 1) % count == index:
+                yield torch.tensor(self.next - 1)
+        self.next = 0
+
+
+def test_a_stream_of_your_own_that_ends_starts_its_next_pass_and_an_empty_one_is_an_error() -> None:
+    loader = StreamingData(Counting(5), batch_size=2).train_loader()
+    assert [b.tolist() for b, _ in zip(loader, range(5), strict=False)] == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]
+    with pytest.raises(RuntimeError, match="the stream Counting yields no batch"):
+        next(iter(StreamingData(Counting(0), batch_size=2).train_loader()))
