@@ -93,6 +93,18 @@ def expand_paths(paths: list[str]) -> list[Path]:
     return files
 
 
+def corpus_files(paths: list[str] | None, val_every: int) -> list[Path]:
+    """The files of a text corpus: `paths` (files or globs) or the standard library's sources; `val_every` checked."""
+    if val_every == 1 or val_every < 0:
+        raise ConfigError(f"data.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
+    return expand_paths(list(paths)) if paths else stdlib_sources()
+
+
+def held_out_files(n: int, val_every: int) -> list[bool]:
+    """Which of `n` files are validation text: every `val_every`-th (none for 0)."""
+    return [bool(val_every) and i % val_every == val_every - 1 for i in range(n)]
+
+
 def read_text(path: Path) -> bytes:
     data = path.read_bytes()
     try:
@@ -124,7 +136,7 @@ def encode_corpus(files: list[Path], val_every: int, cache_dir: str | None = Non
     key = digest.hexdigest()
     folder = _cache_root(cache_dir) / key[:16]
     if not (folder / "meta.json").is_file():
-        held_out = [bool(val_every) and i % val_every == val_every - 1 for i in range(len(texts))]
+        held_out = held_out_files(len(texts), val_every)
         val = [t for t, held in zip(texts, held_out, strict=True) if held]
         train = [t for t, held in zip(texts, held_out, strict=True) if not held]
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -156,9 +168,7 @@ class TextBytes(TokenData):
         bytes_per_token: float = 1.0,
         **loader: Any,
     ) -> None:
-        files = expand_paths(list(paths)) if paths else stdlib_sources()
-        if val_every == 1 or val_every < 0:
-            raise ConfigError(f"data.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
+        files = corpus_files(paths, val_every)
         folder, corpus = encode_corpus(files, val_every, cache_dir)
         train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
         val = np.memmap(folder / "val.u8", dtype=np.uint8, mode="r") if corpus["val_files"] else None

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.lm.data import expand_paths, read_text, stdlib_sources, windows_or_error
+from experiments.lm.data import corpus_files, held_out_files, read_text, windows_or_error
 from runner import ConfigError
 from runner.streaming import ShardedStream, StreamingData
 
@@ -117,12 +117,10 @@ class TextStream(StreamingData):
         seed: int = 0,
         **loader: Any,
     ) -> None:
-        files = expand_paths(list(paths)) if paths else stdlib_sources()
-        if val_every == 1 or val_every < 0:
-            raise ConfigError(f"data.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
+        files = corpus_files(paths, val_every)
         if block < 1:
             raise ConfigError(f"data.block={block}: windows shuffled together, at least 1")
-        held = [bool(val_every) and i % val_every == val_every - 1 for i in range(len(files))]
+        held = held_out_files(len(files), val_every)
         train = [f for f, h in zip(files, held, strict=True) if not h]
         for path in train:  # the validation files are read whole below, with the same checks
             with open(path, "rb") as f:
