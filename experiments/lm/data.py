@@ -27,9 +27,9 @@ _FORMAT = 1  # of the cache's files: a change makes new keys, never reads an old
 class Windows(Dataset):
     """Windows of `seq_len + 1` consecutive tokens (inputs and their next tokens) tiling a flat token array.
 
-    Window i starts at token i x seq_len; the training loader visits them in a seeded random order (runner.data's
-    GlobalBatchSampler), so a resumed run sees exactly the windows the uninterrupted one would. `limit` keeps that
-    many windows spread evenly over the array (a validation split that costs what it needs)."""
+    Window i starts at token i x seq_len; the training loader visits them in a seeded random order
+    (runner.samplers.GlobalBatchSampler), so a resumed run sees exactly the windows the uninterrupted one would.
+    `limit` keeps that many windows spread evenly over the array (a validation split that costs what it needs)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, limit: int | None = None) -> None:
         self.tokens, self.seq_len = tokens, seq_len

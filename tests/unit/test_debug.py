@@ -12,9 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.__main__ import debug_last
-from runner.data import GlobalBatchSampler
 from runner.loop import fit
 from runner.run import Logger, Run
+from runner.samplers import GlobalBatchSampler
 
 OPTIONS = sorted(f.stem for f in (CONF_DIR / "debug").glob("*.yaml"))
 EXPERIMENTS = sorted(f.stem for f in (CONF_DIR / "experiment").glob("*.yaml"))

@@ -16,7 +16,7 @@ from helpers import StopAt, assert_same_state, metric_rows, read_json, read_run
 from experiments.lm.data import TextBytes, TokensFile, Windows, stdlib_sources
 from experiments.lm.model import GPT, Block
 from runner import ConfigError
-from runner.data import GlobalBatchSampler
+from runner.samplers import GlobalBatchSampler
 from runner.train import train
 
 JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")  # 5 real files, ~50 kB
