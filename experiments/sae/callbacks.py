@@ -41,8 +41,8 @@ class ResampleDead(Callback):
 
     As in Anthropic's 'Towards Monosemanticity': sample inputs with probability proportional to their squared
     reconstruction error, point the dead latents' decoder rows at them (unit norm), set their encoder columns to the
-    same direction scaled to `encoder_scale` x the mean norm of live encoder columns, zero their encoder bias, and
-    reset the optimizer state of every touched entry.
+    same direction scaled to `encoder_scale` x the mean norm of live encoder columns, zero their encoder bias (and set
+    a JumpReLU threshold back to its initial value), and reset the optimizer state of every touched entry.
     """
 
     def __init__(
@@ -75,8 +75,7 @@ class ResampleDead(Callback):
         norm = sae.W_enc[:, alive].norm(dim=0).mean() if alive.any() else torch.tensor(1.0)
         sae.W_dec[dead] = directions
         sae.W_enc[:, dead] = directions.t() * norm * self.encoder_scale
-        sae.b_enc[dead] = 0.0
-        sae.since_fired[dead] = 0
+        sae.restart_latents(dead)  # encoder bias, dead counter, a JumpReLU threshold
         self._reset_optimizer_state(run.optimizer, sae, dead)
         self.resampled += len(dead)
 
@@ -92,8 +91,7 @@ class ResampleDead(Callback):
 
     @staticmethod
     def _reset_optimizer_state(optimizer: torch.optim.Optimizer, sae, dead: torch.Tensor) -> None:
-        slices = {sae.W_dec: (dead,), sae.W_enc: (slice(None), dead), sae.b_enc: (dead,)}
-        for param, index in slices.items():
+        for param, index in sae.latent_slices(dead).items():
             for value in optimizer.state.get(param, {}).values():
                 if torch.is_tensor(value) and value.shape == param.shape:
                     value[index] = 0.0

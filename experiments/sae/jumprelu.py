@@ -89,10 +89,21 @@ class JumpReLUSAE(SAE):
         if warmup.unit != "st":
             raise ConfigError(f"model.l0_warmup={l0_warmup}: give it in optimizer steps (st)")
         self.bandwidth, self.l0_coeff, self.l0_warmup = bandwidth, l0_coeff, warmup.value
+        self.threshold_init = float(threshold_init)
         self.target_l0, self.pre_act_coeff = target_l0, pre_act_coeff
         # float32 whatever the autocast: a bf16 threshold could not move by steps smaller than 1/256 of itself
         self.threshold = torch.nn.Parameter(torch.full((self.n_latents,), float(threshold_init)))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def latent_slices(self, latents: torch.Tensor) -> dict[torch.nn.Parameter, tuple[Any, ...]]:
+        """The base SAE's, and the latents' thresholds."""
+        return {**super().latent_slices(latents), self.threshold: (latents,)}
+
+    @torch.no_grad()
+    def restart_latents(self, latents: torch.Tensor) -> None:
+        """Also the thresholds back at threshold_init: a dead latent's may have climbed above anything it sees."""
+        super().restart_latents(latents)
+        self.threshold[latents] = self.threshold_init
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:

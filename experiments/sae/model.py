@@ -151,6 +151,16 @@ class SAE(nn.Module):
         """Latents that have not fired within dead_window."""
         return self.since_fired >= self.dead_window
 
+    def latent_slices(self, latents: torch.Tensor) -> dict[nn.Parameter, tuple[Any, ...]]:
+        """Where `latents` live in the parameters: what resampling re-initialises, with its optimizer state."""
+        return {self.W_dec: (latents,), self.W_enc: (slice(None), latents), self.b_enc: (latents,)}
+
+    @torch.no_grad()
+    def restart_latents(self, latents: torch.Tensor) -> None:
+        """Resampled `latents` start afresh: no encoder bias, not dead (their weights are the resampler's)."""
+        self.b_enc[latents] = 0.0
+        self.since_fired[latents] = 0
+
     # ---- forward --------------------------------------------------------------------------------------------
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
         """Encoder pre-activations of normalised inputs."""

@@ -222,3 +222,32 @@ def test_a_short_run_from_the_config_lowers_the_loss(compose_cfg: Callable[..., 
     first, last = sum(logged.losses[:5]) / 5, sum(logged.losses[-5:]) / 5
     assert last < 0.7 * first, logged.losses
     assert (run.task.threshold >= 0).all() and run.task.threshold.dtype == torch.float32
+
+
+def test_resampling_sets_a_dead_latent_s_threshold_back_and_forgets_its_optimizer_state() -> None:
+    from types import SimpleNamespace
+
+    from experiments.sae.callbacks import ResampleDead
+    from runner.data import DataModule, TensorData
+    from runner.progress import TrainingProgress
+
+    sae, x = _tiny(threshold_init=0.01, dead_window="5st"), torch.randn(256, 8)
+    opt = torch.optim.Adam(sae.parameters(), lr=1e-3)
+    sae.training_step((x,))["loss"].backward()
+    opt.step()
+    dead = torch.tensor([2, 9])
+    with torch.no_grad():
+        sae.threshold[dead] = 50.0  # climbed above anything the latents see: they never fire again
+    sae.since_fired[dead] = 10
+    before = sae.threshold.detach().clone()
+    loader = DataModule({"train": TensorData(x)}, batch_size=64, shuffle=False).train_loader()
+    progress = TrainingProgress("100st", batch_size=64, batches_per_epoch=4, samples_per_epoch=256)
+    progress.count_micro_batch(64)
+    progress.count_optimizer_step()
+    run = SimpleNamespace(task=sae, progress=progress, train_loader=loader, optimizer=opt)
+    ResampleDead(every="1st", until="1.0dur", samples=256).on_optimizer_step(run)
+    live = torch.ones(16, dtype=torch.bool)
+    live[dead] = False
+    assert torch.all(sae.threshold[dead] == 0.01) and torch.equal(sae.threshold[live], before[live])
+    assert torch.all(opt.state[sae.threshold]["exp_avg"][dead] == 0)
+    assert torch.any(opt.state[sae.threshold]["exp_avg"][live] != 0)
