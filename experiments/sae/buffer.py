@@ -3,6 +3,7 @@ checkpoint needs to resume it exactly (the source model itself: experiments.sae.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -109,8 +110,8 @@ class HookedActivations(Dataset):
     ahead in runner.data.device_batches on CUDA), so when a checkpoint is taken the buffer has served more than the
     checkpoint's step trained on. The buffer's state after each of the last `history` batches is kept (references:
     a refill makes a new ring), and a checkpoint saves the one after the batches the run has trained on. This assumes
-    the loop is the training loader's only reader: a callback that draws from it too (sae_resample) takes from the
-    same stream between steps, which a resume cannot replay."""
+    the loop is the training loader's only reader: a callback that draws from it too draws inside `peek()`, which
+    puts the buffer back (sae_resample does)."""
 
     def __init__(self, buffer: ActivationBuffer, size: int, history: int = 4) -> None:
         self.buffer, self.size = buffer, size
@@ -129,6 +130,17 @@ class HookedActivations(Dataset):
         self.history.append((self.taken, self.buffer.state_dict()))
         return (rows,)
 
+    @contextlib.contextmanager
+    def peek(self) -> Iterator[None]:
+        """Draws inside are put back afterwards: the training batches that follow are those that would have (what
+        sae_resample draws is what comes next)."""
+        taken, history, state = self.taken, list(self.history), self.buffer.state_dict()
+        try:
+            yield
+        finally:
+            self.buffer.load_state_dict(state)
+            self.taken, self.history = taken, deque(history, maxlen=self.history.maxlen)
+
     def state_dict(self, batches: int) -> dict[str, Any]:
         """The buffer's state after this rank's first `batches` training batches (runner.ckpt.state saves it)."""
         for taken, state in reversed(self.history):
@@ -136,7 +148,7 @@ class HookedActivations(Dataset):
                 return state
         warnings.warn(
             f"the activation buffer has served {self.taken} batches and keeps no state for batch {batches}: "
-            "something besides the training loop read the training loader (sae_resample?); this checkpoint saves "
+            "something besides the training loop read the training loader (outside peek()); this checkpoint saves "
             "the buffer as it is now, and a resume from it is not bit-identical to an uninterrupted run",
             RuntimeWarning,
             stacklevel=2,

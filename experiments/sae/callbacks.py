@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from experiments.sae.metrics import feature_recovery
 from experiments.sae.multi import combined, members
+from runner import ConfigError
 from runner.progress import parse_duration
 from runner.run import Callback
 
 if TYPE_CHECKING:
     from runner.run import Run
+
+
+def _rows(dataset: Any, indices: list[int]) -> torch.Tensor:
+    # the activations at `indices`, as the training loader would batch them
+    batch = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else [dataset[i] for i in indices]
+    if isinstance(batch, list):
+        batch = torch.utils.data.default_collate(batch)
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
 class GroundTruthRecovery(Callback):
@@ -60,7 +70,9 @@ class ResampleDead(Callback):
             return
         x = None
         for _, sae in members(run.task):
-            dead = sae.dead_mask().nonzero().flatten()
+            # Each rank tracks firing on its own data: a latent is resampled when it is dead on every rank, so that
+            # the ranks change the same latents alike (one read of the device per resampling tick).
+            dead = (run.strategy.all_sum(sae.dead_mask().float()) == run.world_size).nonzero().flatten()
             if len(dead) > 0:
                 x = self._inputs(run) if x is None else x  # one draw of inputs for the whole family
                 self._resample(run, sae, dead, x.to(sae.W_dec.device))
@@ -80,14 +92,18 @@ class ResampleDead(Callback):
         self.resampled += len(dead)
 
     def _inputs(self, run: Run) -> torch.Tensor:
-        batches, total = [], 0
-        for batch in run.train_loader:
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
-            batches.append(x)
-            total += len(x)
-            if total >= self.samples:
-                break
-        return torch.cat(batches)[: self.samples]
+        # Training inputs that a resumed run draws alike (indices from the step, not from the loader's position),
+        # that leave the training data as it was (a live activation buffer is put back: what is drawn is what comes
+        # next), and rank 0's on every rank, so that every rank points the dead latents at the same inputs.
+        dataset, chunk = run.train_loader.dataset, run.progress.batch_size
+        if not hasattr(dataset, "__len__"):
+            raise ConfigError("callbacks.sae_resample draws inputs by index: it needs map-style training data")
+        generator = torch.Generator().manual_seed(run.progress.step)
+        indices = torch.randint(len(dataset), (self.samples,), generator=generator).tolist()
+        with getattr(dataset, "peek", contextlib.nullcontext)():
+            parts = [_rows(dataset, indices[i : i + chunk]) for i in range(0, len(indices), chunk)]
+        x = torch.cat(parts)
+        return run.strategy.gather(x.cpu())[0] if run.world_size > 1 else x
 
     @staticmethod
     def _reset_optimizer_state(optimizer: torch.optim.Optimizer, sae, dead: torch.Tensor) -> None:

@@ -115,6 +115,11 @@ class SAE(nn.Module):
             self.input_scale.fill_(self.d_in**0.5 / torch.linalg.vector_norm(x.float(), dim=1).mean().clamp_min(1e-8))
         if self.geometric_median_init:
             self.b_dec.copy_(geometric_median(x.float() * self.input_scale))
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Each rank saw a batch of its own: all start from rank 0's values, as DDP starts them from its weights
+            # (the gradients are all-reduced, so a b_dec that differed would differ for good).
+            for tensor in (self.input_scale, self.b_dec):
+                torch.distributed.broadcast(tensor.data, src=0)
         self.initialized.fill_(True)
 
     @torch.no_grad()

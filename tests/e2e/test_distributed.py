@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import (
     DIGITS_DDP,
     TORCHRUN,
@@ -165,6 +166,18 @@ def diverged(root: Path) -> tuple[subprocess.CompletedProcess, Path]:
     return torchrun(*args, f"hydra.run.dir={root}/diverged", cwd=root), root / "diverged"
 
 
+def sae_resampled(root: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """A ReLU SAE on 2 ranks whose latents die fast (L1 20, dead after 2 steps), resampled every 3 steps, the ranks'
+    parameters compared after each: each rank's b_dec initialisation and resampling inputs were its own data's."""
+    sae = ["+experiment=sae", "model=sae_relu", "model.n_latents=2048", "model.l1_coeff=20.0", "model.l1_warmup=0st"]
+    sae += ["model.dead_window=2st", "data.splits.n_train=4096", "data.batch_size=64", "distributed=ddp"]
+    sae += ["trainer.max_duration=24st", "trainer.val_interval=12st", "trainer.log_interval=4st", "logger=jsonl"]
+    sae += ["callbacks=[sae_resample,rank_consistency]", "callbacks.rank_consistency.interval=3st"]
+    sae += ["callbacks.sae_resample.every=3st", "callbacks.sae_resample.until=1.0dur"]
+    sae += ["callbacks.sae_resample.samples=256"]
+    return torchrun(*sae, f"hydra.run.dir={root}/sae_resampled", cwd=root), root / "sae_resampled"
+
+
 def without_rendezvous(root: Path) -> tuple[subprocess.CompletedProcess, Path]:
     """Rank 1 of 2 by its variables (helpers.child_env drops MASTER_* and SLURM_*): a launch without torchrun."""
     env = {"RANK": "1", "WORLD_SIZE": "2"}
@@ -186,6 +199,7 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "acc": lambda: single(root, "acc", *digits20, "data.batch_size=16", "trainer.accumulate_grad_batches=2"),
         "without_rendezvous": lambda: without_rendezvous(root),
         "diverged": lambda: diverged(root),
+        "sae_resampled": lambda: sae_resampled(root),
     }
 
 
@@ -308,3 +322,10 @@ def test_a_diverged_ddp_run_exits_3_after_rank_0_has_written_its_outputs(runs: d
     assert "\nerror: stopped after 2 optimizer steps in a row" in proc.stderr  # rank 0's, not stopped by torchrun
     assert summary(run_dir)["stop_reason"] == "nonfinite"
     assert (run_dir / "model.safetensors").is_file()
+
+
+def test_an_sae_initialised_from_data_and_resampled_stays_the_same_on_every_rank(runs: dict[str, Future]) -> None:
+    proc, run_dir = runs["sae_resampled"].result()
+    assert proc.returncode == 0, explain(proc)  # rank_consistency found no parameter that differs
+    state = torch.load(run_dir / "checkpoints" / "last" / "state.pt", weights_only=True)
+    assert state["callbacks"]["0:ResampleDead"]["resampled"] > 0

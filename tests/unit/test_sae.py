@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_job
+from helpers import assert_resume_is_exact, compose_job
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -42,7 +42,7 @@ from runner.run import Callback, Run
 
 @pytest.fixture
 def compose_cfg(tmp_path: Path) -> Iterator[Callable[..., DictConfig]]:
-    yield lambda *overrides: compose_job(tmp_path / "run", "logger=none", *overrides)
+    yield lambda *overrides, run_dir=None: compose_job(run_dir or tmp_path / "run", "logger=none", *overrides)
     HydraConfig.instance().cfg = None
 
 
@@ -687,6 +687,7 @@ def test_resampling_points_dead_latents_at_badly_reconstructed_inputs() -> None:
 
     from experiments.sae.callbacks import ResampleDead
     from runner.data import DataModule, TensorData
+    from runner.dist.strategies import Single
     from runner.progress import TrainingProgress
 
     torch.manual_seed(0)
@@ -702,7 +703,9 @@ def test_resampling_points_dead_latents_at_badly_reconstructed_inputs() -> None:
     progress = TrainingProgress("100st", batch_size=64, batches_per_epoch=4, samples_per_epoch=256)
     progress.count_micro_batch(64)
     progress.count_optimizer_step()  # step 1: '1st' ticks
-    run = SimpleNamespace(task=sae, progress=progress, train_loader=loader, optimizer=opt)
+    run = SimpleNamespace(
+        task=sae, progress=progress, train_loader=loader, optimizer=opt, strategy=Single("cpu"), world_size=1
+    )
     callback = ResampleDead(every="1st", until="1.0dur", samples=256)
     callback.on_optimizer_step(run)
     assert callback.resampled == 3
@@ -719,6 +722,21 @@ def test_resampling_points_dead_latents_at_badly_reconstructed_inputs() -> None:
     xn = x * sae.input_scale
     cos = F.normalize(sae.W_dec[dead], dim=1) @ F.normalize(xn - sae.b_dec, dim=1).t()
     assert torch.all(cos.max(dim=1).values > 0.9999)
+
+
+def test_a_run_that_resamples_dead_latents_resumes_exactly(compose_cfg, tmp_path) -> None:
+    # the inputs are drawn by indices from the step, not from the loader's place in its epoch (which a resumed run
+    # starts anew)
+    overrides = [
+        *("+experiment=sae", "model=sae_relu", "model.n_latents=2048", "model.l1_coeff=20.0", "model.l1_warmup=0st"),
+        *("model.dead_window=2st", "data.splits.n_train=4096", "data.batch_size=128", "trainer.max_duration=24st"),
+        *("trainer.val_interval=12st", "trainer.log_interval=4st", "callbacks=[sae_resample]", "logger=jsonl"),
+        *("callbacks.sae_resample.every=3st", "callbacks.sae_resample.until=1.0dur"),
+        "callbacks.sae_resample.samples=256",
+        "checkpoint.interval=1000st",
+    ]
+    whole, _ = assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=7)
+    assert whole.callbacks[0].resampled > 0
 
 
 # ---- 12. On a GPU (skipped without one): data made there, and steps that never wait for it -------------------------

@@ -229,6 +229,7 @@ def test_resampling_sets_a_dead_latent_s_threshold_back_and_forgets_its_optimize
 
     from experiments.sae.callbacks import ResampleDead
     from runner.data import DataModule, TensorData
+    from runner.dist.strategies import Single
     from runner.progress import TrainingProgress
 
     sae, x = _tiny(threshold_init=0.01, dead_window="5st"), torch.randn(256, 8)
@@ -244,7 +245,9 @@ def test_resampling_sets_a_dead_latent_s_threshold_back_and_forgets_its_optimize
     progress = TrainingProgress("100st", batch_size=64, batches_per_epoch=4, samples_per_epoch=256)
     progress.count_micro_batch(64)
     progress.count_optimizer_step()
-    run = SimpleNamespace(task=sae, progress=progress, train_loader=loader, optimizer=opt)
+    run = SimpleNamespace(
+        task=sae, progress=progress, train_loader=loader, optimizer=opt, strategy=Single("cpu"), world_size=1
+    )
     ResampleDead(every="1st", until="1.0dur", samples=256).on_optimizer_step(run)
     live = torch.ones(16, dtype=torch.bool)
     live[dead] = False

@@ -184,3 +184,15 @@ def test_on_a_gpu_the_source_runs_there_and_the_ring_lives_there(compose_cfg: Ca
     assert buffer.ring.is_cuda and buffer.order.is_cuda
     assert all(p.is_cuda for p in buffer.source.model.parameters())
     assert run.state.metrics["val/fve"] > 0
+
+
+def test_resampling_dead_latents_of_a_hooked_sae_keeps_the_resume_exact(
+    compose_cfg: Callable, lm_run: Path, tmp_path: Path
+) -> None:
+    # sae_resample draws from the live buffer and puts it back (HookedActivations.peek): the run trains on the
+    # batches it would have, and the resumed run draws the same inputs at the same step
+    resample = ["callbacks=[sae_resample]", "callbacks.sae_resample.every=2st", "callbacks.sae_resample.until=1.0dur"]
+    resample += ["callbacks.sae_resample.samples=256", "model.n_latents=512", "model.dead_window=1st"]
+    overrides = ["+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *RESUMED, *resample]
+    whole, _ = assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=3)
+    assert whole.callbacks[0].resampled > 0
