@@ -29,7 +29,8 @@ class _Window:
 def fit(run: Run) -> Run:
     """Train until max_duration elapses or something asks to stop; returns `run` with stop_reason and metrics set."""
     p = run.progress
-    params = [q for q in run.task.parameters() if q.requires_grad]
+    # the tensors the optimizer steps: the parameters, or *_true's fp32 masters, which hold the gradients once unscaled
+    params = run.precision.stepped([q for q in run.task.parameters() if q.requires_grad])
     for cb in run.callbacks:
         cb.on_fit_start(run)
     run.state.meter.start()

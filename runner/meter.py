@@ -38,7 +38,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     name = torch.cuda.get_device_name(device)
     for key, (half, tf32, fp32) in PEAK_FLOPS:
         if key in name:
-            if precision in ("bf16", "fp16", "bf16_true"):
+            if precision in ("bf16", "fp16", "bf16_true", "fp16_true"):
                 return half
             # fp32 matmuls use TF32 tensor cores only when allowed (torch.set_float32_matmul_precision("high"))
             return fp32 if torch.get_float32_matmul_precision() == "highest" else tf32

@@ -60,6 +60,7 @@ class TrainingHealth(Callback):
         # Under FSDP a parameter is this rank's shard: its norms are the shard's.
         named = [(n, _local(p)) for n, p in run.task.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.holders = run.precision.stepped(self.params)  # where the gradients are: *_true hands them to masters
         modules = dict(run.task.named_modules())
         for name in self.module_names:
             if name not in modules:
@@ -79,7 +80,7 @@ class TrainingHealth(Callback):
     def on_before_optimizer_step(self, run: Run) -> None:
         """On a measured step: the gradient and weight norms, and the weights before the update."""
         if self._due:
-            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            grads = [_local(h.grad) if h.grad is not None else torch.zeros_like(h) for h in self.holders]
             self._pending = (torch._foreach_norm(grads), torch._foreach_norm(self.params))
             self._before = [p.detach().clone() for p in self.params]
 

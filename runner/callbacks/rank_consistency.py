@@ -58,7 +58,8 @@ class RankConsistency(Callback):
             return
         self._compare(run, "parameter", self.named, f"after optimizer step {p.step}")
         if self.gradients:
-            grads = [(n, q.grad) for n, q in self.named if q.grad is not None]
+            holders = run.precision.stepped([q for _, q in self.named])  # *_true: the fp32 masters hold them
+            grads = [(n, h.grad) for (n, _), h in zip(self.named, holders, strict=True) if h.grad is not None]
             self._compare(run, "gradient", grads, f"of optimizer step {p.step + 1}, after the all-reduce")
 
     def _compare(self, run: Run, kind: str, named: list[tuple[str, torch.Tensor]], when: str) -> None:
