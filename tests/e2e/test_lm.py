@@ -87,12 +87,12 @@ def _stream(root: Path) -> dict[str, Any]:
     return {"whole": root / "stream_whole", "split": root / "stream_split", "stopped": stopped, "resumed": resumed}
 
 
-def _lora(root: Path, runs: dict[str, Future], name: str, ranks: int) -> dict[str, Any]:
-    # LoRA adapters on the GPT of the "one" run, 6 steps of 8 windows: in one process, or 2 ranks x 4 under DDP
+def _lora(root: Path, runs: dict[str, Future], name: str, *strategy: str) -> dict[str, Any]:
+    # LoRA adapters on the GPT of the "one" run, 6 steps of 8 windows: in one process, or 2 ranks x 4 (DDP, FSDP)
     base = runs["one"].result()["run_dir"]
-    batch = [f"data.batch_size={8 // ranks}", *(["distributed=ddp"] if ranks > 1 else [])]
-    lora = [f"init_from={base}", "finetune=lora", "trainer.max_duration=6st", *batch]
-    return _run(root, name, *lora, ranks=ranks)
+    ranks = 2 if strategy else 1
+    lora = [f"init_from={base}", "finetune=lora", "trainer.max_duration=6st", f"data.batch_size={8 // ranks}"]
+    return _run(root, name, *lora, *strategy, ranks=ranks)
 
 
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
@@ -104,8 +104,9 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
             root, "fsdp", "data.batch_size=4", "distributed=fsdp", "distributed.units=[Block]", ranks=2
         ),
         "stream": lambda: _stream(root),
-        "lora_one": lambda: _lora(root, runs, "lora_one", ranks=1),
-        "lora_ddp": lambda: _lora(root, runs, "lora_ddp", ranks=2),
+        "lora_one": lambda: _lora(root, runs, "lora_one"),
+        "lora_ddp": lambda: _lora(root, runs, "lora_ddp", "distributed=ddp"),
+        "lora_fsdp": lambda: _lora(root, runs, "lora_fsdp", "distributed=fsdp", "distributed.units=[Block]"),
         "bad_glob": lambda: cli(*TINY, "data.paths=[/no/such/*.txt]", cwd=root, run_dir=root / "bad_glob"),
     }
 
@@ -154,10 +155,11 @@ def test_a_stream_over_two_ranks_of_two_loader_workers_resumes_exactly(runs: dic
     assert "epoch" not in metric_rows(outcome["whole"])[-1]  # a stream has no epochs
 
 
-def test_lora_under_ddp_trains_the_adapters_like_one_process_and_rank_0_alone_speaks(
-    runs: dict[str, Future],
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_on_two_ranks_trains_the_adapters_like_one_process_and_rank_0_alone_speaks(
+    strategy: str, runs: dict[str, Future]
 ) -> None:
-    one, ddp = runs["lora_one"].result(), runs["lora_ddp"].result()
-    assert_close_weights(ddp["run_dir"], one["run_dir"], atol=ATOL)
-    assert all("lora_" in key for key in weights(ddp["run_dir"]))  # the adapters only
-    assert ddp["stderr"].count("init_from: loaded") == 1  # rank 0's line; rank 1 loaded the same quietly
+    one, two = runs["lora_one"].result(), runs[f"lora_{strategy}"].result()
+    assert_close_weights(two["run_dir"], one["run_dir"], atol=ATOL)
+    assert all("lora_" in key for key in weights(two["run_dir"]))  # the adapters only (FSDP: gathered by rank 0)
+    assert two["stderr"].count("init_from: loaded") == 1  # rank 0's line; rank 1 loaded the same quietly
