@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from runner import ConfigError
 from runner.build import TRUSTED_TARGETS, build_data, load_trained
 from runner.run import Precision
-from runner.rundir import CONFIG, write_json
+from runner.rundir import write_json
 from runner.validation import evaluate_loader
 
 USAGE = "usage: python -m runner.evaluate RUN_DIR [split=val] [weights=PATH] [device=cpu] [data.KEY=VALUE ...]"
@@ -46,7 +46,7 @@ def evaluate_run(
     if loader is None:
         raise ConfigError(f"split={split}: the data of {run_dir} has the splits {sorted(data.splits)}; pick one")
     model.to(device)
-    precision = _precision(run_dir, device)
+    precision = _precision(cfg.get("precision"), device)
     metrics = evaluate_loader(model, loader, precision, torch.device(device))
     used = Path(weights) if weights is not None else run_dir / "model.safetensors"
     result = {
@@ -60,11 +60,10 @@ def evaluate_run(
     return result
 
 
-def _precision(run_dir: Path, device: str) -> Precision:
+def _precision(node: Any, device: str) -> Precision:
     # The run's own precision option (fp32, bf16 or fp16 autocast): evaluated as it validated. Its target is runner's.
     from hydra.utils import instantiate
 
-    node = OmegaConf.load(run_dir / CONFIG).get("precision")
     if node is None or not str(node.get("_target_", "")).startswith("runner.precision."):
         from runner.precision import FP32
 
