@@ -102,13 +102,15 @@ def test_a_loader_resumed_from_its_state_goes_on_with_exactly_the_next_batches(w
     assert not any(torch.equal(a, b) for a in other_rank for b in batches)  # rank 1 reads files of its own
 
 
+@pytest.mark.parametrize("accumulate", [1, 3])
 def test_a_stream_run_stopped_and_resumed_with_two_loader_workers_equals_the_uninterrupted_run(
-    compose_cfg: Callable, tmp_path: Path
+    compose_cfg: Callable, tmp_path: Path, accumulate: int
 ) -> None:
-    whole, _ = assert_resume_is_exact(compose_cfg, [*TINY_STREAM, "data.num_workers=2"], tmp_path, stop=5)
+    overrides = [*TINY_STREAM, "data.num_workers=2", f"trainer.accumulate_grad_batches={accumulate}"]
+    whole, _ = assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=5)
     metrics = (tmp_path / "whole" / "metrics.jsonl").read_text()
     assert '"tokens": ' in metrics and '"epoch"' not in metrics  # counted in tokens; a stream has no epochs
-    assert whole.progress.tokens == 12 * 8 * 32
+    assert whole.progress.tokens == 12 * accumulate * 8 * 32 and whole.progress.micro_batch == 12 * accumulate
 
 
 @pytest.mark.parametrize(
