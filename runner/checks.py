@@ -52,18 +52,28 @@ def _components(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
 
 
 def _parameters(target: str) -> set[str] | None:
-    """The keyword parameters of the callable `target` names; None if it takes **kwargs or cannot be inspected."""
+    """The keyword parameters of the callable `target` names; None if it takes **kwargs that cannot be followed, or
+    cannot be inspected. A runner or experiments class whose **kwargs go to its base classes' __init__ (a data module
+    of DataModule's loader options, an SAE of the base SAE's) takes theirs too."""
     from hydra._internal.utils import _locate
 
     try:
         obj = _locate(target)
-        signature = inspect.signature(obj)
+        inits = [c.__init__ for c in obj.__mro__ if "__init__" in c.__dict__] if inspect.isclass(obj) else [obj]
     except Exception:  # instantiation will say what is wrong with the target itself
         return None
-    params = signature.parameters.values()
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    accepted: set[str] = set()
+    for init in inits:
+        if inits[0] is not init and not getattr(init, "__module__", "").startswith(("runner.", "experiments.")):
+            return None  # **kwargs handed to code that is not ours (nn.Module, a library): anything may be read
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        accepted |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            return accepted
+    return None
 
 
 def check_keys(cfg: DictConfig) -> None:

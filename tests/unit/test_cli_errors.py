@@ -64,6 +64,22 @@ ERROR_CASES: dict[str, tuple[list[str], type[Exception], list[str]]] = {
         ConfigError,
         ["model.widths is not a parameter of experiments.digits.MLPClassifier"],
     ),
+    # a data module's **loader options and an SAE's **kwargs go to their base classes: those keys are checked too
+    "added-data-key-through-kwargs": (
+        ["+experiment=lm", "data=text_stream", "+data.blcok=3"],
+        ConfigError,
+        ["data.blcok is not a parameter of experiments.lm.stream.TextStream", "did you mean data.block?"],
+    ),
+    "added-sae-key-through-kwargs": (
+        ["+experiment=sae", "+model.n_latent=64"],
+        ConfigError,
+        ["model.n_latent is not a parameter of experiments.sae.model.TopKSAE", "did you mean model.n_latents?"],
+    ),
+    "epochs-for-a-stream": (
+        ["+experiment=lm", "data=text_stream", "trainer.val_interval=1ep"],
+        ConfigError,
+        ["trainer.val_interval=1ep counts epochs, but the training data is a stream", "(st)"],
+    ),
     "unknown-monitor": (
         ["+experiment=digits", "monitor=val/nosuch"],
         ConfigError,
