@@ -110,16 +110,17 @@ class SAE(nn.Module):
 
     @torch.no_grad()
     def initialize_from(self, x: torch.Tensor) -> None:
-        """Data-dependent init from a sample of raw inputs: the input scale and the decoder bias."""
+        """Data-dependent init from a sample of raw inputs: the input scale and the decoder bias. Under several
+        processes, from every rank's sample (in rank order: the global batch, as one process would see it)."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # once per run: the ranks' first batches, whatever their sizes, through pickling
+            samples: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(samples, x.detach().cpu())
+            x = torch.cat(samples).to(x.device)
         if self.normalize_input:
             self.input_scale.fill_(self.d_in**0.5 / torch.linalg.vector_norm(x.float(), dim=1).mean().clamp_min(1e-8))
         if self.geometric_median_init:
             self.b_dec.copy_(geometric_median(x.float() * self.input_scale))
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # Each rank saw a batch of its own: all start from rank 0's values, as DDP starts them from its weights
-            # (the gradients are all-reduced, so a b_dec that differed would differ for good).
-            for tensor in (self.input_scale, self.b_dec):
-                torch.distributed.broadcast(tensor.data, src=0)
         self.initialized.fill_(True)
 
     @torch.no_grad()
@@ -147,10 +148,18 @@ class SAE(nn.Module):
 
     def _track(self, codes_fired: torch.Tensor, batch: int) -> None:
         # codes_fired: [n_latents] bool, latents that fired anywhere in this micro-batch
+        rows: int | torch.Tensor = batch
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Every rank's rows: a latent fired if it fired on any rank, and the window counts all ranks' rows (one
+            # small all-reduce queued on the device). Otherwise DDP, which broadcasts buffers from rank 0 at each
+            # forward, would leave rank 0's data alone deciding which latents are dead.
+            both = torch.cat([codes_fired.float(), codes_fired.new_full((1,), batch, dtype=torch.float32)])
+            torch.distributed.all_reduce(both)
+            codes_fired, rows = both[:-1] > 0, both[-1]
         if self.dead_unit == "st":
             self.fired |= codes_fired
         else:
-            self.since_fired.add_(batch).masked_fill_(codes_fired, 0)
+            self.since_fired.add_(rows).masked_fill_(codes_fired, 0)
 
     def dead_mask(self) -> torch.Tensor:
         """Latents that have not fired within dead_window."""

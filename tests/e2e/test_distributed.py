@@ -24,6 +24,7 @@ from helpers import (
     metric_rows,
     ok,
     popen,
+    python,
     summary,
     torchrun,
     values,
@@ -200,6 +201,7 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "without_rendezvous": lambda: without_rendezvous(root),
         "diverged": lambda: diverged(root),
         "sae_resampled": lambda: sae_resampled(root),
+        "sae_ranks": lambda: python(*TORCHRUN, str(Path(__file__).parents[1] / "_sae_ranks.py"), cwd=root),
     }
 
 
@@ -329,3 +331,8 @@ def test_an_sae_initialised_from_data_and_resampled_stays_the_same_on_every_rank
     assert proc.returncode == 0, explain(proc)  # rank_consistency found no parameter that differs
     state = torch.load(run_dir / "checkpoints" / "last" / "state.pt", weights_only=True)
     assert state["callbacks"]["0:ResampleDead"]["resampled"] > 0
+
+
+def test_an_sae_initialises_from_and_counts_dead_latents_over_every_rank_s_data(runs: dict[str, Future]) -> None:
+    proc = runs["sae_ranks"].result()  # the assertions are in tests/_sae_ranks.py, on each rank
+    assert proc.returncode == 0 and proc.stdout.count(": ok") == 2, explain(proc)
