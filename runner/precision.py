@@ -94,7 +94,17 @@ class LossScaling:
     while the scale backs off."""
 
     handles_overflow = True
-    scaler: torch.amp.GradScaler
+
+    def __init__(
+        self,
+        dtype: str = "float16",
+        device: torch.device | str = "cpu",
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        flush_denormal: bool = True,
+    ) -> None:
+        super().__init__(dtype, device, flush_denormal)
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale, growth_interval=growth_interval)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate the scaled loss."""
@@ -128,17 +138,6 @@ class LossScaling:
 
 class ScaledAutocast(LossScaling, Autocast):
     """fp16 autocast with a GradScaler: the loss is scaled up for backward and steps with inf/nan grads are skipped."""
-
-    def __init__(
-        self,
-        dtype: str = "float16",
-        device: torch.device | str = "cpu",
-        init_scale: float = 2.0**16,
-        growth_interval: int = 2000,
-        flush_denormal: bool = True,
-    ) -> None:
-        super().__init__(dtype, device, flush_denormal)
-        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale, growth_interval=growth_interval)
 
 
 class MasterWeights(Autocast):
@@ -217,14 +216,3 @@ class MasterWeights(Autocast):
 class ScaledMasterWeights(LossScaling, MasterWeights):
     """float16 parameters with fp32 masters (fp16_true): as bf16_true, and the loss scaled for backward as fp16
     autocast scales it; the scaled fp16 gradients are unscaled in fp32, on the masters, so small ones survive."""
-
-    def __init__(
-        self,
-        dtype: str = "float16",
-        device: torch.device | str = "cpu",
-        init_scale: float = 2.0**16,
-        growth_interval: int = 2000,
-        flush_denormal: bool = True,
-    ) -> None:
-        super().__init__(dtype, device, flush_denormal)
-        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale, growth_interval=growth_interval)
