@@ -2,12 +2,13 @@
 they were made from), read back memory-mapped by every later run that hooks the same module of the same weights.
 
 A cache is complete when its manifest.json exists: shards are written under temporary names and renamed when whole,
-the manifest last (atomically), so an interrupted write leaves no manifest, and the next run rewrites the cache from
-scratch. A reader opens only the shards the manifest lists, each checked for its size and shape. One writer at a time:
-it holds an flock on DIR/.lock (another run that finds no manifest waits for it, then reads what it wrote); under
-torchrun only rank 0 writes and the other ranks poll for the manifest, giving up with an error when the writer's
-heartbeat (DIR/.writing, touched after each shard) has not moved for WAIT_S seconds, so no rank can hang for good
-(a cache dir that only rank 0's machine sees, say)."""
+the manifest last (atomically), so an interrupted write leaves no manifest; the next run continues it from its last
+whole shard (DIR/.partial.json says which, and where the source's inputs were). A reader opens only the shards the
+manifest lists, each checked for its size and shape. One writer at a time: it holds an flock on DIR/.lock (another
+run that finds no manifest waits for it, then reads what it wrote); under torchrun only rank 0 writes and the other
+ranks poll for the manifest, giving up with an error when the writer's heartbeat (DIR/.writing, touched after each
+shard) has not moved for WAIT_S seconds, so no rank can hang for good (a cache dir that only rank 0's machine sees,
+say)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from torch.utils.data import Dataset
 from runner import ConfigError
 from runner.rundir import MODEL, fsync_dir, read_json, write_atomic
 
-MANIFEST, LOCK, HEARTBEAT = "manifest.json", ".lock", ".writing"
+MANIFEST, LOCK, HEARTBEAT, PARTIAL = "manifest.json", ".lock", ".writing", ".partial.json"
 SHARD_ROWS = 65536
 WAIT_S = 600.0  # a waiting rank gives up when the writer shows no progress for this long
 DTYPES = ("float32", "float16")
@@ -113,27 +114,64 @@ def read(directory: Path, key: dict[str, Any], rows: int) -> Shards | None:
     return Shards(arrays, rows)
 
 
-def _activations(source: Any) -> Iterator[torch.Tensor]:
-    # the source's training inputs in its loader's order, epoch after epoch (as the ring buffer reads them)
+def _inputs(source: Any) -> Iterator[Any]:
+    # the source's training inputs in its loader's order, epoch after epoch (as the ring buffer reads them); a
+    # source trained on a stream (data=text_stream) reads its endless stream
     loader = source.data.train_loader()
+    if getattr(loader, "batch_sampler", None) is None:
+        yield from loader
+        return
     for epoch in itertools.count():
         loader.batch_sampler.set_epoch(epoch)
-        for batch in loader:
+        yield from loader
+
+
+def _activations(source: Any, skip: int = 0) -> Iterator[torch.Tensor]:
+    # the activations of the source's inputs after its first `skip` input batches (read, not run through the model)
+    for i, batch in enumerate(_inputs(source)):
+        if i >= skip:
             yield source.activations(batch).cpu()
+
+
+def _partial(directory: Path, key: dict[str, Any], rows: int, shard_rows: int) -> dict[str, Any] | None:
+    # what an interrupted write of this same cache left: its whole shards and where the source's inputs were
+    partial = read_json(directory / PARTIAL)
+    if partial is None or any(partial.get(k) != key[k] for k in IDENTITY):
+        return None
+    if (partial.get("rows"), partial.get("shard_rows")) != (rows, shard_rows):
+        return None
+    for shard in partial["shards"]:
+        path = directory / shard["file"]
+        if not path.is_file() or path.stat().st_size != shard["bytes"]:
+            return None
+    return partial
 
 
 def write(directory: Path, key: dict[str, Any], source: Any, rows: int, shard_rows: int = SHARD_ROWS) -> None:
     """Run the source over its training inputs and write `rows` activations to `directory`: shards of `shard_rows`,
-    each renamed into place when whole, then the manifest."""
+    each renamed into place when whole, then the manifest. An interrupted write of the same cache (its progress in
+    DIR/.partial.json after each shard) is continued: its shards are kept and the inputs they came from are read
+    past without running the model."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MANIFEST).unlink(missing_ok=True)  # a damaged cache: nothing may read it while it is rewritten
+    done = _partial(directory, key, rows, shard_rows)
+    shards, consumed, leftover = (done["shards"], done["consumed"], done["leftover"]) if done else ([], 0, 0)
+    kept = {shard["file"] for shard in shards}
     for stale in [*directory.glob("shard-*.npy"), *directory.glob(".shard-*")]:
-        stale.unlink()
-    stream, pending, shards = _activations(source), [], []
+        if stale.name not in kept:
+            stale.unlink()
+    if done:
+        print(f"source.cache: continuing an interrupted write after {len(shards)} shard(s)", flush=True)
+    # the last input batch of the written shards may have rows left over for the next shard: it is run again
+    stream = _activations(source, skip=consumed - (1 if leftover else 0))
+    pending = [next(stream)[-leftover:]] if leftover else []
     for i, start in enumerate(range(0, rows, shard_rows)):
+        if i < len(shards):
+            continue
         n = min(shard_rows, rows - start)
         while sum(map(len, pending)) < n:
             pending.append(next(stream))
+            consumed += 1
         block = torch.cat(pending)
         pending = [block[n:]]  # the rest of the last input's activations open the next shard
         data = io.BytesIO()
@@ -143,11 +181,15 @@ def write(directory: Path, key: dict[str, Any], source: Any, rows: int, shard_ro
         shards.append(
             {"file": name, "rows": n, "bytes": data.tell(), "sha256": hashlib.sha256(data.getbuffer()).hexdigest()}
         )
+        progress = {**key, "rows": rows, "shard_rows": shard_rows, "shards": shards, "consumed": consumed}
+        progress["leftover"] = len(pending[0])
+        write_atomic(directory / PARTIAL, json.dumps(progress).encode(), fsync=True)
         (directory / HEARTBEAT).touch()
     fsync_dir(directory)  # the shards' names are on disk before the manifest that lists them
     manifest = {**key, "rows": rows, "shards": shards, "written_at": time.strftime("%FT%T")}
     write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode(), fsync=True)
     fsync_dir(directory)
+    (directory / PARTIAL).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

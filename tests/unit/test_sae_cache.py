@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_resume_is_exact
+from helpers import TINY_LM, assert_resume_is_exact, finished_run
 from safetensors.torch import load_file, save_file
 
 from experiments.sae import cache as cache_module
@@ -144,3 +144,48 @@ def test_resume_on_cached_activations_is_exact(compose_cfg: Callable, lm_run: Pa
     acts = tmp_path / "acts"
     overrides = [*_sae(lm_run, acts), "logger=jsonl", "checkpoint.interval=1000st"]
     assert assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=3)[1].progress.step == 8
+
+
+def test_an_interrupted_write_is_continued_from_its_last_whole_shard(
+    compose_cfg: Callable, lm_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forwards: list[int]
+) -> None:
+    whole = build(compose_cfg(*_sae(lm_run, tmp_path / "whole"))).train_loader.dataset.__getitems__(list(range(2500)))
+    acts, written = tmp_path / "acts", []
+    original = cache_module.write_atomic
+
+    def dies_after_two_shards(path: Path, data: bytes, fsync: bool = False) -> None:
+        if path.name.startswith("shard-"):
+            written.append(path.name)
+            if len(written) == 3:
+                raise KeyboardInterrupt  # killed while writing the third shard
+        original(path, data, fsync=fsync)
+
+    with monkeypatch.context() as killed:
+        killed.setattr(cache_module, "write_atomic", dies_after_two_shards)
+        with pytest.raises(KeyboardInterrupt):
+            build(compose_cfg(*_sae(lm_run, acts)))
+    partial = json.loads((acts / ".partial.json").read_text())
+    assert [s["file"] for s in partial["shards"]] == ["shard-00000.npy", "shard-00001.npy"]
+    forwards.clear()
+    again = build(compose_cfg(*_sae(lm_run, acts))).train_loader.dataset.__getitems__(list(range(2500)))
+    continued = sum(forwards)
+    assert torch.equal(again[0], whole[0])  # the same rows as a write in one go
+    assert (acts / "manifest.json").exists() and not (acts / ".partial.json").exists()
+    forwards.clear()
+    build(compose_cfg(*_sae(lm_run, acts)))  # complete: only the validation activations are computed
+    # only the last shard's inputs went through the source again (an input batch is 8 windows x 31 positions)
+    assert 500 <= continued - sum(forwards) < 500 + 2 * 248, (continued, forwards)
+    # another cache's progress is not continued: another hook point starts afresh
+    (acts / "manifest.json").unlink()
+    (acts / ".partial.json").write_text(json.dumps({**partial, "module": "blocks.0"}))
+    forwards.clear()
+    build(compose_cfg(*_sae(lm_run, acts)))
+    assert sum(forwards) >= 2500
+
+
+def test_a_source_trained_on_a_stream_writes_its_cache_from_that_stream(compose_cfg: Callable, tmp_path: Path) -> None:
+    source = tmp_path / "stream_lm"
+    source.mkdir()
+    finished_run(source, *TINY_LM, "data=text_stream", "data.block=4")
+    run = build(compose_cfg(*_sae(source, tmp_path / "acts")))
+    assert len(run.train_loader.dataset) == 2500 and (tmp_path / "acts" / "manifest.json").exists()
