@@ -13,28 +13,41 @@ from torch.utils.data import DataLoader
 
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.cache import SHARD_ROWS, cached, identity
-from experiments.sae.multi import combined, members
+from experiments.sae.multi import combined, hook_name, members
 from runner import ConfigError
 from runner.build import TRUSTED_TARGETS, build_data, load_trained
 from runner.data import DataModule, TensorData, batch_size_of, to_device
 from runner.run import Callback
+
+# What compare() puts in a module's place: nothing (the clean model), a function of the first hooked module's output,
+# or (module name, function).
+Replacement = Callable[[torch.Tensor], torch.Tensor] | tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None
 
 
 class _Captured(Exception):
     """Raised by the capturing hook: what follows the hooked module is not needed."""
 
 
+def hook_points(module: str | Sequence[str]) -> list[str]:
+    """The hooked modules' names: one (`source.module=blocks.2`) or several (`source.module=[blocks.1,blocks.3]`)."""
+    names = [module] if isinstance(module, str) else [str(name) for name in module]
+    if not names or len(set(names)) != len(names):
+        raise ConfigError(f"source.module={names}: name one module, or several different ones")
+    return names
+
+
 class SourceModel:
-    """A frozen runner-trained model, the data it was trained on, and a forward hook on one of its modules.
+    """A frozen runner-trained model, the data it was trained on, and forward hooks on one or several of its modules.
 
     A module whose output is a sequence [B, T, d] (a transformer block: the residual stream after it) gives one
     activation per position from `skip_positions` on: the first position's stream (the first token, attended to by
-    everything) is an outlier the field leaves out of training and of splicing."""
+    everything) is an outlier the field leaves out of training and of splicing. Several modules give their
+    activations of the same positions side by side, [rows, d_1 + d_2 + ...], in the order named (`widths`)."""
 
     def __init__(
         self,
         checkpoint: str,
-        module: str,
+        module: str | Sequence[str],
         device: torch.device | str = "cpu",
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
@@ -43,10 +56,14 @@ class SourceModel:
         self.device = torch.device(device)
         self.model.to(self.device)
         modules = dict(self.model.named_modules())
-        if module not in modules:
-            names = ", ".join(name for name in modules if name)
-            raise ConfigError(f"source.module={module!r} is not a module of {type(self.model).__name__}: {names}")
-        self.module, self.name, self.skip = modules[module], module, skip_positions
+        self.names = hook_points(module)
+        for name in self.names:
+            if name not in modules:
+                names = ", ".join(n for n in modules if n)
+                raise ConfigError(f"source.module={name!r} is not a module of {type(self.model).__name__}: {names}")
+        self.modules, self.skip = {name: modules[name] for name in self.names}, skip_positions
+        self.name = self.names[0]  # the module that splicing replaces unless told another
+        self.widths: dict[str, int] = {}  # each module's width, known from the first activations
         self.data: DataModule = build_data(cfg)
 
     def _kept(self, out: torch.Tensor) -> torch.Tensor:
@@ -65,8 +82,8 @@ class SourceModel:
         return torch.cat([out[:, : self.skip], new], dim=1) if out.ndim == 3 and self.skip else new
 
     @contextlib.contextmanager
-    def _hook(self, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
-        handle = self.module.register_forward_hook(lambda _m, _i, out: fn(out))
+    def _hook(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+        handle = self.modules[name].register_forward_hook(lambda _m, _i, out: fn(out))
         try:
             yield
         finally:
@@ -80,23 +97,31 @@ class SourceModel:
 
     @torch.no_grad()
     def activations(self, batch: Any) -> torch.Tensor:
-        """The module's output for one input batch, as [rows, d]; the model's forward stops there (the blocks after
-        a hooked residual stream, the head and the loss are never computed)."""
-        captured = []
+        """The modules' outputs for one input batch, as [rows, d] (several: side by side); the model's forward stops
+        once the last of them ran (the blocks after it, the head and the loss are never computed)."""
+        captured: dict[str, torch.Tensor] = {}
 
-        def grab(out: torch.Tensor) -> None:
-            captured.append(self._kept(out.detach()).flatten(0, -2))
-            raise _Captured
+        def grab(name: str) -> Callable[[torch.Tensor], None]:
+            def hook(out: torch.Tensor) -> None:
+                captured[name] = self._kept(out.detach()).flatten(0, -2)
+                if len(captured) == len(self.names):
+                    raise _Captured
 
-        with self._hook(grab), contextlib.suppress(_Captured):
+            return hook
+
+        with contextlib.ExitStack() as hooks, contextlib.suppress(_Captured):
+            for name in self.names:
+                hooks.enter_context(self._hook(name, grab(name)))
             self.model.validation_step(to_device(batch, self.device))
-        return captured[0]
+        self.widths = {name: captured[name].shape[-1] for name in self.names}
+        return captured[self.name] if len(self.names) == 1 else torch.cat([captured[n] for n in self.names], dim=-1)
 
     @torch.no_grad()
-    def compare(self, replacements: dict[str, Callable[[torch.Tensor], torch.Tensor] | None]) -> dict[str, dict]:
-        """Over the validation split, for each named replacement of the module's output (None: the clean model): the
-        model's mean validation loss ("ce") and, when the model's output is logits, the KL divergence of its
-        next-token distribution from the clean model's ("kl", nats per token, over the same tokens as the loss)."""
+    def compare(self, replacements: dict[str, Replacement]) -> dict[str, dict]:
+        """Over the validation split, for each named replacement of a module's output (None: the clean model; a
+        function: of the first hooked module's; (module, function): of that module's): the model's mean validation
+        loss ("ce") and, when the model's output is logits, the KL divergence of its next-token distribution from the
+        clean model's ("kl", nats per token, over the same tokens as the loss)."""
         sums = {name: torch.zeros(2, dtype=torch.float64) for name in replacements}
         count, has_logits = 0, True
         for batch in self.data.val_loader():
@@ -112,15 +137,14 @@ class SourceModel:
         means = {name: (total / count).tolist() for name, total in sums.items()}
         return {name: {"ce": ce, **({"kl": kl} if has_logits else {})} for name, (ce, kl) in means.items()}
 
-    def _run(
-        self, batch: Any, replace: Callable[[torch.Tensor], torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, batch: Any, replace: Replacement) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The loss of one batch with the module's output replaced, and the model's own output (logits) when it is a
         # tensor: the root module's forward hook sees what validation_step computed its loss from.
         outputs: list[Any] = []
+        name, fn = replace if isinstance(replace, tuple) else (self.name, replace)
         root = self.model.register_forward_hook(lambda _m, _i, out: outputs.append(out))
         try:
-            with self._hook((lambda out: self._spliced(out, replace)) if replace else (lambda out: None)):
+            with self._hook(name, (lambda out: self._spliced(out, fn)) if fn else (lambda out: None)):
                 loss = self.model.validation_step(batch)["loss"]
         finally:
             root.remove()
@@ -145,7 +169,7 @@ class HookedData(DataModule):
     def __init__(
         self,
         checkpoint: str,
-        module: str,
+        module: str | Sequence[str],
         buffer_size: int = 16384,
         samples_per_epoch: int = 65536,
         d: int | None = None,
@@ -171,16 +195,24 @@ class HookedData(DataModule):
                 "train the source with one (the lm data: data.val_every > 0 with at least that many files)"
             )
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
-        if d is not None and val.shape[1] != d:
-            raise ConfigError(f"{module} outputs {val.shape[1]} features but model.d_in={d}")
+        several = len(source.names) > 1
+        if d is not None and (several or val.shape[1] != d):
+            widths = " + ".join(map(str, source.widths.values()))
+            raise ConfigError(
+                f"{', '.join(source.names)} output{'' if several else 's'} {widths} features but model.d_in={d}: "
+                "leave model.d_in out, the SAEs take their modules' widths"
+            )
         if cache is None:
             train = HookedActivations(ActivationBuffer(source, buffer_size, loader.get("seed", 0)), samples_per_epoch)
         else:
-            key = identity(checkpoint, module, skip_positions, cache_dtype, val.shape[1])
+            hooked = source.names[0] if not several else source.names
+            key = identity(checkpoint, hooked, skip_positions, cache_dtype, val.shape[1])
             train = cached(cache, source, key, cache_rows or samples_per_epoch, cache_shard_rows)
             loader["shuffle"] = True  # the cache holds the rows in the source's order; the sampler shuffles them
         super().__init__({"train": train, "val": TensorData(val)}, **loader)
-        self.model_args = {"d_in": val.shape[1]}  # the SAE's width is the module's
+        # The SAE's width is the module's; with several modules, a family (model=sae_multi) takes each one's width
+        # and columns, and a single SAE, given no width, says to use one.
+        self.model_args = {"hooks": dict(source.widths)} if several else {"d_in": val.shape[1]}
         if cache is not None:
             self.info = {"activation_cache": str(cache), "cached_rows": len(train)}
 
@@ -206,7 +238,7 @@ class SpliceEval(Callback):
     def __init__(
         self,
         checkpoint: str,
-        module: str,
+        module: str | Sequence[str],
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
     ) -> None:
@@ -233,29 +265,37 @@ class SpliceEval(Callback):
         """Add the clean, ablated and spliced losses, the KL divergences and the fractions of loss recovered."""
         if self.source is None:
             self.source = SourceModel(self.checkpoint, self.module, run.device, self.trusted_targets, self.skip)
-            mean = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()]).mean(0)
-            self.ablated = self.source.compare(
-                {"clean": None, "zero": torch.zeros_like, "mean": lambda acts: mean.expand_as(acts)}
-            )
-        clean, zero, mean = (self.ablated[name] for name in ("clean", "zero", "mean"))
-        family = members(run.task)
+            acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
+            means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
+            ablations: dict[str, Replacement] = {"clean": None}
+            for name, mean in means.items():
+                ablations[f"{name}:zero"] = (name, torch.zeros_like)
+                ablations[f"{name}:mean"] = (name, lambda out, mean=mean: mean.expand_as(out))
+            self.ablated = self.source.compare(ablations)
+        clean = self.ablated["clean"]
+        family, hook_of = members(run.task), getattr(run.task, "hook_of", {})
         for _, sae in family:
             sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
-        spliced = self.source.compare({prefix: _through(sae) for prefix, sae in family})
+        where = {prefix: hook_of.get(prefix.rstrip("/"), self.source.name) for prefix, _ in family}
+        spliced = self.source.compare({prefix: (where[prefix], _through(sae)) for prefix, sae in family})
         for _, sae in family:
             sae.train()
         metrics["val/ce_clean"] = clean["ce"]
-        for name in ("zero", "mean"):
-            metrics.update({f"val/{what}_{name}_ablated": value for what, value in self.ablated[name].items()})
-        per_sae = {
-            prefix: {
+        # the ablations of the (first) hooked module, and with several, of each one under its name
+        several = [(f"{hook_name(m)}/", m) for m in self.source.names] if len(self.source.names) > 1 else []
+        for at, module in [("", self.source.name), *several]:
+            for name in ("zero", "mean"):
+                ablated = self.ablated[f"{module}:{name}"]
+                metrics.update({f"val/{at}{what}_{name}_ablated": value for what, value in ablated.items()})
+        per_sae = {}
+        for prefix, got in spliced.items():
+            zero, mean = self.ablated[f"{where[prefix]}:zero"], self.ablated[f"{where[prefix]}:mean"]
+            per_sae[prefix] = {
                 "ce_spliced": got["ce"],
                 **({"kl_spliced": got["kl"]} if "kl" in got else {}),
                 "loss_recovered": (zero["ce"] - got["ce"]) / (zero["ce"] - clean["ce"]),
                 "loss_recovered_mean": (mean["ce"] - got["ce"]) / (mean["ce"] - clean["ce"]),
             }
-            for prefix, got in spliced.items()
-        }
         for prefix, values in per_sae.items():
             metrics.update({f"val/{prefix}{name}": value for name, value in values.items()})
         if len(per_sae) > 1:

@@ -77,6 +77,11 @@ class SAE(nn.Module):
         b_enc_init: float = 0.0,
     ) -> None:
         super().__init__()
+        if isinstance(d_in, bool) or not isinstance(d_in, int) or d_in < 1:
+            raise ConfigError(
+                f"model.d_in={d_in}: the SAE's input width is unknown (its data gives none). Several hooked modules "
+                "(source.module=[...]) need model=sae_multi, which makes an SAE for each"
+            )
         self.d_in, self.n_latents = d_in, n_latents
         self.normalize_input, self.unit_norm_decoder = normalize_input, unit_norm_decoder
         self.geometric_median_init, self.sparse_decode = geometric_median_init, sparse_decode

@@ -52,8 +52,17 @@ def _with(make: Callable[..., SAE], **settings: Any) -> Callable[..., SAE]:
     return lambda **kwargs: make(**settings, **kwargs)
 
 
+def hook_name(module: str) -> str:
+    """A hooked module's name as an SAE or metric name: blocks.1 -> blocks_1."""
+    return module.replace(".", "_")
+
+
 class MultiSAE(nn.Module):
-    """Several SAEs, each built with the data's width `d_in`, trained together on each batch."""
+    """Several SAEs, each built with the data's width `d_in`, trained together on each batch.
+
+    With `hooks` (the data's, when the source hooks several modules: name -> width), the family is made for each
+    hooked module, its SAEs named `<module>_<name>` (blocks_1_k32), each built with its module's width and trained on
+    its module's columns of the rows (the modules' activations of the same positions, side by side)."""
 
     def __init__(
         self,
@@ -62,12 +71,34 @@ class MultiSAE(nn.Module):
         ks: Sequence[int] | None = None,
         widths: Sequence[int] | None = None,
         saes: dict[str, Callable[..., SAE]] | None = None,
+        hooks: dict[str, int] | None = None,
     ) -> None:
         super().__init__()
         if base is None and (ks or widths):
             raise ConfigError("model.ks / model.widths vary model.base: give model.base (an SAE config)")
         makers = family(base, ks, widths, saes)
-        self.saes = nn.ModuleDict({name: make(d_in=d_in) for name, make in makers.items()})
+        self.hook_of: dict[str, str] = {}  # SAE name -> the module it reads, with several hooked modules
+        self.columns: dict[str, tuple[int, int]] = {}  # SAE name -> its module's columns of the rows
+        if not hooks:
+            self.saes = nn.ModuleDict({name: make(d_in=d_in) for name, make in makers.items()})
+            return
+        built, start = {}, 0
+        for module, width in hooks.items():
+            for name, make in makers.items():
+                member = f"{hook_name(module)}_{name}"
+                built[member] = make(d_in=width)
+                self.hook_of[member], self.columns[member] = module, (start, start + width)
+            start += width
+        self.saes = nn.ModuleDict(built)
+
+    def _rows(self, batch: Any, name: str) -> Any:
+        # the batch as SAE `name` reads it: its module's columns (every column with one hooked module)
+        if name not in self.columns:
+            return batch
+        start, end = self.columns[name]
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(t[..., start:end] for t in batch)
+        return batch[..., start:end]
 
     @property
     def parts(self) -> dict[str, str]:
@@ -84,7 +115,7 @@ class MultiSAE(nn.Module):
         out: dict[str, torch.Tensor] = {}
         losses = []
         for name, sae in self.saes.items():
-            step = sae.training_step(batch)
+            step = sae.training_step(self._rows(batch, name))
             losses.append(step["loss"])
             out.update({f"{name}/{key}": value for key, value in step.items()})
         out["loss"] = torch.stack(losses).sum()
@@ -92,7 +123,11 @@ class MultiSAE(nn.Module):
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """Each SAE's validation statistics under its name."""
-        return {f"{name}/{k}": v for name, sae in self.saes.items() for k, v in sae.validation_step(batch).items()}
+        return {
+            f"{name}/{k}": v
+            for name, sae in self.saes.items()
+            for k, v in sae.validation_step(self._rows(batch, name)).items()
+        }
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each SAE's metrics under its name, their sum as `loss` and their mean under every other shared name."""

@@ -58,7 +58,7 @@ def test_kl_is_zero_for_the_identity_and_matches_a_hand_computation(lm_run: Path
     batch = next(iter(source.data.val_loader()))
     tokens = batch["tokens"][:, :-1]
     clean = source.model(tokens).double().log_softmax(-1)
-    with source._hook(lambda out: torch.cat([out[:, :1], out[:, 1:] / 2], dim=1)):
+    with source._hook(source.name, lambda out: torch.cat([out[:, :1], out[:, 1:] / 2], dim=1)):
         half = source.model(tokens).double().log_softmax(-1)
     kl = (clean.exp() * (clean - half)).sum(-1).mean()
     assert kl > 0
@@ -104,7 +104,7 @@ def test_activations_stop_the_source_forward_at_the_hooked_block(lm_run: Path) -
     acts = source.activations(batch)
     assert calls == []  # nothing after blocks.0 ran
     full = []
-    with source._hook(lambda out: full.append(out[:, 1:].flatten(0, 1))):
+    with source._hook(source.name, lambda out: full.append(out[:, 1:].flatten(0, 1))):
         source.model.validation_step(batch)
     assert calls == ["blocks.1", "head"] and torch.equal(acts, full[0])
     for handle in handles:
@@ -196,3 +196,23 @@ def test_resampling_dead_latents_of_a_hooked_sae_keeps_the_resume_exact(
     overrides = ["+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *RESUMED, *resample]
     whole, _ = assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=3)
     assert whole.callbacks[0].resampled > 0
+
+
+def test_several_hook_points_train_a_family_for_each_module_from_one_forward(
+    compose_cfg: Callable, lm_run: Path, tmp_path: Path
+) -> None:
+    family = ["+experiment=sae_lm", f"source.checkpoint={lm_run}", "model=sae_multi", "model.ks=[4]"]
+    family += ["model.base.n_latents=64", *(o for o in SAE_LM_SMALL if not o.startswith("model."))]
+    both = train(compose_cfg(*family, "source.module=[blocks.0,blocks.1]", run_dir=tmp_path / "both"))
+    assert {name: sae.d_in for name, sae in both.task.saes.items()} == {"blocks_0_k4": 32, "blocks_1_k4": 32}
+    metrics = both.state.metrics
+    for module in ("blocks_0", "blocks_1"):
+        assert metrics[f"val/{module}_k4/fve"] > 0.1 and 0 < metrics[f"val/{module}_k4/loss_recovered"] <= 1.01
+        assert metrics[f"val/{module}/ce_zero_ablated"] > metrics["val/ce_clean"]
+        assert (tmp_path / "both" / f"model.{module}_k4.safetensors").is_file()
+    # the first module's SAE trains exactly as it does alone: the same rows (its columns), the same initialisation
+    alone = train(compose_cfg(*family, "source.module=blocks.0", run_dir=tmp_path / "alone"))
+    for key, value in alone.task.saes["k4"].state_dict().items():
+        assert torch.equal(value, both.task.saes["blocks_0_k4"].state_dict()[key]), key
+    with pytest.raises(ConfigError, match=r"model.d_in=None.*need model=sae_multi"):
+        build(compose_cfg("+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.module=[blocks.0,blocks.1]"))
