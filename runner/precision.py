@@ -175,9 +175,8 @@ class MasterWeights(Autocast):
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The optimizer's parameter groups with each model parameter replaced by its fp32 master copy."""
-        master = {id(p): m for p, m in zip(self.params, self.master, strict=True)}
         try:
-            return [{**group, "params": [master[id(p)] for p in group["params"]]} for group in groups]
+            return [{**group, "params": self.stepped(group["params"])} for group in groups]
         except KeyError:
             raise ConfigError(
                 f"precision={self.name} steps fp32 copies of the model's own parameters, which distributed=fsdp "

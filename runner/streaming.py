@@ -4,6 +4,7 @@ length: durations are in steps, samples or tokens (runner.progress refuses `ep`)
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -14,6 +15,14 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from runner import ConfigError, require
 from runner.data import DataModule
+
+
+@contextlib.contextmanager
+def _quiet_torchdata() -> Iterator[None]:
+    # torchdata 0.11 calls torch.set_vital (deprecated since torch 2.9) when a loader is made and at each iter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        yield
 
 
 class ShardedStream(IterableDataset):
@@ -48,8 +57,7 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[Any]:
         while True:  # a stream that ends starts again (its dataset decides what its next pass reads)
-            with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated since torch 2.9
-                warnings.filterwarnings("ignore", message=".*set_vital.*")
+            with _quiet_torchdata():
                 batches = iter(self.loader)
             before = self.handed
             for batch in batches:
@@ -130,8 +138,7 @@ class StreamingData(DataModule):
                 f"shard), but {world_size} rank(s) x {max(1, self.num_workers)} loader worker(s) need {shards}: "
                 "lower data.num_workers, or give more files"
             )
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*set_vital.*")
+        with _quiet_torchdata():
             loader = StatefulDataLoader(
                 stream,
                 batch_size=self.batch_size,

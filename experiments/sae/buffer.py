@@ -13,6 +13,20 @@ import torch
 from torch.utils.data import Dataset
 
 
+def source_inputs(loader: Any, epoch: int = 0, consumed: int = 0) -> Iterator[tuple[int, int, Any]]:
+    """A source model's training inputs in its loader's order, epoch after epoch from (`epoch`, `consumed` batches)
+    on, each with the place after it: (epoch, consumed, batch). A stream's loader (a source trained on
+    data=text_stream, runner.streaming) is endless and keeps its place itself: its count goes on."""
+    sampler = getattr(loader, "batch_sampler", None)
+    while True:
+        if sampler is not None:
+            sampler.set_epoch(epoch, skip=consumed)
+        for batch in loader:
+            consumed += 1
+            yield epoch, consumed, batch
+        epoch, consumed = epoch + 1, 0
+
+
 class ActivationBuffer:
     """A ring of `capacity` activations served in shuffled order; once half is served, that half is refilled
     with fresh activations from the source and the whole ring is reshuffled (so consecutive batches mix inputs).
@@ -33,16 +47,9 @@ class ActivationBuffer:
         self.order, self.pos = torch.empty(0, dtype=torch.long), 0
 
     def _inputs(self) -> Iterator[Any]:
-        if self._stream:  # a source trained on a stream (data=text_stream): endless; its loader keeps its place
-            for batch in self.loader:
-                self.consumed += 1
-                yield batch
-        while True:  # the source's training inputs, epoch after epoch, from (epoch, consumed) on
-            self.loader.batch_sampler.set_epoch(self.epoch, skip=self.consumed)
-            for batch in self.loader:
-                self.consumed += 1
-                yield batch
-            self.epoch, self.consumed = self.epoch + 1, 0
+        for epoch, consumed, batch in source_inputs(self.loader, self.epoch, self.consumed):
+            self.epoch, self.consumed = epoch, consumed  # where a checkpoint resumes the source's inputs
+            yield batch
 
     def to(self, device: torch.device) -> ActivationBuffer:
         """Run the source and keep the ring on `device` (the training GPU): activations never leave it."""

@@ -16,7 +16,6 @@ import contextlib
 import fcntl
 import hashlib
 import io
-import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from experiments.sae.buffer import source_inputs
 from runner import ConfigError
 from runner.rundir import MODEL, fsync_dir, read_json, write_atomic
 
@@ -114,21 +114,10 @@ def read(directory: Path, key: dict[str, Any], rows: int) -> Shards | None:
     return Shards(arrays, rows)
 
 
-def _inputs(source: Any) -> Iterator[Any]:
-    # the source's training inputs in its loader's order, epoch after epoch (as the ring buffer reads them); a
-    # source trained on a stream (data=text_stream) reads its endless stream
-    loader = source.data.train_loader()
-    if getattr(loader, "batch_sampler", None) is None:
-        yield from loader
-        return
-    for epoch in itertools.count():
-        loader.batch_sampler.set_epoch(epoch)
-        yield from loader
-
-
 def _activations(source: Any, skip: int = 0) -> Iterator[torch.Tensor]:
-    # the activations of the source's inputs after its first `skip` input batches (read, not run through the model)
-    for i, batch in enumerate(_inputs(source)):
+    # the activations of the source's inputs in the ring buffer's order, after its first `skip` input batches (read,
+    # not run through the model)
+    for i, (_, _, batch) in enumerate(source_inputs(source.data.train_loader())):
         if i >= skip:
             yield source.activations(batch).cpu()
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from runner.run import Run
 
 
-def _rows(dataset: Any, indices: list[int]) -> torch.Tensor:
+def _fetch(dataset: Any, indices: list[int]) -> torch.Tensor:
     # the activations at `indices`, as the training loader would batch them
     batch = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else [dataset[i] for i in indices]
     if isinstance(batch, list):
@@ -101,7 +101,7 @@ class ResampleDead(Callback):
         generator = torch.Generator().manual_seed(run.progress.step)
         indices = torch.randint(len(dataset), (self.samples,), generator=generator).tolist()
         with getattr(dataset, "peek", contextlib.nullcontext)():
-            parts = [_rows(dataset, indices[i : i + chunk]) for i in range(0, len(indices), chunk)]
+            parts = [_fetch(dataset, indices[i : i + chunk]) for i in range(0, len(indices), chunk)]
         x = torch.cat(parts)
         return run.strategy.gather(x.cpu())[0] if run.world_size > 1 else x
 
