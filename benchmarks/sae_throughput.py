@@ -1,12 +1,14 @@
 """SAE training throughput: runner's fit() against a minimal hand-written loop of the same SAE, in one process.
 
-    python benchmarks/sae_throughput.py [--size preset|usual] [--device cpu|cuda] [--precision fp32|bf16]
-                                        [--backward dense sparse] [--steps 60] [--reps 3] [--json out.json]
+    python benchmarks/sae_throughput.py [--size preset|usual] [--model topk|batchtopk|matryoshka] [--device cpu|cuda]
+                                        [--precision fp32|bf16] [--backward dense sparse] [--steps 60] [--reps 3]
+                                        [--json out.json]
 
 Sizes: `preset`, the default TopK SAE of +experiment=sae (d=256, 1024 latents, k=5, AuxK, batch 2048) on its synthetic
 activations, generated batch by batch as the preset does (on the GPU when it trains there); `usual`, the field's usual
 size (d=768, 24,576 latents, k=32, batch 4096) on Gaussian activations generated once (the step, not the data, is
-measured). Both loops train with Adam and the same per-step schedule on the same batches, interleaved repetitions;
+measured). `--model` trains the TopK SAE (default), BatchTopK or Matryoshka (BatchTopK codes) at that size. Both
+loops train with Adam and the same per-step schedule on the same batches, interleaved repetitions;
 prints samples/s of each, the ratio, the MFU where the device's peak is known (encoder FLOPs: 6 x d x latents a
 sample), peak GPU memory on CUDA, and the largest difference between the two final decoders (0 expected on the CPU:
 the loops do the same arithmetic; on CUDA the atomic adds of the sparse decoder's backward may leave last-bit
@@ -38,7 +40,8 @@ from torch import Tensor  # noqa: E402
 
 from benchmarks.common import default_device, device_name, fused, mib, peak_gpu_mb, synchronize  # noqa: E402
 from experiments.sae.data import SyntheticData, synthetic_splits  # noqa: E402
-from experiments.sae.model import TopKSAE  # noqa: E402
+from experiments.sae.matryoshka import MatryoshkaSAE  # noqa: E402
+from experiments.sae.model import BatchTopKSAE, TopKSAE  # noqa: E402
 from runner.data import DataModule, TensorData, to_device  # noqa: E402
 from runner.dist.strategies import Single  # noqa: E402
 from runner.loop import fit  # noqa: E402
@@ -54,7 +57,10 @@ SIZES = {  # name: (d_in, n_latents, k, batch)
 }
 
 
-def setup(size: str, steps: int, batch: int, device: str, sparse_backward: bool):
+MODELS = {"topk": TopKSAE, "batchtopk": BatchTopKSAE, "matryoshka": MatryoshkaSAE}  # --model
+
+
+def setup(size: str, model: str, steps: int, batch: int, device: str, sparse_backward: bool):
     d, n, k, _ = SIZES[size]
     torch.manual_seed(0)
     if size == "preset":
@@ -65,7 +71,7 @@ def setup(size: str, steps: int, batch: int, device: str, sparse_backward: bool)
     module = SyntheticData if size == "preset" else DataModule
     loader = module(splits, batch_size=batch, shuffle=False).train_loader(device=torch.device(device))
     torch.manual_seed(1)
-    model = TopKSAE(d_in=d, n_latents=n, k=k, dead_window="10st", sparse_backward=sparse_backward).to(device)
+    model = MODELS[model](d_in=d, n_latents=n, k=k, dead_window="10st", sparse_backward=sparse_backward).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused(device))  # as runner's build makes it here
     progress = TrainingProgress(
         f"{steps}st",
@@ -93,9 +99,11 @@ def _stop(device: str, start: float, samples: int) -> dict[str, float | None]:
     return {"samples_per_s": samples / (time.perf_counter() - start), "peak_gpu_mb": peak_gpu_mb(device)}
 
 
-def hand_written(size: str, steps: int, batch: int, device: str, precision: str, sparse: bool) -> tuple[dict, Tensor]:
+def hand_written(
+    size: str, model: str, steps: int, batch: int, device: str, precision: str, sparse: bool
+) -> tuple[dict, Tensor]:
     """The loop by hand: no read from the device in it (the model's own aside)."""
-    model, opt, loader, progress = setup(size, steps, batch, device, sparse)
+    model, opt, loader, progress = setup(size, model, steps, batch, device, sparse)
     sched = wsd(optimizer=opt, progress=progress).scheduler
     autocast = _precision(precision, device).autocast
     start = _start(device)
@@ -110,9 +118,11 @@ def hand_written(size: str, steps: int, batch: int, device: str, precision: str,
     return _stop(device, start, steps * batch), model.W_dec.detach().cpu().clone()
 
 
-def runner_fit(size: str, steps: int, batch: int, device: str, precision: str, sparse: bool) -> tuple[dict, Tensor]:
+def runner_fit(
+    size: str, model: str, steps: int, batch: int, device: str, precision: str, sparse: bool
+) -> tuple[dict, Tensor]:
     """runner's fit() on a Run built by hand with the same model, optimizer, schedule and loader."""
-    model, opt, loader, progress = setup(size, steps, batch, device, sparse)
+    model, opt, loader, progress = setup(size, model, steps, batch, device, sparse)
     run = Run(
         task=model,
         optimizer=opt,
@@ -136,6 +146,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=list(SIZES), default="preset")
+    parser.add_argument("--model", choices=list(MODELS), default="topk", help="the SAE (k, latents: the size's)")
     parser.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--backward", nargs="+", choices=["dense", "sparse"], default=["dense", "sparse"])
@@ -157,7 +168,9 @@ def main() -> None:
         shift = rep % len(contenders)
         for loop, bwd in contenders[shift:] + contenders[:shift]:  # rotate who goes first
             fn = loops[loop]
-            figures, decoders[loop, bwd] = fn(args.size, args.steps, batch, device, args.precision, bwd == "sparse")
+            figures, decoders[loop, bwd] = fn(
+                args.size, args.model, args.steps, batch, device, args.precision, bwd == "sparse"
+            )
             rates[loop, bwd].append(figures["samples_per_s"])
             if figures["peak_gpu_mb"] is not None:
                 peaks[loop, bwd].append(figures["peak_gpu_mb"])
@@ -192,6 +205,7 @@ def main() -> None:
     where = device_name(device) if cuda else f"cpu, {torch.get_num_threads()} threads"
     result = {
         "size": args.size,
+        "model": args.model,
         "shape": {"d_in": d, "n_latents": n, "k": k, "batch": batch},
         "device": device_name(device),
         "threads": torch.get_num_threads(),
@@ -207,7 +221,8 @@ def main() -> None:
         "backward": backwards,
         "sparse_over_dense": faster,
     }
-    print(f"{where}; {args.precision}; d={d} latents={n} k={k} batch={batch}; {args.steps} steps x {args.reps} reps")
+    shape = f"d={d} latents={n} k={k} batch={batch}"
+    print(f"{where}; {args.model}, {args.precision}; {shape}; {args.steps} steps x {args.reps} reps")
     print(f"{'loop':<8} {'backward':<9} {'samples/s (median)':>19} {'min':>9} {'max':>9} {'MFU':>7} {'GPU MiB':>8}")
     for loop, bwd in contenders:
         share = f"{mfu[loop, bwd]:.3f}" if mfu else "-"

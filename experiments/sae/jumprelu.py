@@ -117,7 +117,7 @@ class JumpReLUSAE(SAE):
         return JumpReLUFunction.apply(pre, self.threshold, self.bandwidth), None
 
     def aux_loss(
-        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, recon: torch.Tensor
+        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, indices: None, recon: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """The L0 penalty (or its squared distance from target_l0) and, for dead latents, the pre-activation loss."""
         l0 = StepFunction.apply(pre, self.threshold, self.bandwidth).sum(-1).mean()

@@ -16,6 +16,7 @@ from itertools import accumulate
 import torch
 
 from experiments.sae.model import BatchTopKSAE, TopKSAE
+from experiments.sae.sparse import Pre
 from runner import ConfigError
 
 
@@ -41,10 +42,10 @@ def prefix_ends(group_sizes: Sequence[float], n_latents: int) -> tuple[int, ...]
 class MatryoshkaSAE(BatchTopKSAE):
     """Nested prefix losses over latent groups; codes from BatchTopK (the parent, threshold at inference) or TopK.
 
-    Codes are kept dense ([B, n_latents]) for TopK too: the parent's loss hook (`aux_loss`) sees the codes but not
-    TopK's indices, and dense codes make each prefix's reconstruction a slice of one matrix product. The price is
-    TopK's sparse decode (k rows summed per sample); the prefixes other than the full one add a product over their
-    latents only (with the default groups, a quarter of a decode).
+    The codes stay as `activate` gives them: each row's picked latents (TopK; BatchTopK on the CPU) or dense (BatchTopK
+    elsewhere, and at inference). A prefix's reconstruction is then the ordinary decode of the codes of latents [0, m)
+    only: for picked latents, the others' values zeroed (a sparse decode each, k rows summed per sample); for dense
+    codes, group by group, each adding its own slice of one product.
     """
 
     def __init__(
@@ -56,43 +57,43 @@ class MatryoshkaSAE(BatchTopKSAE):
         self.activation = activation
         self.prefix_ends = prefix_ends(group_sizes, self.n_latents)
 
-    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """Dense codes from the chosen activation."""
-        if self.activation == "topk":
-            return self._dense(*TopKSAE.activate(self, pre)), None
-        return super().activate(pre)
+    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chosen activation's codes."""
+        return TopKSAE.activate(self, pre) if self.activation == "topk" else super().activate(pre)
 
-    def _inner_decodes(self, codes: torch.Tensor) -> list[torch.Tensor]:
-        # Reconstructions from each prefix but the full one: group by group, each adding its own slice of the codes.
+    def _inner_decodes(self, values: torch.Tensor, indices: torch.Tensor | None) -> list[torch.Tensor]:
+        # Reconstructions from each prefix but the full one.
+        if indices is not None:
+            return [self.decode(torch.where(indices < end, values, 0.0), indices) for end in self.prefix_ends[:-1]]
         recons, recon, start = [], self.b_dec, 0
         for end in self.prefix_ends[:-1]:
-            recon = recon + codes[:, start:end] @ self.W_dec[start:end]
+            recon = recon + values[:, start:end] @ self.W_dec[start:end]
             recons.append(recon)
             start = end
         return recons
 
-    def prefix_decodes(self, codes: torch.Tensor) -> torch.Tensor:
-        """Reconstructions [n_prefixes, B, d] (normalised units) of dense `codes` using latents [0, m) for each prefix
-        end m; the last is the ordinary decode."""
-        return torch.stack([*self._inner_decodes(codes), self.decode(codes, None)])
+    def prefix_decodes(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        """Reconstructions [n_prefixes, B, d] (normalised units) of codes (as `activate` gives them) using latents
+        [0, m) for each prefix end m; the last is the ordinary decode."""
+        return torch.stack([*self._inner_decodes(values, indices), self.decode(values, indices)])
 
     def prefix_losses(
-        self, x: torch.Tensor, codes: torch.Tensor, recon: torch.Tensor
+        self, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Each prefix's SSE / SST of normalised inputs `x` (the full prefix's from `recon`, already computed), and
         `prefix_<m>_nmse` metrics (SSE / sum of squares, as `nmse`)."""
-        sse = torch.stack([(r - x).pow(2).sum(1).mean() for r in [*self._inner_decodes(codes), recon]])
+        sse = torch.stack([(r - x).pow(2).sum(1).mean() for r in [*self._inner_decodes(values, indices), recon]])
         sst = (x - x.mean(0)).pow(2).sum(1).mean()
         nmse = sse.detach() / x.pow(2).sum(1).mean()
         return sse / sst, {f"prefix_{m}_nmse": nmse[i] for i, m in enumerate(self.prefix_ends)}
 
     def aux_loss(
-        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, recon: torch.Tensor
+        self, x: torch.Tensor, pre: Pre, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """AuxK (on the full prefix's residual, as the parent) plus the inner prefixes' losses: `_step` adds the full
         one as `recon_loss`, so the loss is the sum over every prefix."""
-        losses, metrics = self.prefix_losses(x, values, recon)
-        out = {**super().aux_loss(x, pre, values, recon), **metrics}
+        losses, metrics = self.prefix_losses(x, values, indices, recon)
+        out = {**super().aux_loss(x, pre, values, indices, recon), **metrics}
         out["matryoshka_loss"] = losses.sum().detach()
         out["matryoshka_term"] = losses[:-1].sum()
         return out
@@ -103,8 +104,7 @@ class MatryoshkaSAE(BatchTopKSAE):
         out = super().validation_step(batch)
         # The parent's step keeps its codes to itself: encoding again is one more forward on a validation batch.
         xn = (batch[0] if isinstance(batch, (tuple, list)) else batch).float() * self.input_scale
-        codes, _ = self.activate(self.pre_activations(xn))
-        recons = self.prefix_decodes(codes).double()
+        recons = self.prefix_decodes(*self.activate(self.pre_activations(xn))).double()
         return {**out, "prefix_sse": (recons - xn.double()).pow(2).sum(2).mean(1)}  # [n_prefixes]
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

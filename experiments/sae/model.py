@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.sae.sparse import Pre, SparsePre, pick, pick_columns, pick_flat, plain
+from experiments.sae.sparse import Pre, SparsePre, pick, pick_columns, pick_flat, plain, top_indices
 from runner import ConfigError
 from runner.progress import parse_duration
 
@@ -213,8 +213,11 @@ class SAE(nn.Module):
         values, indices = self.activate(self.pre_activations(x * self.input_scale))
         return self.decode(values, indices) / self.input_scale
 
-    def aux_loss(self, x: torch.Tensor, pre: Pre, values: torch.Tensor, recon: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Extra loss terms, named '*_term' (added to the loss), and their metrics; none by default."""
+    def aux_loss(
+        self, x: torch.Tensor, pre: Pre, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Extra loss terms, named '*_term' (added to the loss), and their metrics, from the normalised inputs, the
+        pre-activations, the codes (as `activate` gives them) and the reconstruction; none by default."""
         return {}
 
     def _step(self, batch: torch.Tensor | tuple[torch.Tensor, ...], train: bool) -> dict[str, torch.Tensor]:
@@ -246,7 +249,7 @@ class SAE(nn.Module):
                     0, indices.flatten(), fired.flatten().float()
                 )
                 self._track(hits > 0, x.shape[0])
-            out.update(self.aux_loss(xn, pre, values, recon))
+            out.update(self.aux_loss(xn, pre, values, indices, recon))
         out["loss"] = out["recon_loss"] + sum(out.pop(k) for k in [k for k in out if k.endswith("_term")])
         out["dead_fraction"] = self.dead_mask().float().mean()
         return out
@@ -317,7 +320,9 @@ class TopKSAE(SAE):
         indices = plain(pre).topk(self.k, dim=1, sorted=False).indices
         return F.relu(pick(pre, indices)), indices
 
-    def aux_loss(self, x: torch.Tensor, pre: Pre, values: torch.Tensor, recon: torch.Tensor) -> dict[str, torch.Tensor]:
+    def aux_loss(
+        self, x: torch.Tensor, pre: Pre, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """AuxK: the top k_aux dead latents reconstruct the main residual (gradient reaches dead latents only)."""
         if self.auxk_coeff <= 0:
             return {"auxk_loss": torch.zeros((), device=x.device)}  # the same keys every step, for the log means
@@ -349,7 +354,7 @@ class ReLUSAE(SAE):
         return F.relu(pre), None
 
     def aux_loss(
-        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, recon: torch.Tensor
+        self, x: torch.Tensor, pre: torch.Tensor, values: torch.Tensor, indices: None, recon: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """L1 of the codes times decoder row norms, normalised by the input variance like the reconstruction."""
         l1 = (values * torch.linalg.vector_norm(self.W_dec, dim=1)).sum(1).mean() / x.shape[1] ** 0.5
@@ -382,7 +387,7 @@ class BatchTopKSAE(SAE):
             pre = F.relu(plain(pre))
             return pre * (pre > self.threshold), None
         flat = F.relu(plain(pre).detach()).flatten()  # to select from; the kept values' gradient comes from pick
-        idx = flat.topk(min(self.k * len(plain(pre)), len(flat)), sorted=False).indices
+        idx = top_indices(flat, min(self.k * len(plain(pre)), len(flat)))
         top = F.relu(pick_flat(pre, idx))
         with torch.no_grad():
             smallest = top.detach().min()

@@ -19,7 +19,8 @@ SMOKE = {
     # past the first epoch (64 steps on tiny): the losses check covers each contender's reshuffle at an epoch's start
     "overhead": ["--steps", "70", "--warmup", "5", "--reps", "1", "--sizes", "tiny"],
     "startup": ["--steps", "3", "--reps", "1"],
-    "sae_throughput": ["--steps", "4", "--reps", "1", "--batch", "256"],
+    # Matryoshka on BatchTopK codes: the most SAE code on one path (TopK is the default's, trained by other tests)
+    "sae_throughput": ["--model", "matryoshka", "--steps", "4", "--reps", "1", "--batch", "256"],
     # a one-block source, a ring of 2048 positions refilled every 8 steps of 128
     "sae_multi": ["--n-layer", "1", "--cycles", "1", "--reps", "1", "data.buffer_size=2048", "data.batch_size=128"],
     # a one-block source; 5,000 rows in shards of 2,048
@@ -105,6 +106,7 @@ def test_sae_throughput_smoke(runs: dict[str, Future]) -> None:
     result = runs["sae_throughput"].result()
     assert result["max_decoder_diff"] == 0.0
     assert result["shape"] == {"d_in": 256, "n_latents": 1024, "k": 5, "batch": 256} and result["mfu"] is None  # CPU
+    assert result["model"] == "matryoshka"
     assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0
     # both encoder backwards, each run by both loops: identical decoders within a backward
     assert set(result["backward"]) == {"dense", "sparse"} and set(result["sparse_over_dense"]) == {"hand", "runner"}

@@ -137,7 +137,7 @@ def test_auxk_gradient_reaches_dead_latents_only() -> None:
     pre = sae.pre_activations(x)
     values, indices = sae.activate(pre)
     recon = sae.decode(values, indices).detach()
-    terms = sae.aux_loss(x, pre, values, recon)
+    terms = sae.aux_loss(x, pre, values, indices, recon)
     assert set(terms) == {"auxk_loss", "auxk_term"}
     assert float(terms["auxk_loss"]) > 0
     torch.testing.assert_close(terms["auxk_term"].detach(), sae.auxk_coeff * terms["auxk_loss"])
@@ -157,7 +157,7 @@ def test_auxk_is_absent_without_dead_latents() -> None:
     x = torch.randn(8, 16)
     pre = sae.pre_activations(x)
     values, indices = sae.activate(pre)
-    terms = sae.aux_loss(x, pre, values, sae.decode(values, indices).detach())
+    terms = sae.aux_loss(x, pre, values, indices, sae.decode(values, indices).detach())
     assert float(terms["auxk_loss"]) == 0.0 and float(terms["auxk_term"]) == 0.0
     out = sae.training_step(x)
     assert float(out["auxk_loss"]) == 0.0
@@ -885,7 +885,7 @@ def test_auxk_reconstructs_the_residual_without_the_decoder_bias_a_second_time()
     pre = sae.pre_activations(x)
     values, indices = sae.activate(pre)
     recon = sae.decode(values, indices)
-    out = sae.aux_loss(x, pre, values, recon)
+    out = sae.aux_loss(x, pre, values, indices, recon)
     residual = (x - recon).detach()
     top, picked = pre.topk(4, dim=1)
     aux = torch.zeros_like(pre).scatter(1, picked, F.relu(top)) @ sae.W_dec  # no b_dec

@@ -69,7 +69,7 @@ def _losses(sae: JumpReLUSAE, x: torch.Tensor) -> dict[str, torch.Tensor]:
     codes, _ = sae.activate(pre)
     recon = sae.decode(codes, None)
     sst = (xn - xn.mean(0)).pow(2).sum(1).mean().clamp_min(1e-8)
-    return {"recon_loss": (recon - xn).pow(2).sum(1).mean() / sst, **sae.aux_loss(xn, pre, codes, recon)}
+    return {"recon_loss": (recon - xn).pow(2).sum(1).mean() / sst, **sae.aux_loss(xn, pre, codes, None, recon)}
 
 
 def test_the_l0_penalty_and_the_reconstruction_reach_thresholds_within_the_bandwidth_only() -> None:

@@ -57,8 +57,11 @@ def test_each_prefix_decodes_only_its_latents_and_the_full_one_is_the_ordinary_d
     codes = sae.encode(x)
     assert codes.shape == (16, 12) and (codes >= 0).all()
     assert int((codes != 0).sum()) == 3 * 16  # k per sample (topk) or k x batch (batchtopk)
-    recons = sae.prefix_decodes(codes)
+    values, indices = sae.activate(sae.pre_activations(x * sae.input_scale))  # each row's picks, or dense codes
+    assert (indices is None) == (activation == "batchtopk") and torch.equal(sae._dense(values, indices), codes)
+    recons = sae.prefix_decodes(values, indices)
     assert recons.shape == (3, 16, 8)
+    torch.testing.assert_close(sae.prefix_decodes(codes, None), recons)
     for i, m in enumerate((2, 6, 12)):
         torch.testing.assert_close(recons[i], codes[:, :m] @ sae.W_dec[:m] + sae.b_dec)
     torch.testing.assert_close(recons[-1], sae.decode(codes, None))

@@ -13,12 +13,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from experiments.sae.matryoshka import MatryoshkaSAE
 from experiments.sae.model import SAE, BatchTopKSAE, TopKSAE, auxk_loss
-from experiments.sae.sparse import SparsePre, pick, pick_columns, pick_flat, plain
+from experiments.sae.sparse import SparsePre, pick, pick_columns, pick_flat, plain, top_indices
 
 D, N, B = 16, 96, 40  # B and N differ from every other size here, so a [B, N] tensor is recognisable
 
@@ -130,3 +131,44 @@ def test_sparse_backward_makes_no_batch_by_latents_tensor(sparse: bool) -> None:
         out["loss"].backward()
     assert ((B, N) in seen.shapes) != sparse  # the dense path's gradient of the pre-activations, and only it
     assert sae.W_enc.grad.shape == (D, N)
+
+
+@pytest.mark.parametrize("case", ["skewed", "zeros", "misleading sample"])
+def test_top_indices_finds_the_flat_top_k(case: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    n, count = 1 << 20, 5000
+    if case == "skewed":  # BatchTopK's pre-activations: a few rows of far larger values hold most of the top
+        flat = (torch.randn(1024, 1024, generator=gen) * torch.logspace(-1, 1, 1024).unsqueeze(1)).relu().flatten()
+    elif case == "zeros":  # fewer positive values than count: the rest of the top are zeros (ties)
+        flat = (torch.randn(n, generator=gen) - 4.0).relu()
+        assert 0 < int((flat > 0).sum()) < count
+    else:  # every sampled value large, the others just below: the sample's threshold passes too few
+        flat = torch.rand(n, generator=gen)
+        flat[:: (n // 65536) | 1] += 10.0
+        count = 100_000
+    idx = top_indices(flat, count)
+    assert idx.shape == (count,) and len(set(idx.tolist())) == count
+    torch.testing.assert_close(flat[idx].sort().values, flat.topk(count).values.sort().values)  # ties aside
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_batchtopk_keeps_the_definition_s_codes_and_gradients_at_a_size_that_takes_the_sample(sparse: bool) -> None:
+    # 512 x 1024 pre-activations: top_indices takes its sampled threshold, checked against the definition (a flat top
+    # k x B of the batch's ReLU'd pre-activations, by hand), rows of very different norms.
+    batch, latents = 512, 1024
+    x = torch.randn(batch, D, generator=torch.Generator().manual_seed(4)) * torch.logspace(-1, 1, batch).unsqueeze(1)
+    torch.manual_seed(0)
+    sae = BatchTopKSAE(d_in=D, n_latents=latents, k=4, sparse_backward=sparse)
+    params = [sae.W_enc, sae.b_enc, sae.b_dec, sae.W_dec]
+    codes, _ = sae.activate(SparsePre(x, sae) if sparse else sae.pre_activations(x))
+    recon = sae.decode(codes, None)
+    grads = torch.autograd.grad((recon - x).pow(2).sum(), params)
+
+    flat = F.relu(sae.pre_activations(x)).flatten()
+    idx = flat.detach().topk(sae.k * batch).indices
+    expected = torch.zeros_like(flat).scatter(0, idx, flat[idx]).view(batch, latents)
+    torch.testing.assert_close(codes, expected)
+    assert float(sae.threshold) == float(flat[idx].detach().min())  # the first step's: the smallest kept value
+    want = torch.autograd.grad((expected @ sae.W_dec + sae.b_dec - x).pow(2).sum(), params)
+    for name, got, w in zip(["W_enc", "b_enc", "b_dec", "W_dec"], grads, want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()), msg=name)
