@@ -198,6 +198,8 @@ def cached(directory: str | Path, source: Any, key: dict[str, Any], rows: int, s
     """The activations of `source` described by `key`, from the cache in `directory`, written first if it is not
     there (by rank 0; the other ranks wait for its manifest)."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"source.cache={directory} is a file: give a folder (made if it does not exist)")
     found = read(directory, key, rows)
     if found is not None:
         return found

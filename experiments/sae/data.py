@@ -211,6 +211,11 @@ def load_matrix(path: str | Path, key: str | None = None, d: int | None = None) 
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"activation file {path} does not exist")
+    if path.is_dir():
+        raise ConfigError(
+            f"activation file {path} is a folder: give a file (.npy, .pt, .safetensors); a source.cache folder is "
+            "read by the run that hooks its source (+experiment=sae_lm source.cache=DIR)"
+        )
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":

@@ -52,6 +52,10 @@ class SourceModel:
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
     ) -> None:
+        if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
+            raise ConfigError(
+                f"source.skip_positions={skip_positions!r}: give how many first positions to leave out, >= 0"
+            )
         self.model, cfg = load_trained(checkpoint, trusted_targets)
         self.device = torch.device(device)
         self.model.to(self.device)
@@ -67,6 +71,11 @@ class SourceModel:
         self.data: DataModule = build_data(cfg)
 
     def _kept(self, out: torch.Tensor) -> torch.Tensor:
+        if out.ndim == 3 and self.skip >= out.shape[1]:
+            raise ConfigError(
+                f"source.skip_positions={self.skip} leaves none of the {out.shape[1]} positions of the source's "
+                f"windows: give fewer (the field leaves out 1, the first)"
+            )
         if out.ndim == 3:
             return out[:, self.skip :]
         if self.skip:
@@ -181,6 +190,9 @@ class HookedData(DataModule):
         cache_shard_rows: int = SHARD_ROWS,
         **loader,
     ) -> None:
+        for key, value in (("cache_rows", cache_rows), ("cache_shard_rows", cache_shard_rows)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"data.{key}={value!r} must be a whole number >= 1")
         if cache is None and loader.get("num_workers", 0) != 0:
             raise ConfigError("activations_hooked keeps its buffer in this process: set data.num_workers=0")
         if cache is None and buffer_size < 2 * loader.get("batch_size", 1):

@@ -30,6 +30,9 @@ def family(
     """Constructors by name: `base` for every (width, k) of the lists (named k<k>, n<width> or n<width>_k<k>), and
     the named constructors of `saes` (any architecture)."""
     made: dict[str, Callable[..., SAE]] = {}
+    for key, values in (("ks", ks), ("widths", widths)):
+        if values and len(set(values)) < len(values):
+            raise ConfigError(f"model.{key}={list(values)} names a value twice: each SAE of the family needs its own")
     for n, k in itertools.product(widths or [None], ks or [None]):
         if n is None and k is None:
             continue

@@ -584,6 +584,9 @@ def test_activation_files_refuse_bad_contents(tmp_path: Path, matrix: torch.Tens
         file_splits(str(tmp_path / "ints.safetensors"))
     with pytest.raises(ConfigError, match="does not exist"):
         file_splits(str(tmp_path / "missing.npy"))
+    (tmp_path / "acts").mkdir()  # e.g. a source.cache folder
+    with pytest.raises(ConfigError, match="is a folder: give a file"):
+        file_splits(str(tmp_path / "acts"))
     (tmp_path / "acts.csv").write_text("1,2\n")
     with pytest.raises(ConfigError, match="unknown format"):
         file_splits(str(tmp_path / "acts.csv"))

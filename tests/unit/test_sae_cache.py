@@ -101,6 +101,12 @@ def test_a_cache_from_another_hook_point_checkpoint_or_dtype_is_refused(
     with pytest.raises(ConfigError, match=r"holds 2500 rows; this run asks for 3000"):
         build(compose_cfg(*_sae(lm_run, acts), "data.cache_rows=3000"))
     assert len(build(compose_cfg(*_sae(lm_run, acts), "data.cache_rows=2000")).train_loader.dataset) == 2000
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"source.cache=.*afile is a file: give a folder"):
+        build(compose_cfg(*_sae(lm_run, tmp_path / "afile")))
+    for key in ("cache_rows", "cache_shard_rows"):  # 0 rows read as "the default" (cache_rows), or a traceback
+        with pytest.raises(ConfigError, match=rf"data.{key}=0 must be a whole number >= 1"):
+            build(compose_cfg(*_sae(lm_run, acts), f"data.{key}=0"))
 
 
 def test_an_interrupted_write_is_never_read_and_gets_rewritten(

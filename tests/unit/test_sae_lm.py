@@ -95,6 +95,18 @@ def test_skipping_positions_of_a_module_without_positions_is_refused(compose_cfg
         source._kept(torch.ones(4, 32))
 
 
+@pytest.mark.parametrize("skip", [-1, 1.5, 32, 40])
+def test_skipping_none_or_every_position_is_refused(compose_cfg: Callable, lm_run: Path, skip: float) -> None:
+    # The tiny GPT's windows are 32 positions: skipping them all left an empty validation split (a StopIteration
+    # deep in the loop), and a negative count trained silently on the last position only.
+    cfg = compose_cfg(
+        "+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", f"source.skip_positions={skip}"
+    )
+    match = "leaves none of the 32 positions" if skip >= 32 else "how many first positions to leave out, >= 0"
+    with pytest.raises(ConfigError, match=rf"source.skip_positions={skip}.*{match}"):
+        build(cfg)
+
+
 def test_activations_stop_the_source_forward_at_the_hooked_block(lm_run: Path) -> None:
     source = SourceModel(str(lm_run), "blocks.0", skip_positions=1)
     batch = next(iter(source.data.val_loader()))

@@ -77,6 +77,10 @@ def test_a_family_mixes_widths_ks_and_architectures() -> None:
         MultiSAE(d_in=8, base=base)
     with pytest.raises(ConfigError, match="already taken"):
         MultiSAE(d_in=8, base=base, ks=[2], saes={"k2": base})
+    with pytest.raises(ConfigError, match=r"model.ks=\[2, 4, 2\] names a value twice"):  # one SAE lost, before
+        MultiSAE(d_in=8, base=base, ks=[2, 4, 2])
+    with pytest.raises(ConfigError, match=r"model.widths=\[16, 16\] names a value twice"):
+        MultiSAE(d_in=8, base=base, widths=[16, 16])
 
 
 def test_a_jumprelu_member_trains_beside_topk_ones(compose_cfg: Callable[..., DictConfig]) -> None:
