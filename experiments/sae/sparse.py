@@ -73,9 +73,9 @@ def top_indices(flat: torch.Tensor, count: int) -> torch.Tensor:
 
     On the CPU a top-k over millions of values costs many passes over them (19 ms for BatchTopK's 2M pre-activations
     at the preset size, against ~2 ms here): the candidates are the values at or above a threshold read off a strided
-    sample, a little below the count-th largest value's share; if at least `count` values pass it, it is below the
-    count-th largest value and the candidates hold the whole top (else, the sample misled: the plain top-k). Elsewhere
-    that count would be a read of the device every step: the plain top-k.
+    sample (its value of rank 1.25 x count's share); if at least `count` values pass it, the count-th largest passes
+    too, so the candidates hold the whole top (else the sample misled: the plain top-k). Elsewhere that count would be
+    a read of the device every step: the plain top-k.
     """
     sample_size = 65536
     if flat.device.type != "cpu" or flat.numel() <= 4 * sample_size:
