@@ -83,7 +83,9 @@ def top_indices(flat: torch.Tensor, count: int) -> torch.Tensor:
     sample = flat[:: (flat.numel() // sample_size) | 1]  # an odd stride, across the columns of a power-of-two width
     share = math.ceil(len(sample) * count / flat.numel() * 1.25) + 16
     if share < len(sample):
-        candidates = (flat >= sample.topk(share, sorted=False).values.min()).nonzero().flatten()
+        # NaN stays a candidate: top-k ranks it above everything, and so must this (a NaN code makes the step's loss
+        # non-finite, which skips the step; left out, it would train on silently)
+        candidates = ((flat >= sample.topk(share, sorted=False).values.min()) | flat.isnan()).nonzero().flatten()
         if len(candidates) >= count:
             return candidates[flat[candidates].topk(count, sorted=False).indices]
     return flat.topk(count, sorted=False).indices

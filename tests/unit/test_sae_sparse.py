@@ -133,7 +133,7 @@ def test_sparse_backward_makes_no_batch_by_latents_tensor(sparse: bool) -> None:
     assert sae.W_enc.grad.shape == (D, N)
 
 
-@pytest.mark.parametrize("case", ["skewed", "zeros", "misleading sample"])
+@pytest.mark.parametrize("case", ["skewed", "zeros", "misleading sample", "nan"])
 def test_top_indices_finds_the_flat_top_k(case: str) -> None:
     gen = torch.Generator().manual_seed(5)
     n, count = 1 << 20, 5000
@@ -142,12 +142,19 @@ def test_top_indices_finds_the_flat_top_k(case: str) -> None:
     elif case == "zeros":  # fewer positive values than count: the rest of the top are zeros (ties)
         flat = (torch.randn(n, generator=gen) - 4.0).relu()
         assert 0 < int((flat > 0).sum()) < count
+    elif case == "nan":  # a NaN where the sample does not look: the top-k ranks it first, and so must this
+        flat = torch.randn(n, generator=gen)
+        flat[3] = float("nan")
     else:  # every sampled value large, the others just below: the sample's threshold passes too few
         flat = torch.rand(n, generator=gen)
         flat[:: (n // 65536) | 1] += 10.0
         count = 100_000
     idx = top_indices(flat, count)
     assert idx.shape == (count,) and len(set(idx.tolist())) == count
+    if case == "nan":
+        assert 3 in idx.tolist()
+        flat, idx = flat[flat == flat], idx[idx != 3] - (idx[idx != 3] > 3).long()  # the rest, without the NaN
+        count -= 1
     torch.testing.assert_close(flat[idx].sort().values, flat.topk(count).values.sort().values)  # ties aside
 
 
