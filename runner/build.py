@@ -259,13 +259,17 @@ def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str
 
 
 def load_trained(
-    checkpoint: str | Path, trusted: Sequence[str] = TRUSTED_TARGETS, weights: str | Path | None = None
+    checkpoint: str | Path,
+    trusted: Sequence[str] = TRUSTED_TARGETS,
+    weights: str | Path | None = None,
+    callbacks: bool = False,
 ) -> tuple[nn.Module, DictConfig]:
     """A model trained by runner, frozen in eval mode: `checkpoint` is a run folder or its model.safetensors;
     `weights`, other weights for that run's model (one of its checkpoint folders, a .safetensors file).
 
     The model is built from that run's own config only if every `_target_` in it is under `trusted` module paths;
-    the returned config's `data` is checked the same way before build_data may use it.
+    the returned config's `data` is checked the same way before build_data may use it. `callbacks=True` adds the
+    run's callbacks, resolved but not checked: measuring_callbacks checks each one it would build.
     """
     path = Path(checkpoint)
     run_dir = path if path.is_dir() else path.parent
@@ -285,7 +289,11 @@ def load_trained(
     for key in ("model", "data"):
         if key not in cfg:
             raise ConfigError(f"{config} has no `{key}`: is {run_dir} the folder of a runner run?")
+    if "run_dir" in cfg:  # Hydra's output folder when it ran; outside Hydra, the folder where the run now is
+        cfg.run_dir = str(run_dir)
     source = OmegaConf.create({k: _trusted_node(cfg, k, config, trusted) for k in ("model", "data")})
+    if callbacks:
+        source.callbacks = OmegaConf.to_container(cfg.get("callbacks") or {}, resolve=True)
     # A key the data decided (an SAE's d_in) is null in the saved config: the data decides it again
     decided = _decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
     model = instantiate(source.model, **decided)
@@ -294,6 +302,31 @@ def load_trained(
     except ConfigError as error:  # a truncated file or weights of another architecture
         raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
     return model.eval().requires_grad_(False), source
+
+
+def measuring_callbacks(cfg: DictConfig, trusted: Sequence[str] = TRUSTED_TARGETS) -> list[Any]:
+    """The callbacks of a finished run's config (load_trained's, callbacks=True) that add validation metrics, those
+    with `provides`: perplexity, an SAE's recovered features or its spliced loss; runner.evaluate runs them after the
+    validation split, as the run did. One whose `_target_` is not trusted (runner's own callbacks are) is not built:
+    said on stderr, with how to trust it."""
+    found = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if not node or "_target_" not in node:
+            continue
+        untrusted = _untrusted_targets(
+            OmegaConf.to_container(node), [*trusted, "runner.callbacks"], f"callbacks.{name}"
+        )
+        if untrusted:
+            print(
+                f"callbacks.{name} not run: {untrusted[0]} is not under the trusted module paths {list(trusted)} "
+                "(add its package to trusted_targets to run it)",
+                file=sys.stderr,
+            )
+            continue
+        callback = instantiate(node)
+        if callback.provides:
+            found.append(callback)
+    return found
 
 
 def _has_null(node: DictConfig) -> bool:

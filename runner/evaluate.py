@@ -3,6 +3,9 @@
 Evaluates a finished run's weights (or a checkpoint's: weights=RUN_DIR/checkpoints/step-N, or any model.safetensors)
 with the run's own config on a named split of its data, exactly as validation does (each validation_step output
 averaged over the whole split in float64, then the task's validation_summary), and writes RUN_DIR/eval-<split>.json.
+On the validation split the run's metric callbacks add theirs, as in training: `val/ppl`, an SAE's `val/mmcs`, or its
+source model's loss with the SAE spliced in (`val/loss_recovered`, `val/kl_spliced`, ...). They measure on data of
+their own (the source's validation windows) or the weights alone, so other splits get only the task's metrics.
 Exit codes as `python -m runner`: 0, or 2 with a one-line message for a wrong argument, split or file.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from runner import ConfigError
-from runner.build import TRUSTED_TARGETS, build_data, load_trained
+from runner.build import TRUSTED_TARGETS, build_data, load_trained, measuring_callbacks
 from runner.run import Precision
 from runner.rundir import write_json
 from runner.validation import evaluate_loader
@@ -36,7 +40,7 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Metrics of `weights` (default: the run's model.safetensors) on `split`, written to RUN_DIR/eval-<split>.json."""
     run_dir = Path(run_dir)
-    model, cfg = load_trained(run_dir, trusted, weights=weights)
+    model, cfg = load_trained(run_dir, trusted, weights=weights, callbacks=True)
     for key, value in (data_overrides or {}).items():
         if OmegaConf.select(cfg.data, key, default=KeyError) is KeyError:
             raise ConfigError(f"data.{key}: the data config of {run_dir} has no such key")
@@ -48,6 +52,11 @@ def evaluate_run(
     model.to(device)
     precision = _precision(cfg.get("precision"), device)
     metrics = evaluate_loader(model, loader, precision, torch.device(device))
+    if split == "val":
+        # What a metric callback reads of a run (its task, device and validation loader): there is no Run here.
+        run = SimpleNamespace(task=model, device=torch.device(device), val_loader=loader)
+        for callback in measuring_callbacks(cfg, trusted):
+            callback.on_validation_end(run, metrics)
     used = Path(weights) if weights is not None else run_dir / "model.safetensors"
     result = {
         "split": split,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import finished_run, read_json
+from omegaconf import OmegaConf
 
 from experiments.digits import digits_splits
 from runner.evaluate import main
@@ -75,3 +76,33 @@ def test_evaluate_a_checkpoint_s_weights(digits_run: Path) -> None:
 def test_evaluate_refuses_bad_arguments_with_exit_2(digits_run: Path, capsys, args: list[str], message: str) -> None:
     assert main([str(digits_run), *args]) == 2
     assert pytest.importorskip("re").search(message, capsys.readouterr().err)
+
+
+def test_evaluate_adds_the_run_s_metric_callbacks_on_the_validation_split(tmp_path: Path, capsys) -> None:
+    # An SAE on synthetic features: sae_ground_truth's val/mmcs comes back as the run validated it. The health
+    # callback writes under ${run_dir}, Hydra's output folder when it ran: resolved here as the run's folder.
+    run = finished_run(
+        tmp_path,
+        "+experiment=sae",
+        "callbacks=[sae_ground_truth,health]",
+        *("model.n_latents=64", "data.splits.d=16", "data.splits.n_features=32", "data.splits.mean_active=2"),
+        *("data.splits.n_train=2048", "data.splits.n_val=512", "data.batch_size=128", "trainer.max_duration=20st"),
+        "checkpoint=none",
+    )
+    assert main([str(tmp_path)]) == 0
+    metrics = read_json(tmp_path / "eval-val.json")["metrics"]
+    for key in ("val/mmcs", "val/recovered_0.9", "val/fve"):
+        assert metrics[key] == pytest.approx(run.state.metrics[key], rel=1e-9), key
+    assert main([str(tmp_path), "split=train"]) == 0
+    assert "train/mmcs" not in read_json(tmp_path / "eval-train.json")["metrics"]  # measured on other data: val only
+    # A callback of a package that is not trusted is not built (its config could name any code): said, not fatal.
+    config = tmp_path / ".hydra" / "config.yaml"
+    saved = OmegaConf.load(config)
+    saved.callbacks.evil = {"_target_": "os.system", "command": "touch pwned"}
+    OmegaConf.save(saved, config)
+    capsys.readouterr()
+    assert main([str(tmp_path)]) == 0
+    assert (
+        "callbacks.evil not run: callbacks.evil._target_=os.system is not under the trusted" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()

@@ -15,6 +15,7 @@ from experiments.sae.hooked import SourceModel
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt import state as ckpt_state
+from runner.evaluate import evaluate_run
 from runner.loop import fit
 from runner.train import train
 
@@ -48,6 +49,13 @@ def test_sae_lm_trains_on_the_residual_stream_and_reports_loss_recovered(compose
     assert 0 < m["val/fve"] <= 1 and 0 < m["val/l0"] <= 8
     # KL(clean || spliced) in nats per token: positive, and below what either ablation costs
     assert 0 < m["val/kl_spliced"] < m["val/kl_mean_ablated"] < m["val/kl_zero_ablated"], m
+
+
+def test_evaluate_reports_the_spliced_loss_the_run_validated_with(lm_run: Path, tmp_path: Path) -> None:
+    run = finished_run(tmp_path, "+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *SAE_LM_SMALL)
+    metrics = evaluate_run(tmp_path)["metrics"]  # the final weights, again, from the run folder
+    for key in ("val/fve", "val/ce_spliced", "val/kl_spliced", "val/loss_recovered", "val/loss_recovered_mean"):
+        assert metrics[key] == pytest.approx(run.state.metrics[key], rel=1e-6), key
 
 
 def test_kl_is_zero_for_the_identity_and_matches_a_hand_computation(lm_run: Path) -> None:
