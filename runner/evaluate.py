@@ -22,9 +22,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from runner import ConfigError
-from runner.build import TRUSTED_TARGETS, build_data, load_trained, measuring_callbacks
+from runner.build import build_data
 from runner.run import Precision
 from runner.rundir import write_json
+from runner.trained import TRUSTED_TARGETS, load_trained, measuring_callbacks
 from runner.validation import evaluate_loader
 
 USAGE = "usage: python -m runner.evaluate RUN_DIR [split=val] [weights=PATH] [device=cpu] [data.KEY=VALUE ...]"

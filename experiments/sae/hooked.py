@@ -15,9 +15,10 @@ from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.cache import SHARD_ROWS, cached, identity
 from experiments.sae.multi import combined, hook_name, members
 from runner import ConfigError
-from runner.build import TRUSTED_TARGETS, build_data, load_trained
+from runner.build import build_data
 from runner.data import DataModule, TensorData, batch_size_of, to_device
 from runner.run import Callback
+from runner.trained import TRUSTED_TARGETS, load_trained
 
 # What compare() puts in a module's place: nothing (the clean model), a function of the first hooked module's output,
 # or (module name, function).

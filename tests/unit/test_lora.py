@@ -13,9 +13,10 @@ from helpers import TINY_LM, assert_resume_is_exact, finished_run
 from safetensors import safe_open
 
 from runner import ConfigError
-from runner.build import build, load_trained
+from runner.build import build
 from runner.ckpt.files import ADAPTER, ADAPTERS_ONLY, read_weights
 from runner.finetune import MERGED, merge
+from runner.trained import load_trained
 
 pytest.importorskip("peft")
 SHORT = [*TINY_LM, "trainer.max_duration=8st"]

@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from experiments.sae.model import BatchTopKSAE, TopKSAE
 from experiments.sae.multi import MultiSAE
 from runner import ConfigError
-from runner.build import build, load_trained
+from runner.build import build
 from runner.train import train
+from runner.trained import load_trained
 
 SMALL = (
     "+experiment=sae",

@@ -14,8 +14,9 @@ from helpers import finished_run
 from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
-from runner.build import build, load_trained
+from runner.build import build
 from runner.ckpt.files import save_weights
+from runner.trained import load_trained
 
 MARKER = Path("/tmp/runner-source-pwned")
 
