@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.cache import SHARD_ROWS, cached, identity
 from experiments.sae.multi import combined, hook_name, members
-from runner import ConfigError
+from runner import ConfigError, check_whole
 from runner.build import build_data
 from runner.data import DataModule, TensorData, batch_size_of, to_device
 from runner.run import Callback
@@ -191,9 +191,9 @@ class HookedData(DataModule):
         cache_shard_rows: int = SHARD_ROWS,
         **loader,
     ) -> None:
-        for key, value in (("cache_rows", cache_rows), ("cache_shard_rows", cache_shard_rows)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"data.{key}={value!r} must be a whole number >= 1")
+        if cache_rows is not None:
+            check_whole(cache_rows, "data.cache_rows")
+        check_whole(cache_shard_rows, "data.cache_shard_rows")
         if cache is None and loader.get("num_workers", 0) != 0:
             raise ConfigError("activations_hooked keeps its buffer in this process: set data.num_workers=0")
         if cache is None and buffer_size < 2 * loader.get("batch_size", 1):

@@ -105,7 +105,7 @@ def test_a_cache_from_another_hook_point_checkpoint_or_dtype_is_refused(
     with pytest.raises(ConfigError, match=r"source.cache=.*afile is a file: give a folder"):
         build(compose_cfg(*_sae(lm_run, tmp_path / "afile")))
     for key in ("cache_rows", "cache_shard_rows"):  # 0 rows read as "the default" (cache_rows), or a traceback
-        with pytest.raises(ConfigError, match=rf"data.{key}=0 must be a whole number >= 1"):
+        with pytest.raises(ConfigError, match=rf"data.{key} must be a whole number >= 1, got 0"):
             build(compose_cfg(*_sae(lm_run, acts), f"data.{key}=0"))
 
 
