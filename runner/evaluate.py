@@ -21,7 +21,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from runner import ConfigError
+from runner import ConfigError, trust
 from runner.build import build_data
 from runner.run import Precision
 from runner.rundir import write_json
@@ -46,6 +46,7 @@ def evaluate_run(
         if OmegaConf.select(cfg.data, key, default=KeyError) is KeyError:
             raise ConfigError(f"data.{key}: the data config of {run_dir} has no such key")
         OmegaConf.update(cfg.data, key, value)
+    trust.check(OmegaConf.to_container(cfg.data, resolve=True), trusted, "data", "the command line's data.KEY=")
     data = build_data(cfg)
     loader = data.split_loader(split, device=torch.device(device))
     if loader is None:
@@ -56,7 +57,7 @@ def evaluate_run(
     if split == "val":
         # What a metric callback reads of a run (its task, device and validation loader): there is no Run here.
         run = SimpleNamespace(task=model, device=torch.device(device), val_loader=loader)
-        for callback in measuring_callbacks(cfg, trusted):
+        for callback in measuring_callbacks(cfg):
             callback.on_validation_end(run, metrics)
     used = Path(weights) if weights is not None else run_dir / "model.safetensors"
     result = {
@@ -71,14 +72,13 @@ def evaluate_run(
 
 
 def _precision(node: Any, device: str) -> Precision:
-    # The run's own precision option (fp32, bf16 or fp16 autocast): evaluated as it validated. Its target is runner's.
+    # The run's own precision option (fp32, bf16 or fp16 autocast): evaluated as it validated. load_trained checked
+    # that its target is one of runner.precision's classes.
     from hydra.utils import instantiate
 
-    if node is None or not str(node.get("_target_", "")).startswith("runner.precision."):
-        from runner.precision import FP32
+    from runner.precision import FP32
 
-        return FP32(torch.device(device))
-    return instantiate(node, device=torch.device(device))
+    return FP32(torch.device(device)) if node is None else instantiate(node, device=torch.device(device))
 
 
 def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:

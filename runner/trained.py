@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
-from runner import ConfigError
+from runner import ConfigError, trust
 from runner.build import build_data, decided_by_data
 from runner.ckpt.files import load_weights
 from runner.rundir import CONFIG, MODEL
@@ -20,42 +20,30 @@ from runner.rundir import CONFIG, MODEL
 # What another run's .hydra/config.yaml may name as `_target_`s when runner rebuilds its model and data
 # (source.checkpoint): module paths of the project's own tasks. Overridden by the config key `trusted_targets`.
 TRUSTED_TARGETS = ("experiments", "runner.data")
+BUILT = ("model", "data", "precision", "callbacks")  # the parts of a run's config that runner rebuilds
 
 
-def _untrusted_targets(node: Any, trusted: Sequence[str], path: str) -> list[str]:
-    # Every _target_ in a resolved config tree that is not under one of the trusted module paths (whole components:
-    # `experiments` trusts experiments.digits.MLPClassifier, not experimentsX.evil).
-    found = []
-    if isinstance(node, dict):
-        target = node.get("_target_")
-        if target is not None and not any(
-            isinstance(target, str) and target.split(".")[: len(t.split("."))] == t.split(".") for t in trusted
-        ):
-            found.append(f"{path}._target_={target}")
-        for key, value in node.items():
-            found += _untrusted_targets(value, trusted, f"{path}.{key}")
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            found += _untrusted_targets(value, trusted, f"{path}[{i}]")
-    return found
+class _Unresolvable(ConfigError):
+    """An interpolation that only Hydra resolves (${hydra:...}) or that points nowhere."""
 
 
-def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str]) -> DictConfig:
-    """`cfg[key]` resolved, after checking that every `_target_` in it is trusted: a run folder from elsewhere may be
-    anybody's, and instantiating its config would run whatever it names (torch.load of a pickle, builtins.open...)."""
+def _resolved(cfg: DictConfig, key: str, config: Path) -> Any:
+    # `cfg[key]` resolved (None where absent); load_trained has refused resolvers that do more than read
+    node = OmegaConf.select(cfg, key)
+    if not isinstance(node, DictConfig | ListConfig):
+        return node
     try:
-        node = OmegaConf.to_container(cfg[key], resolve=True)  # an interpolated `_target_: ${x}` is checked resolved
+        return OmegaConf.to_container(node, resolve=True)  # an interpolated `_target_: ${x}` is checked resolved
     except Exception as error:
-        raise ConfigError(f"cannot read `{key}` of {config}: {error}") from None
-    untrusted = _untrusted_targets(node, trusted, key)
-    if untrusted:
-        raise ConfigError(
-            f"refusing to build the {key} of {config}: it names {', '.join(untrusted)}, which is not under the "
-            f"trusted module paths {list(trusted)}. A run folder's config could run any code it names; if this run "
-            "is yours and its classes live in your own package, add that package: "
-            f"trusted_targets=[{','.join(trusted)},mypackage]"
-        )
-    return OmegaConf.create(node)
+        raise _Unresolvable(f"cannot read `{key}` of {config}: {str(error).splitlines()[0]}") from None
+
+
+def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str]) -> Any:
+    """`cfg[key]` resolved, after checking that every `_target_` in it is a trusted class or function (runner.trust):
+    a run folder from elsewhere may be anybody's, and instantiating its config would run whatever it names."""
+    node = _resolved(cfg, key, config)
+    trust.check(node, trusted, key, str(config))
+    return node
 
 
 def load_trained(
@@ -67,9 +55,10 @@ def load_trained(
     """A model trained by runner, frozen in eval mode: `checkpoint` is a run folder or its model.safetensors;
     `weights`, other weights for that run's model (one of its checkpoint folders, a .safetensors file).
 
-    The model is built from that run's own config only if every `_target_` in it is under `trusted` module paths;
-    the returned config's `data` is checked the same way before build_data may use it. `callbacks=True` adds the
-    run's callbacks, resolved but not checked: measuring_callbacks checks each one it would build.
+    The model is built from that run's own config only if every `_target_` in it is a class or function defined under
+    the `trusted` module paths (runner.trust); its `data` and `precision` (runner's own) are checked the same way,
+    before anything is instantiated. `callbacks=True` adds the run's callbacks that are runner's own or trusted
+    (others are left out, and said).
     """
     path = Path(checkpoint)
     run_dir = path if path.is_dir() else path.parent
@@ -87,13 +76,24 @@ def load_trained(
     except Exception as error:
         raise ConfigError(f"{config} is not a readable YAML config ({error})") from None
     for key in ("model", "data"):
-        if key not in cfg:
-            raise ConfigError(f"{config} has no `{key}`: is {run_dir} the folder of a runner run?")
+        if not isinstance(cfg, DictConfig) or not isinstance(cfg.get(key), DictConfig):
+            raise ConfigError(f"{config} has no `{key}` mapping: is {run_dir} the folder of a runner run?")
+    built = {key: OmegaConf.to_container(cfg[key], resolve=False) for key in BUILT if key in cfg}
+    unsafe = trust.unsafe_resolvers(built)
+    if unsafe:  # a resolver runs while the config is read, before any _target_ can be checked
+        raise ConfigError(
+            f"refusing to read {config}: it calls the resolvers {sorted(set(unsafe))}; a run folder's config may "
+            f"only use {sorted(trust.SAFE_RESOLVERS)}"
+        )
     if "run_dir" in cfg:  # Hydra's output folder when it ran; outside Hydra, the folder where the run now is
         cfg.run_dir = str(run_dir)
+    # Every part that will be built is checked here, before anything is instantiated.
     source = OmegaConf.create({k: _trusted_node(cfg, k, config, trusted) for k in ("model", "data")})
+    precision = _trusted_node(cfg, "precision", config, ["runner.precision"])
+    if precision is not None:
+        source.precision = precision
     if callbacks:
-        source.callbacks = {name: _resolved(cfg.callbacks, name) for name in cfg.get("callbacks") or {}}
+        source.callbacks = _callbacks(cfg, trusted, config)
     # A key the data decided (an SAE's d_in) is null in the saved config: the data decides it again
     decided = decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
     model = instantiate(source.model, **decided)
@@ -104,38 +104,38 @@ def load_trained(
     return model.eval().requires_grad_(False), source
 
 
-def _resolved(group: DictConfig, name: str) -> Any:
-    node = group[name]
-    try:
-        return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-    except Exception as error:  # an interpolation only Hydra resolves: that callback is left out, and said
-        print(f"callbacks.{name} not run: {str(error).splitlines()[0]}", file=sys.stderr)
-        return None
-
-
-def measuring_callbacks(cfg: DictConfig, trusted: Sequence[str] = TRUSTED_TARGETS) -> list[Any]:
-    """The callbacks of a finished run's config (load_trained's, callbacks=True) that add validation metrics, those
-    with `provides`: perplexity, an SAE's recovered features or its spliced loss; runner.evaluate runs them after the
-    validation split, as the run did. One whose `_target_` is not trusted (runner's own callbacks are) is not built:
-    said on stderr, with how to trust it."""
-    found = []
-    for name, node in (cfg.get("callbacks") or {}).items():
-        if not node or "_target_" not in node:
+def _callbacks(cfg: DictConfig, trusted: Sequence[str], config: Path) -> dict[str, Any]:
+    # The run's callbacks that runner.evaluate may build: runner's own and those under `trusted`. One outside them, or
+    # one with an interpolation only Hydra resolves, is left out and said; a forged one (spelled as a trusted path but
+    # something else) or an unsafe resolver refuses the whole folder.
+    kept, trusted = {}, [*trusted, "runner.callbacks"]
+    group = cfg.get("callbacks")
+    for name in group if isinstance(group, DictConfig) else ():
+        node = group[name]
+        if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
-        untrusted = _untrusted_targets(
-            OmegaConf.to_container(node), [*trusted, "runner.callbacks"], f"callbacks.{name}"
-        )
+        key = f"callbacks.{name}"
+        try:
+            node = _resolved(cfg, key, config)
+        except _Unresolvable as error:
+            print(f"{key} not run: {error}", file=sys.stderr)
+            continue
+        forged, untrusted = trust.problems(node, trusted, key)
+        if forged:
+            trust.check(node, trusted, key, str(config))
         if untrusted:
-            print(
-                f"callbacks.{name} not run: {untrusted[0]} is not under the trusted module paths {list(trusted)} "
-                "(add its package to trusted_targets to run it)",
-                file=sys.stderr,
-            )
+            print(f"{key} not run: {untrusted[0]} (add its package to trusted_targets to run it)", file=sys.stderr)
             continue
-        callback = instantiate(node)
-        if callback.provides:
-            found.append(callback)
-    return found
+        kept[name] = node
+    return kept
+
+
+def measuring_callbacks(cfg: DictConfig) -> list[Any]:
+    """The callbacks of a finished run's config (load_trained's, callbacks=True, which kept only trusted ones) that
+    add validation metrics, those with `provides`: perplexity, an SAE's recovered features or its spliced loss;
+    runner.evaluate runs them after the validation split, as the run did."""
+    built = [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
+    return [callback for callback in built if callback.provides]
 
 
 def _has_null(node: DictConfig) -> bool:

@@ -100,3 +100,139 @@ def test_the_sae_digits_preset_passes_trusted_targets_to_both_readers(
     with pytest.raises(ConfigError, match=r"data._target_=runner.data.DataModule"):
         build(cfg)  # the user's allow-list is the one applied (it lacks runner.data)
     assert list(cfg.callbacks.sae_splice.trusted_targets) == ["experiments"]
+
+
+# --- Issue 27: trust is decided on what a target is, not how it is spelled ------------------------------------------
+# Hydra resolves `_target_` attribute by attribute, so `runner.data.torch.load` *is* torch.load. Every spelling below
+# was reached through runner.evaluate or source.checkpoint at 1b56e25, and ran code.
+EVIL_LOAD = {"_target_": "runner.data.torch.load", "f": "PAYLOAD", "weights_only": False}
+SPELLED = {
+    "a module attribute that is torch": ("model", EVIL_LOAD),
+    "torch's os": ("model", {"_target_": "runner.data.torch.os.system", "command": f"touch {MARKER}"}),
+    "a class of another package": ("model", {"_target_": "experiments.digits.Path.touch", "self": str(MARKER)}),
+    "an import alias": ("model", {"_target_": "experiments.digits.importlib.import_module", "name": "antigravity"}),
+    "a dunder path": ("model", {"_target_": "experiments.digits.MLPClassifier.__init__.__globals__"}),
+    "data.splits": ("data", {"_target_": "runner.data.DataModule", "splits": EVIL_LOAD}),
+    "nested in the model": ("model", {"_target_": "experiments.digits.MLPClassifier", "hidden": EVIL_LOAD}),
+    "in a list": ("data", {"_target_": "runner.data.DataModule", "splits": [1, {"x": EVIL_LOAD}]}),
+    "in _args_": ("model", {"_target_": "experiments.digits.MLPClassifier", "_args_": [EVIL_LOAD]}),
+    "partial": ("model", {**EVIL_LOAD, "_partial_": True}),
+    "functools.partial": ("model", {"_target_": "functools.partial", "_args_": ["${oc.env:EVIL_TARGET}", "PAYLOAD"]}),
+    "interpolated from the environment": ("model", {"_target_": "${oc.env:EVIL_TARGET}", "f": "PAYLOAD"}),
+    "interpolated from another key": ("model", {"_target_": "${data.evil}", "f": "PAYLOAD", "weights_only": False}),
+    "not a string": ("model", {"_target_": ["runner.data.torch.load"], "f": "PAYLOAD"}),
+    "runner's precision": ("precision", {**EVIL_LOAD, "_target_": "runner.precision.torch.load"}),
+    "a callback": ("callbacks", {"ema": {**EVIL_LOAD, "_target_": "runner.callbacks.ema.torch.load"}}),
+    "a callback's argument": ("callbacks", {"ema": {"_target_": "runner.callbacks.ema.EMA", "decay": EVIL_LOAD}}),
+}
+
+
+REASONS = (
+    "reaches the module `torch` through",
+    "goes through `experiments.digits.Path`, which is neither a module nor a class",
+    "reaches the module `importlib` through `experiments.digits.importlib`",
+    "is not a dotted path of public names",
+    "is not under the trusted module paths",  # functools.partial
+    "is a list, not a dotted path",
+)
+
+
+def _evil(source: Path, tmp_path: Path, key: str, node: dict) -> Path:
+    def placed(value: object) -> object:  # the payload's path where a spelling reads "PAYLOAD"
+        if isinstance(value, dict):
+            return {k: placed(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [placed(v) for v in value]
+        return str(tmp_path / "evil.pt") if value == "PAYLOAD" else value
+
+    folder = _tampered(source, tmp_path, key, placed(node))
+    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    cfg.data.evil = "runner.data.torch.load"  # read by the `${data.evil}` spelling
+    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
+    return folder
+
+
+def test_the_dangerous_spelling_is_real() -> None:
+    # the control: what Hydra would call for these strings, had the check let them through
+    from hydra._internal.utils import _locate
+
+    assert _locate("runner.data.torch.load") is torch.load
+    assert _locate("runner.callbacks.ema.torch.load") is torch.load
+
+
+@pytest.mark.parametrize("attack", list(SPELLED))
+def test_runner_evaluate_refuses_every_spelling_with_exit_2_and_runs_nothing(
+    attack: str, source_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from runner.evaluate import main
+
+    monkeypatch.setenv("EVIL_TARGET", "runner.data.torch.load")
+    key, node = SPELLED[attack]
+    folder = _evil(source_run, tmp_path, key, node)
+    MARKER.unlink(missing_ok=True)
+    assert main([str(folder)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: refusing to build the") and error.count("\n") == 1, error
+    assert any(reason in error for reason in REASONS), error
+    assert not MARKER.exists() and not (folder / "eval-val.json").exists()
+
+
+def test_source_checkpoint_refuses_a_forged_spelling(
+    compose_cfg: Callable[..., DictConfig], source_run: Path, tmp_path: Path
+) -> None:
+    folder = _evil(source_run, tmp_path, *SPELLED["a module attribute that is torch"])
+    MARKER.unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match=r"model._target_=runner.data.torch.load reaches the module `torch`"):
+        build(compose_cfg("+experiment=sae_digits", f"source.checkpoint={folder}"))
+    assert not MARKER.exists()
+
+
+def test_a_resolver_that_writes_is_refused_before_it_runs(source_run: Path, tmp_path: Path) -> None:
+    made = tmp_path / "made by the config"
+    folder = _tampered(
+        source_run,
+        tmp_path,
+        "model",
+        {"_target_": "experiments.digits.MLPClassifier", "hidden": f"${{runner_fresh:{made}}}"},
+    )
+    with pytest.raises(ConfigError, match=r"calls the resolvers \['runner_fresh'\]"):
+        load_trained(folder)
+    assert not made.exists()
+
+
+def test_a_truncated_target_says_the_config_may_be_truncated(source_run: Path, tmp_path: Path) -> None:
+    folder = _tampered(source_run, tmp_path, "model", {"_target_": "experi"})
+    with pytest.raises(ConfigError, match=r"model._target_=experi is no importable name \(a truncated"):
+        load_trained(folder)
+
+
+def test_an_untrusted_callback_is_left_out_and_said_but_the_run_evaluates(
+    source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from runner.evaluate import main
+
+    folder = _tampered(source_run, tmp_path, "callbacks", {"mine": {"_target_": "torch.nn.Identity"}})
+    assert main([str(folder)]) == 0
+    assert "callbacks.mine not run: callbacks.mine._target_=torch.nn.Identity is not under the trusted" in (
+        capsys.readouterr().err
+    )
+
+
+def test_every_shipped_target_is_trusted_under_its_own_package() -> None:
+    # no false refusal: each `_target_` of runner's configs is a class or function reached through its own modules
+    from runner import trust
+
+    conf = Path(__file__).parents[2] / "runner" / "conf"
+    targets = {
+        line.split("_target_:")[1].split("#")[0].strip()
+        for path in conf.rglob("*.yaml")
+        for line in path.read_text().splitlines()
+        if "_target_:" in line and not line.lstrip().startswith("#")
+    }
+    targets = {t for t in targets if t and "," not in t}
+    assert len(targets) > 40
+    for target in targets:
+        package = target.split(".")[0] if not target.startswith("runner.") else ".".join(target.split(".")[:2])
+        assert trust.target_problem(target, [package]) is None, target
+    assert trust.target_problem("torch.nn.Linear", ["torch.nn"]) is None  # a user's own trusted package
+    assert trust.target_problem("torch.nn.Linear", ["torch.nn.modules.conv"])[1] is False  # merely untrusted
