@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -115,15 +117,26 @@ def decided_by_data(model: DictConfig, data: Any) -> dict[str, Any]:
     return given
 
 
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """A ConfigError that a constructor raised under hydra's instantiate, re-raised bare."""
+    try:
+        yield
+    except InstantiationException as error:
+        # Hydra wraps what a constructor raises, once per level of nesting; a ConfigError is a message for the user,
+        # not a bug to trace.
+        cause = error.__cause__
+        while isinstance(cause, InstantiationException):
+            cause = cause.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise
+
+
 def build(cfg: DictConfig) -> Run:
     """Instantiate every component of the run described by `cfg`; a ConfigError from a component is re-raised bare."""
-    try:
+    with user_errors():
         return _build(cfg)
-    except InstantiationException as error:
-        # Hydra wraps what a constructor raises; a ConfigError is a message for the user, not a bug to trace.
-        if isinstance(error.__cause__, ConfigError):
-            raise error.__cause__ from None
-        raise
 
 
 def _build(cfg: DictConfig) -> Run:
@@ -216,4 +229,5 @@ def _build(cfg: DictConfig) -> Run:
 
 def build_data(cfg: DictConfig) -> Any:
     """The data component of a config that runner.trained.load_trained returned (its targets already checked)."""
-    return instantiate(cfg.data)
+    with user_errors():
+        return instantiate(cfg.data)

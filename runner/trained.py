@@ -13,7 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from runner import ConfigError, trust
-from runner.build import build_data, decided_by_data
+from runner.build import build_data, decided_by_data, user_errors
 from runner.ckpt.files import load_weights
 from runner.rundir import CONFIG, MODEL
 
@@ -43,6 +43,16 @@ def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str
     a run folder from elsewhere may be anybody's, and instantiating its config would run whatever it names."""
     node = _resolved(cfg, key, config)
     trust.check(node, trusted, key, str(config))
+    return _confined(node, trusted)
+
+
+def _confined(node: Any, trusted: Sequence[str]) -> Any:
+    # A component that reads another run folder (an SAE's source: HookedData, SpliceEval) takes the reader's trust,
+    # never the one this folder's config gives it: else a folder could name a run whose torch.load it trusts itself.
+    if isinstance(node, dict):
+        return {k: list(trusted) if k == "trusted_targets" else _confined(v, trusted) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_confined(value, trusted) for value in node]
     return node
 
 
@@ -96,7 +106,8 @@ def load_trained(
         source.callbacks = _callbacks(cfg, trusted, config)
     # A key the data decided (an SAE's d_in) is null in the saved config: the data decides it again
     decided = decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
-    model = instantiate(source.model, **decided)
+    with user_errors():
+        model = instantiate(source.model, **decided)
     try:
         load_weights(model, weights, strict=True, what=what)
     except ConfigError as error:  # a truncated file or weights of another architecture
@@ -134,7 +145,8 @@ def measuring_callbacks(cfg: DictConfig) -> list[Any]:
     """The callbacks of a finished run's config (load_trained's, callbacks=True, which kept only trusted ones) that
     add validation metrics, those with `provides`: perplexity, an SAE's recovered features or its spliced loss;
     runner.evaluate runs them after the validation split, as the run did."""
-    built = [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
+    with user_errors():
+        built = [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     return [callback for callback in built if callback.provides]
 
 

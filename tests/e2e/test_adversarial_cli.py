@@ -6,12 +6,12 @@ must refuse it with exit 2 and one paragraph, and write nothing."""
 from __future__ import annotations
 
 import pathlib
-import pickle
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 import yaml
 from helpers import cli, ok, python
 
@@ -30,7 +30,7 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable]:
     def attack() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess, Path]:
         source, marker = root / "source run", root / "pwned"
         ok(cli("+experiment=digits", "trainer.max_duration=3st", "logger=none", cwd=root, run_dir=source))
-        (root / "evil.pt").write_bytes(pickle.dumps(_Payload(marker)))
+        torch.save(_Payload(marker), root / "evil.pt")  # what torch.load(weights_only=False) would run
         config = source / ".hydra" / "config.yaml"
         cfg = yaml.safe_load(config.read_text())
         cfg["model"] = {"_target_": "runner.data.torch.load", "f": str(root / "evil.pt"), "weights_only": False}

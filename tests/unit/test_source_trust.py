@@ -3,7 +3,6 @@ refused before anything is instantiated (issue 16 A)."""
 
 from __future__ import annotations
 
-import pickle
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,8 +40,7 @@ def _tampered(source: Path, tmp_path: Path, key: str, node: dict) -> Path:
     cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
     cfg[key] = node
     OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
-    with open(tmp_path / "evil.pt", "wb") as f:
-        pickle.dump(_Exploit(), f)
+    torch.save(_Exploit(), tmp_path / "evil.pt")  # what torch.load(weights_only=False) would run
     return folder
 
 
@@ -236,3 +234,31 @@ def test_every_shipped_target_is_trusted_under_its_own_package() -> None:
         assert trust.target_problem(target, [package]) is None, target
     assert trust.target_problem("torch.nn.Linear", ["torch.nn"]) is None  # a user's own trusted package
     assert trust.target_problem("torch.nn.Linear", ["torch.nn.modules.conv"])[1] is False  # merely untrusted
+
+
+def test_a_run_folder_cannot_widen_the_trust_of_the_runs_it_names(
+    source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # B's data is an SAE source reading run A with `trusted_targets: [torch, ...]` of B's own choosing; A's model is
+    # torch.load of a pickle. Reading B must apply the reader's trust to A too, not B's.
+    (tmp_path / "a").mkdir()
+    inner = _tampered(
+        source_run,
+        tmp_path / "a",
+        "model",
+        {"_target_": "torch.load", "f": str(tmp_path / "a" / "evil.pt"), "weights_only": False},
+    )
+    hooked = {
+        "_target_": "experiments.sae.hooked.HookedData",
+        "checkpoint": str(inner),
+        "module": "net.1",
+        "trusted_targets": ["torch", "experiments", "runner.data"],
+        "batch_size": 8,
+    }
+    outer = _tampered(source_run, tmp_path, "data", hooked)
+    MARKER.unlink(missing_ok=True)
+    from runner.evaluate import main
+
+    assert main([str(outer)]) == 2
+    assert "refusing to build the model of" in capsys.readouterr().err
+    assert not MARKER.exists()
