@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +25,49 @@ LOG = "runner.log"  # what rank 0 printed (runner.log.tee); Hydra names it after
 RANK_LOG = "logs/rank-{}.log"  # each rank's warnings and errors (runner.log.ranks), the only file other ranks write
 
 
+class DiskFull(ConfigError):
+    """A write failed for lack of space (ENOSPC). A ConfigError, so the CLI exits 2 with one paragraph: a full disk
+    needs a person to free space; an automatic requeue (exit 75) would only fail the same way again. Atomic writes
+    leave the earlier files whole, so resume=auto goes on from the newest checkpoint once there is room."""
+
+
+def disk_full(what: str, kept: str = "what was written before is intact") -> DiskFull:
+    """The error for a write that found no space left (`what`: what was being written), naming the way out."""
+    return DiskFull(
+        f"disk full: {what} failed (no space left on device); {kept}. Free space on that disk, then continue the "
+        "run with resume=auto hydra.run.dir=<the run folder>"
+    )
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """`error` says the disk is full (an ENOSPC, or the DiskFull that write_atomic made of one)."""
+    return isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno == errno.ENOSPC)
+
+
 def write_atomic(path: str | Path, data: bytes, fsync: bool = False) -> Path:
     """Write `data` under a temporary name beside `path`, then rename it into place: a reader never sees half a file.
 
     With `fsync` the data is on disk before the rename, so a crash (not only a killed process) leaves the old file or
-    the new one. The temporary name is unique to this process, so parallel writers cannot clobber each other's.
+    the new one. The temporary name is unique to this process, so parallel writers cannot clobber each other's; it is
+    removed on any failure. A full disk raises DiskFull.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        tmp.unlink(missing_ok=True)
+        if not is_disk_full(error):
+            raise
+        # A full disk fails every write after the first (the CLI's summary.json of the failure too): the first
+        # report names what was being saved, so it is the one to read
+        earlier = error.__context__
+        raise (earlier if isinstance(earlier, DiskFull) else disk_full(f"writing {path}")) from None
     return path
 
 
@@ -61,19 +93,52 @@ def read_json(path: str | Path) -> dict[str, Any] | None:
         return None
 
 
+def jsonl_lines(data: bytes) -> list[tuple[bytes, dict[str, Any] | None]]:
+    """Each line of a JSONL file's bytes with its row, or None where the line is not a JSON object in UTF-8."""
+    lines = []
+    for line in data.splitlines(keepends=True):
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+            row = None
+        lines.append((line, row if isinstance(row, dict) else None))
+    return lines
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL file (metrics.jsonl); a line cut in half (a run still writing, or killed) is skipped."""
+    """The rows of a JSONL file (metrics.jsonl). A last line cut in half (a run still writing it) is skipped quietly;
+    any other unreadable line is skipped with a warning (a resume keeps its bytes: runner.log.jsonl)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = jsonl_lines(Path(path).read_bytes())
     except OSError:
         return []
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    bad = [n for n, (line, row) in enumerate(lines, 1) if row is None and line.strip() and line.endswith(b"\n")]
+    if bad:
+        print(f"warning: {path}: line(s) {bad[:5]} are not JSON rows; skipped", file=sys.stderr)
+    return [row for _, row in lines if row is not None]
+
+
+# What a run leaves in its folder; resume=scratch moves these aside before training again from step 0
+OUTPUTS = (CHECKPOINTS, f"{METRICS}*", SUMMARY, RUN_INFO, "run-resumed-at-*.json", "model*.safetensors*")
+SET_ASIDE = "before-scratch-{}"
+
+
+def set_aside(run_dir: str | Path, *extra: Path) -> Path | None:
+    """Move the run's OUTPUTS (and `extra` paths, such as a checkpoint folder elsewhere) that exist into
+    <run_dir>/before-scratch-<time>/, so that a run trained again from step 0 deletes and overwrites nothing; the
+    folder they went to, or None when there was nothing."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    found = [p for pattern in OUTPUTS for p in sorted(run_dir.glob(pattern))] + [p for p in extra if p.exists()]
+    if not found:
+        return None
+    aside = run_dir / SET_ASIDE.format(time.strftime("%Y%m%d-%H%M%S"))
+    aside.mkdir()
+    for path in dict.fromkeys(found):
+        if path.exists():  # an `extra` path may be one of OUTPUTS, moved already
+            shutil.move(path, aside / path.name)
+    return aside
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -18,7 +18,7 @@ from runner.ckpt.state import model_weights, restore
 from runner.log.info import run_info, run_metadata
 from runner.loop import fit
 from runner.run import Callback, Run, StopReason
-from runner.rundir import CHECKPOINTS, CONFIG, MODEL, MODEL_PART, RUN_INFO, SUMMARY, write_atomic, write_json
+from runner.rundir import CHECKPOINTS, CONFIG, MODEL, MODEL_PART, RUN_INFO, SUMMARY, set_aside, write_atomic, write_json
 from runner.sweeps.job import SweepJob
 
 
@@ -45,15 +45,27 @@ def summarize(run: Run, samples_at_start: int = 0, tokens_at_start: int = 0) -> 
 
 
 def resume(run: Run, cfg: DictConfig) -> dict[str, Any] | None:
-    """Restore the checkpoint that `cfg.resume` names ('auto': the newest valid one of this run); its manifest."""
+    """Restore the checkpoint that `cfg.resume` names ('auto': the newest valid one of this run); its manifest.
+
+    'scratch': train again from step 0 in this run folder, its earlier outputs moved aside first (nothing deleted);
+    the way on when resume=auto refuses a run whose checkpoints all fail verification.
+    """
     where = cfg.get("resume")
     if where is None:
         return None
     say = print if run.strategy.is_main else lambda *a, **k: None
+    saver = next((cb for cb in run.callbacks if isinstance(cb, Checkpoint)), None)
+    directory = saver.dir if saver is not None else Path(cfg.run_dir) / CHECKPOINTS
+    if where == "scratch":
+        aside = set_aside(cfg.run_dir, directory) if run.strategy.is_main else None
+        run.strategy.barrier()  # no rank looks at the folder while rank 0 empties it
+        say(
+            f"resume=scratch: training from step 0{f'; the earlier files are in {aside}' if aside else ''}",
+            file=sys.stderr,
+        )
+        return None
     if where == "auto":
-        saver = next((cb for cb in run.callbacks if isinstance(cb, Checkpoint)), None)
-        directory = saver.dir if saver is not None else Path(cfg.run_dir) / CHECKPOINTS
-        found = newest_valid(directory)
+        found = newest_valid(directory)  # refuses a folder of checkpoints none of which verifies
         if found is None:
             say(f"resume=auto: no checkpoint in {directory}; starting from scratch", file=sys.stderr)
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,10 +14,20 @@ from typing import Any
 import torch
 
 from runner import ConfigError
-from runner.ckpt.files import PREFIX, CheckpointError, bare_names, checkpoints, read_manifest, write_checkpoint
+from runner.ckpt.files import (
+    MANIFEST_SHA256,
+    PREFIX,
+    CheckpointError,
+    bare_names,
+    checkpoints,
+    read_manifest,
+    verify,
+    write_checkpoint,
+)
 from runner.ckpt.state import model_weights, training_state
 from runner.progress import parse_duration
 from runner.run import Best, Callback, Run, StopReason
+from runner.rundir import disk_full, is_disk_full
 
 
 def _snapshot(value: Any, buffers: dict[str, torch.Tensor], path: str = "", copy: bool = True) -> Any:
@@ -72,6 +83,9 @@ class Checkpoint(Callback):
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.fresh: float | None = None  # the monitored value of a validation at the current step
+        # folder -> (its manifest's checksum, its manifest, or None if it failed verification): rotation hashes each
+        # checkpoint once per process, not at every save; the writer records the folders it writes as verified
+        self.verified: dict[Path, tuple[str | None, dict[str, Any] | None]] = {}
         self.started = time.time()
 
     def on_fit_start(self, run: Run) -> None:
@@ -166,7 +180,8 @@ class Checkpoint(Callback):
         """In the writer thread: write the folder, point `last` at it, rotate; an error is kept for check()."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            write_checkpoint(folder, model, state, info)
+            manifest = write_checkpoint(folder, model, state, info)
+            self.verified[folder] = (manifest[MANIFEST_SHA256], manifest)
             if self.save_last:
                 link = self.dir / ".last.tmp"
                 link.unlink(missing_ok=True)
@@ -175,17 +190,33 @@ class Checkpoint(Callback):
             self._rotate()
         except BaseException as error:  # surfaced in the training thread by check()
             self.error = error
+            if is_disk_full(error):  # one paragraph for the CLI (exit 2: runner.rundir.DiskFull says why not 75)
+                self.error = disk_full(
+                    f"saving checkpoint {folder}", f"the earlier checkpoints in {self.dir} are intact"
+                )
 
     def _manifests(self) -> list[dict[str, Any]]:
+        """The manifests of the checkpoints that verify, newest first; the others are reported once, and kept."""
         found = []
         for folder in checkpoints(self.dir):
-            try:
-                found.append({**read_manifest(folder), "folder": folder})
+            try:  # cheap (a small JSON file): a folder written again since it was verified has a new checksum
+                sealed = read_manifest(folder)[MANIFEST_SHA256]
             except CheckpointError:
-                continue
+                sealed = None
+            if self.verified.get(folder, (False,))[0] != sealed:
+                try:
+                    self.verified[folder] = (sealed, verify(folder))
+                except CheckpointError as error:
+                    print(f"warning: {error}; rotation keeps it but does not count it", file=sys.stderr)
+                    self.verified[folder] = (sealed, None)
+            manifest = self.verified[folder][1]
+            if manifest is not None:
+                found.append({**manifest, "folder": folder})
         return found
 
     def _rotate(self) -> None:
+        # Only checkpoints that verify count toward keep_last and keep_best: a corrupt newer folder must not push the
+        # newest good one out. Corrupt folders are neither counted nor deleted (they may be looked into).
         manifests = self._manifests()  # newest first
         keep = {m["folder"] for m in manifests[: self.keep_last]}
         scored = [m for m in manifests if m.get("monitor_value") is not None]
@@ -194,6 +225,7 @@ class Checkpoint(Callback):
         for m in manifests:
             if m["folder"] not in keep:
                 shutil.rmtree(m["folder"], ignore_errors=True)
+                self.verified.pop(m["folder"], None)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk."""
@@ -205,4 +237,6 @@ class Checkpoint(Callback):
         """Raise, in the training thread, an error the writer thread met."""
         if self.error is not None:
             error, self.error = self.error, None
+            if isinstance(error, ConfigError):  # a full disk: one paragraph, no traceback
+                raise error from None
             raise RuntimeError(f"saving a checkpoint in {self.dir} failed: {error}") from error

@@ -29,6 +29,10 @@ FILES = ("model.safetensors", "state.pt")
 MANIFEST_SHA256 = "manifest_sha256"
 # In a weight's name: a LoRA adapter's (PEFT's lora_A / lora_B). A file of only those says so in its metadata.
 ADAPTER = "lora_"
+# model.safetensors.sha256 beside each weights file that save_weights writes, in `sha256sum` format (`sha256sum -c`
+# checks it by hand). A file of its own, not safetensors metadata: a checksum covers the whole file, header included,
+# and a file given by a user or written by an older runner (no record) still loads.
+RECORD = ".sha256"
 ADAPTERS_ONLY = {"runner_weights": "lora_adapters_only: merge with python -m runner.finetune merge RUN_DIR"}
 
 
@@ -59,9 +63,16 @@ def _safetensors(weights: dict[str, torch.Tensor]) -> bytes:
 
 
 def save_weights(model: torch.nn.Module | dict[str, torch.Tensor], path: str | Path) -> None:
-    """The bare model's weights (or weights already gathered: model_weights) as safetensors, written atomically."""
+    """The bare model's weights (or weights already gathered: model_weights) as safetensors, written atomically,
+    with their sha256 in a record beside them (RECORD) that every load checks (read_weights)."""
     weights = bare_names(model.state_dict()) if isinstance(model, torch.nn.Module) else model
-    rundir.write_atomic(path, _safetensors(weights), fsync=True)
+    data, path = _safetensors(weights), Path(path)
+    record = path.with_name(path.name + RECORD)
+    # The old record goes first: a crash between the writes leaves weights without a record (loaded unchecked, as an
+    # older run's are), never a record that disagrees with good weights.
+    record.unlink(missing_ok=True)
+    rundir.write_atomic(path, data, fsync=True)
+    rundir.write_atomic(record, f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode(), fsync=True)
 
 
 def weight_parts(task: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -73,10 +84,26 @@ def weight_parts(task: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dic
     }
 
 
-def write_checkpoint(folder: Path, model: dict[str, torch.Tensor], state: dict[str, Any], info: dict[str, Any]) -> None:
-    """Write a checkpoint folder atomically: temporary folder, fsync every file, rename, fsync the parent."""
+def write_checkpoint(
+    folder: Path, model: dict[str, torch.Tensor], state: dict[str, Any], info: dict[str, Any]
+) -> dict[str, Any]:
+    """Write a checkpoint folder atomically: temporary folder, fsync every file, rename, fsync the parent; its
+    manifest. A failure (a full disk) removes the temporary folder and leaves the other checkpoints as they were."""
     tmp = folder.parent / f".tmp-{folder.name}"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        manifest = _write_folder(tmp, model, state, info)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if folder.exists():  # the same step saved twice (an interval save, then the end of training): keep the new one
+        shutil.rmtree(folder)
+    os.rename(tmp, folder)
+    rundir.fsync_dir(folder.parent)
+    return manifest
+
+
+def _write_folder(tmp: Path, model: dict[str, torch.Tensor], state: dict[str, Any], info: dict[str, Any]) -> dict:
     tmp.mkdir(parents=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -89,10 +116,7 @@ def write_checkpoint(folder: Path, model: dict[str, torch.Tensor], state: dict[s
     manifest[MANIFEST_SHA256] = manifest_checksum(manifest)
     rundir.write_atomic(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode(), True)
     rundir.fsync_dir(tmp)
-    if folder.exists():  # the same step saved twice (an interval save, then the end of training): keep the new one
-        shutil.rmtree(folder)
-    os.rename(tmp, folder)
-    rundir.fsync_dir(folder.parent)
+    return manifest
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -137,6 +161,23 @@ def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
     return data
 
 
+def verify(folder: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder whose files match their sizes and sha256 (read in chunks, not loaded)."""
+    manifest = read_manifest(folder)
+    for name, expected in ((name, manifest["files"][name]) for name in FILES):
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(folder / name, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except OSError as error:
+            raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({error})") from None
+        if size != expected["bytes"] or digest.hexdigest() != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {folder}: {name} does not match its size and sha256 (corrupted)")
+    return manifest
+
+
 def load_checkpoint(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """(model weights, training state, manifest) of a verified checkpoint; never unpickles Python objects."""
     from safetensors.torch import load as safetensors_load
@@ -172,29 +213,65 @@ def checkpoints(directory: Path) -> list[Path]:
 
 
 def newest_valid(directory: Path) -> tuple[Path, tuple] | None:
-    """The newest checkpoint in `directory` that verifies, with its contents; corrupt ones are reported and skipped."""
+    """The newest checkpoint in `directory` that verifies, with its contents; corrupt ones are reported and skipped.
+    None when there is no checkpoint; CheckpointError when there are some and none verifies."""
+    failures = []
     for folder in checkpoints(directory):
         try:
             return folder, load_checkpoint(folder)
         except CheckpointError as error:
             print(f"warning: {error}; skipping it", file=sys.stderr)
+            failures.append(str(error))
+    if failures:
+        # Starting from step 0 would retrain over this run's metrics.jsonl as if nothing had been saved
+        raise CheckpointError(
+            f"none of the {len(failures)} checkpoints in {directory} verifies ({'; '.join(failures)}), so this run "
+            "cannot be resumed. Restore a good copy of a checkpoint folder there, or resume from one elsewhere with "
+            "resume=<checkpoint folder>, or train again from step 0 in this run folder with resume=scratch (the "
+            "run's earlier files are moved to before-scratch-<time>/ in it, not deleted)"
+        )
     return None
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The bare model's weights from a checkpoint folder (verified), a run folder or a .safetensors file."""
+    """The bare model's weights from a checkpoint folder, a run folder or a .safetensors file, checked against the
+    checkpoint's manifest or the file's sha256 record where there is one (save_weights writes it)."""
     from safetensors.torch import load as safetensors_load
 
     path = Path(path)
-    if (path / "manifest.json").is_file():
-        return safetensors_load(verified(path, "model.safetensors", read_manifest(path)))
+    folder, name = (path, "model.safetensors") if path.is_dir() else (path.parent, path.name)
+    if (folder / "manifest.json").is_file() and name in FILES:  # a checkpoint folder, or its weights file
+        return safetensors_load(verified(folder, name, read_manifest(folder)))
     file = path / rundir.MODEL if path.is_dir() else path
     try:
-        return safetensors_load(file.read_bytes())
+        data = file.read_bytes()
+        weights = safetensors_load(_recorded(file, data))
+    except CheckpointError:
+        raise
     except Exception as error:  # missing, truncated, not safetensors at all
         raise CheckpointError(
             f"cannot read weights from {path} ({error}); give a checkpoint folder, a run folder or a .safetensors file"
         ) from None
+    return weights
+
+
+def _recorded(file: Path, data: bytes) -> bytes:
+    """`data` (the bytes of `file`) if they match the sha256 in the file's record, or if it has none."""
+    record = file.with_name(file.name + RECORD)
+    try:
+        expected = record.read_text(encoding="utf-8").split()[0]
+    except FileNotFoundError:
+        return data  # a user's file, or an older run's
+    except (OSError, ValueError, IndexError) as error:
+        raise CheckpointError(f"{file}: its checksum record {record} cannot be read ({error})") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise CheckpointError(
+            f"{file} does not match the sha256 recorded in {record.name} when it was written (expected {expected}, "
+            f"got {actual}): the file is corrupted (or replaced). Use a good copy, or write it again from the run's "
+            "newest checkpoint (resume=auto writes a finished run's final files again)"
+        )
+    return data
 
 
 def load_weights(
