@@ -6,6 +6,8 @@ averaged over the whole split in float64, then the task's validation_summary), a
 On the validation split the run's metric callbacks add theirs, as in training: `val/ppl`, an SAE's `val/mmcs`, or its
 source model's loss with the SAE spliced in (`val/loss_recovered`, `val/kl_spliced`, ...). They measure on data of
 their own (the source's validation windows) or the weights alone, so other splits get only the task's metrics.
+RUN_DIR may also be weights inside a run folder (its model.safetensors, a checkpoint folder or its file): the run is the
+folder above them, as if they were given with weights=.
 Exit codes as `python -m runner`: 0, or 2 with a one-line message for a wrong argument, split or file.
 """
 
@@ -19,12 +21,13 @@ from typing import Any
 
 import torch
 import yaml
+from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
-from runner import ConfigError, trust
+from runner import ConfigError, check_whole, trust
 from runner.build import build_data
 from runner.run import Precision
-from runner.rundir import write_json
+from runner.rundir import CONFIG, MODEL, write_json
 from runner.trained import TRUSTED_TARGETS, load_trained, measuring_callbacks
 from runner.validation import evaluate_loader
 
@@ -39,15 +42,23 @@ def evaluate_run(
     trusted: tuple[str, ...] = TRUSTED_TARGETS,
     data_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Metrics of `weights` (default: the run's model.safetensors) on `split`, written to RUN_DIR/eval-<split>.json."""
-    run_dir = Path(run_dir)
+    """Metrics of `weights` (default: the run's model.safetensors) on `split`, written to RUN_DIR/eval-<split>.json.
+    `run_dir` may also be weights inside a run folder (its model.safetensors, a checkpoint folder): the run is the
+    folder above them, as if given with weights=."""
+    run_dir, weights = _run_and_weights(Path(run_dir), weights)
+    device = _device(device)
     model, cfg = load_trained(run_dir, trusted, weights=weights, callbacks=True)
     for key, value in (data_overrides or {}).items():
         if OmegaConf.select(cfg.data, key, default=KeyError) is KeyError:
             raise ConfigError(f"data.{key}: the data config of {run_dir} has no such key")
         OmegaConf.update(cfg.data, key, value)
     trust.check(OmegaConf.to_container(cfg.data, resolve=True), trusted, "data", "the command line's data.KEY=")
-    data = build_data(cfg)
+    if cfg.data.get("val_batch_size") is not None:  # DataModule takes 0 as "as batch_size" and -1 as a crash
+        check_whole(cfg.data.val_batch_size, "data.val_batch_size")
+    try:
+        data = build_data(cfg)  # a ConfigError of the data's own comes through bare
+    except InstantiationException as error:  # a data.KEY= of the wrong type, a file that is not there
+        raise ConfigError(f"cannot build the data of {run_dir}: {' '.join(str(error).split())}") from None
     loader = data.split_loader(split, device=torch.device(device))
     if loader is None:
         raise ConfigError(f"split={split}: the data of {run_dir} has the splits {sorted(data.splits)}; pick one")
@@ -59,12 +70,13 @@ def evaluate_run(
         run = SimpleNamespace(task=model, device=torch.device(device), val_loader=loader)
         for callback in measuring_callbacks(cfg):
             callback.on_validation_end(run, metrics)
-    used = Path(weights) if weights is not None else run_dir / "model.safetensors"
+    used = Path(weights) if weights is not None else run_dir / MODEL
+    file = used / MODEL if used.is_dir() else used  # a checkpoint folder's weights file
     result = {
         "split": split,
         "samples": len(loader.dataset),
         "weights": str(used),
-        "weights_sha256": hashlib.sha256(used.read_bytes()).hexdigest() if used.is_file() else None,
+        "weights_sha256": hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None,
         "metrics": {key.replace("val/", f"{split}/", 1): value for key, value in metrics.items()},
     }
     write_json(run_dir / f"eval-{split}.json", result)
@@ -81,6 +93,46 @@ def _precision(node: Any, device: str) -> Precision:
     return FP32(torch.device(device)) if node is None else instantiate(node, device=torch.device(device))
 
 
+def _run_and_weights(path: Path, weights: str | Path | None) -> tuple[Path, str | Path | None]:
+    # RUN_DIR as given: a run folder, or weights inside one (the same files weights= takes), whose run is the nearest
+    # folder above them with a .hydra/config.yaml (RUN/model.safetensors, RUN/checkpoints/step-N[/model.safetensors])
+    if weights is not None and not Path(weights).exists():
+        raise ConfigError(f"weights={weights} does not exist: give a checkpoint folder or a .safetensors file")
+    hint = "give the folder of a finished run, e.g. python -m runner.evaluate outputs/DATE/TIME"
+    if (path / CONFIG).is_file():
+        if weights is None and not (path / MODEL).is_file():
+            raise ConfigError(f"{path} has no {MODEL} (the run has not finished): give weights=CHECKPOINT, or {hint}")
+        return path, weights
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: {hint}")
+    if not (path.suffix == ".safetensors" if path.is_file() else (path / "manifest.json").is_file()):
+        what = "is a file, not a run folder" if path.is_file() else f"is not a run folder (it has no {CONFIG})"
+        raise ConfigError(f"{path} {what}: {hint}")
+    run = next((p for p in list(path.parents)[:3] if (p / CONFIG).is_file()), None)
+    if run is None:
+        raise ConfigError(f"{path} is not inside a run folder (none above it has a {CONFIG}): {hint}")
+    if weights is not None:
+        raise ConfigError(f"{path} are weights, and so is weights={weights}: give the run folder {run} and weights=")
+    return run, path
+
+
+def _device(device: Any) -> str:
+    # A device this machine has: torch takes "cuda" without one and fails deep inside the first copy
+    try:
+        kind = torch.device(device).type if isinstance(device, str) else None
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device={device}: give device=cpu, device=cuda (or cuda:N) or device=mps")
+    index = torch.device(device).index or 0
+    if kind == "cuda" and index >= torch.cuda.device_count():
+        found = f"only {torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
+        raise ConfigError(f"device={device}: this machine has {found}; evaluate on it with device=cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={device}: this machine has no MPS (Apple GPU) device; evaluate with device=cpu")
+    return device
+
+
 def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     if not argv or "=" in argv[0] or argv[0] in ("-h", "--help"):
         raise ConfigError(USAGE)
@@ -90,22 +142,34 @@ def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         key, sep, value = arg.partition("=")
         if not sep:
             raise ConfigError(f"{arg!r} is not KEY=VALUE; {USAGE}")
-        parsed = yaml.safe_load(value) if value else value  # 64 -> int, [a,b] -> list, as Hydra reads them
+        try:
+            parsed = yaml.safe_load(value) if value else value  # 64 -> int, [a,b] -> list, as Hydra reads them
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            quoted = f"'{key}=\"{value}\"'"
+            raise ConfigError(f"{arg}: cannot read the value {value!r} ({problem}); quote text: {quoted}") from None
         if key.startswith("data."):
             data[key.removeprefix("data.")] = parsed
         elif key in ("split", "weights", "device", "trusted_targets"):
             options[key] = parsed
         else:
             raise ConfigError(f"unknown argument {key!r}: give split=, weights=, device=, trusted_targets=, data.KEY=")
+    for key in ("split", "weights", "device"):
+        if key in options and not isinstance(options[key], str):
+            raise ConfigError(f"{key}={options[key]!r}: give one name, e.g. split=test, weights=PATH, device=cpu")
     if "trusted_targets" in options:
-        options["trusted"] = tuple(options.pop("trusted_targets"))
+        targets = options.pop("trusted_targets")
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise ConfigError(f"trusted_targets={targets!r}: give a list of module paths, e.g. trusted_targets=[a,b]")
+        options["trusted"] = tuple(targets)
     return Path(argv[0]), options, data
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command: evaluate, print the metrics, exit 0; or print why not and exit 2."""
     try:
-        run_dir, options, data = _arguments(sys.argv[1:] if argv is None else argv)
+        path, options, data = _arguments(sys.argv[1:] if argv is None else argv)
+        run_dir, options["weights"] = _run_and_weights(path, options.get("weights"))
         result = evaluate_run(run_dir, data_overrides=data, **options)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

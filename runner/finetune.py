@@ -5,7 +5,8 @@ its `training_step` (a PeftModel wrapper would hide it). Two hooks on the task m
 alone: checkpoints, model.safetensors and the resume's shape check then hold and compare only what trains, and a load
 of adapter-only weights does not count the frozen base weights (loaded by init_from) as missing.
 
-    python -m runner.finetune merge RUN_DIR    # writes RUN_DIR/model.merged.safetensors: W + (alpha/rank) B A
+    python -m runner.finetune merge RUN_DIR [--base PATH]   # writes RUN_DIR/model.merged.safetensors:
+                                                            # W + (alpha/rank) B A
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import ConfigError
+from runner import ConfigError, check_whole
 from runner.ckpt.files import ADAPTER, read_weights, save_weights
 from runner.rundir import CONFIG, MODEL
 
@@ -85,40 +86,107 @@ def _base_not_missing(module: nn.Module, incompatible: Any) -> None:
 def merged_weights(
     base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float
 ) -> dict[str, torch.Tensor]:
-    """The base weights with each adapter folded in, W + scale * B @ A, under the base model's own names."""
-    merged = dict(base)
+    """The base weights with each adapter folded in, W + scale * B @ A, under the base model's own names; a
+    ConfigError naming every adapter the base does not fit (a missing module, another shape)."""
+    merged, problems = dict(base), []
     for key in adapters:
         found = _LORA_A.match(key)
         if found is None:
             continue
         module, name = found.groups()
-        a, b = adapters[key], adapters[f"{module}.{ADAPTER}B.{name}.weight"]
-        w = base[f"{module}.weight"]
-        merged[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+        a, b, w = adapters[key], adapters.get(f"{module}.{ADAPTER}B.{name}.weight"), base.get(f"{module}.weight")
+        if b is None or w is None:
+            problems.append(f"{module}.weight missing" if b is not None else f"{module}: lora_A without its lora_B")
+        elif a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != tuple(w.shape) or b.shape[1] != a.shape[0]:
+            problems.append(f"{module}.weight {tuple(w.shape)} vs B @ A {tuple(b.shape)} @ {tuple(a.shape)}")
+        else:
+            merged[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    if problems:
+        more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise ConfigError(f"the adapters do not fit the base: {'; '.join(problems[:5])}{more}")
     return merged
 
 
-def merge(run_dir: str | Path) -> Path:
-    """Fold a finetune=lora run's adapters (model.safetensors) into its base (init_from); returns the merged file."""
+def _config(run_dir: Path) -> Any:
+    # The run's own config, with ${run_dir} as the folder the run is in now (as runner.trained reads a run)
+    config = run_dir / CONFIG
+    if not run_dir.is_dir():
+        what = "does not exist" if not run_dir.exists() else "is a file"
+        raise ConfigError(f"{run_dir} {what}: give the folder of a finetune=lora run, e.g. outputs/DATE/TIME")
+    if not config.is_file():
+        raise ConfigError(f"{run_dir} has no {CONFIG}: give the folder of a finetune=lora run, e.g. outputs/DATE/TIME")
+    try:
+        cfg = OmegaConf.load(config)
+    except Exception as error:  # not UTF-8, not YAML, a bare value: omegaconf and yaml raise several kinds
+        raise ConfigError(f"{config} is not a readable YAML config ({' '.join(str(error).split())})") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{config} holds a list, not a config mapping: is {run_dir} the folder of a runner run?")
+    if "run_dir" in cfg:
+        cfg.run_dir = str(run_dir)
+    return cfg
+
+
+def _setting(lora: DictConfig, key: str, config: Path) -> Any:
+    # One finetune setting resolved: plain interpolations (${init_from}, ${run_dir}/..., ${oc.env:X}) resolve here;
+    # Hydra's own (${hydra:...}) and runner's resolvers do not exist outside a run, and are refused
+    try:
+        return lora[key] if key in lora else None
+    except Exception as error:  # omegaconf's errors for an unknown resolver, a missing key or variable
+        raw = OmegaConf.to_container(lora)[key]
+        hint = "give the base with --base PATH" if key == "base" else f"write its value into {config}"
+        raise ConfigError(
+            f"finetune.{key}={raw} in {config} cannot be resolved outside the run ({str(error).splitlines()[0]}); "
+            f"{hint}"
+        ) from None
+
+
+def merge(run_dir: str | Path, base: str | Path | None = None) -> Path:
+    """Fold a finetune=lora run's adapters (model.safetensors) into its base (init_from, or `base`); returns the
+    merged file."""
     run_dir = Path(run_dir)
-    cfg = OmegaConf.load(run_dir / CONFIG)
+    cfg, config = _config(run_dir), run_dir / CONFIG
     lora = cfg.get("finetune") or {}
-    if lora.get("_target_") != TARGET:
+    if not isinstance(lora, DictConfig) or lora.get("_target_") != TARGET:
         raise ConfigError(f"{run_dir} is not a finetune=lora run (its {CONFIG} has no finetune=lora)")
+    rank = check_whole(_setting(lora, "rank", config), f"finetune.rank in {config}")
+    alpha = _setting(lora, "alpha", config)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ConfigError(f"finetune.alpha in {config} must be a number, got {alpha!r}")
+    given = base is not None
+    base = base if given else _setting(lora, "base", config)
+    if not base:
+        raise ConfigError(f"{config} names no base (finetune.base, init_from): give it with --base PATH")
     adapters = read_weights(run_dir / MODEL)
+    ranks = {t.shape[0] for k, t in adapters.items() if _LORA_A.match(k) and t.dim() == 2}
+    if not ranks:
+        raise ConfigError(f"{run_dir / MODEL} holds no LoRA adapters ({ADAPTER}A/B weights): nothing to merge")
+    if ranks != {rank}:  # alpha / rank of another rank would scale every update wrongly
+        raise ConfigError(f"finetune.rank={rank} in {config}, but the adapters in {MODEL} have rank {sorted(ranks)}")
+    try:
+        weights = read_weights(base)
+    except ConfigError as error:  # a relative path is read from this folder: the run may have started elsewhere
+        where = "--base" if given else f"the base (finetune.base) in {config}"
+        raise ConfigError(
+            f"{where}: {error}. A relative path is read from the current folder; give --base PATH"
+        ) from None
+    try:
+        merged = merged_weights(weights, adapters, alpha / rank)
+    except ConfigError as error:
+        raise ConfigError(f"cannot merge {run_dir} into {base}: {error}. Is {base} the model it fine-tuned?") from None
     out = run_dir / MERGED
-    save_weights(merged_weights(read_weights(lora.base), adapters, lora.alpha / lora.rank), out)
+    save_weights(merged, out)
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m runner.finetune merge RUN_DIR."""
+    """python -m runner.finetune merge RUN_DIR [--base PATH]."""
     parser = argparse.ArgumentParser(prog="python -m runner.finetune", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["merge"])
     parser.add_argument("run_dir")
+    parser.add_argument("--base", help="the base weights, if not the run's init_from (a run folder or .safetensors)")
     args = parser.parse_args(argv)
     try:
-        print(merge(args.run_dir))
+        print(merge(args.run_dir, args.base))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

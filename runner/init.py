@@ -12,7 +12,9 @@ data made in-process) with every runner option. Nothing is overwritten: an exist
 from __future__ import annotations
 
 import argparse
+import keyword
 import sys
+from importlib.machinery import PathFinder
 from pathlib import Path
 
 from runner import ConfigError
@@ -126,18 +128,59 @@ FILES = {
 }
 
 
+# Folders a project holds beside its package (Hydra's config groups and output folders): not package names
+FOLDERS = ("conf", "outputs", "multirun")
+
+
+def _check_name(name: str) -> None:
+    # The project runs with its folder first on sys.path, so a package named like an importable module (numpy, json,
+    # google) would hide that module from everything else that imports it, torch and runner included.
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ConfigError(f"--name {name!r} is not a Python package name: give letters, digits and _, e.g. --name task")
+    if name in FOLDERS:
+        raise ConfigError(f"--name {name}: the project already has a folder {name}/ of its own; give another name")
+    if _importable(name):
+        raise ConfigError(
+            f"--name {name}: {name} is already importable here (the standard library or an installed package), "
+            f"and a package of that name in your project would hide it from the code that imports it; "
+            f"give another name, e.g. --name my_{name}"
+        )
+
+
+def _importable(name: str) -> bool:
+    # importlib.util.find_spec's search, less the working folder (a project made there before is not installed): each
+    # finder on sys.meta_path (the stdlib's, an editable install's), the path finder over sys.path without that folder
+    here = Path.cwd().resolve()
+    path = [p for p in sys.path if p and Path(p).resolve() != here]
+    if name in sys.modules or name in sys.builtin_module_names:
+        return True
+    for finder in sys.meta_path:
+        try:
+            if finder.find_spec(name, path if finder is PathFinder else None) is not None:
+                return True
+        except (AttributeError, ImportError, ValueError):  # a finder without find_spec, or one that cannot say
+            continue
+    return False
+
+
 def init(directory: str | Path, name: str = "project") -> list[Path]:
     """Write the project skeleton into `directory` (created if needed); returns the files written."""
-    if not name.isidentifier() or name in ("runner", "experiments", "hydra", "torch"):
-        raise ConfigError(f"--name {name!r}: the package name must be a Python identifier not taken by an import")
+    _check_name(name)
     root = Path(directory)
     paths = {root / pattern.format(name=name): text.replace("NAME", name) for pattern, text in FILES.items()}
     existing = [str(path) for path in paths if path.exists()]
     if existing:
         raise ConfigError(f"runner init would overwrite {', '.join(existing)}: pick an empty folder or another --name")
-    for path, text in paths.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    # A file where a folder must go (DIR itself, or one above it) stops it before anything is written
+    blocking = next((p for p in [root, *root.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"runner init {directory}: {blocking} is a file, not a folder; give a new or empty folder")
+    try:
+        for path, text in paths.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    except OSError as error:  # no permission, a file named like one of the folders, a full disk
+        raise ConfigError(f"runner init cannot write {error.filename or directory}: {error.strerror}") from None
     return list(paths)
 
 

@@ -29,7 +29,9 @@ def plot(rows: list[dict[str, Any]], metric: str, path: Path) -> int:
     curves = []
     for row in rows:
         points = [
-            (r["step"], r[metric]) for r in read_curve(Path(row["dir"])) if isinstance(r.get(metric), (int, float))
+            (r["step"], r[metric])
+            for r in read_curve(Path(row["dir"]))
+            if isinstance(r.get(metric), (int, float)) and isinstance(r.get("step"), int)
         ]
         if points:
             curves.append((row, points))
@@ -74,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dir.is_dir():
         print(f"error: {args.dir} is not a folder: give a sweep folder or a run folder", file=sys.stderr)
         return 2
+    if args.top is not None and args.top < 1:
+        print(f"error: --top {args.top}: show the N best jobs, N >= 1 (leave --top out for all)", file=sys.stderr)
+        return 2
+    out = args.out or args.dir
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {out} is a file: give a folder for results.csv and plots/", file=sys.stderr)
+        return 2
     rows = collect(args.dir)
     if not rows:
         print(f"error: no runs under {args.dir} (no job folder with a .hydra/ folder or metrics)", file=sys.stderr)
@@ -88,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
 
     console = table_console()
     console.print(leaderboard(rows, metric=args.metric, mode=mode, top=args.top))
-    out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)
     console.print(f"results: {write_csv(rows, out / 'results.csv')}", highlight=False, soft_wrap=True)
     if args.no_plot:

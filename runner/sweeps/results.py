@@ -8,20 +8,71 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+from runner import ConfigError
 from runner.run import Best, StopReason
-from runner.rundir import CONFIG, METRICS, OVERRIDES, SUMMARY, read_json, read_jsonl, read_yaml, write_atomic
+from runner.rundir import CONFIG, METRICS, OVERRIDES, SUMMARY, write_atomic
 
 FIRST = ["job", "status", "stop_reason", "monitor", "mode", "best", "best_step", "step", "wall_time_s"]
 LAST = ["error", "overrides", "dir"]
 
 
+class Unreadable(Exception):
+    """A job file that is there but is not what runner writes: not UTF-8, not JSON or YAML, or of another shape."""
+
+
+_KINDS = {list: "a list", dict: "a mapping", str: "a string", int: "a number", float: "a number", bool: "true/false"}
+
+
+def _parsed(job_dir: Path, name: str, kind: type) -> Any:
+    # The file's JSON (summary.json) or YAML (.hydra/*.yaml) value, which must be a `kind`; None if not written yet
+    # (a job still running). The run writes these atomically (write_atomic): one that does not parse is damaged.
+    import yaml
+
+    path = job_dir / name
+    try:
+        text = path.read_text(encoding="utf-8")
+        value = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        raise Unreadable(f"{name} is not UTF-8 text") from None
+    except OSError as error:
+        raise Unreadable(f"{name} cannot be read ({error.strerror or error})") from None
+    except (ValueError, yaml.YAMLError) as error:
+        raise Unreadable(f"{name} is not valid {path.suffix[1:].upper()} ({' '.join(str(error).split())})") from None
+    if value is not None and not isinstance(value, kind):
+        raise Unreadable(f"{name} holds {_KINDS.get(type(value), type(value).__name__)}, not {_KINDS[kind]}")
+    return value
+
+
+def _curve(job_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    # The rows of metrics.jsonl and how many lines before the last could not be read (the last may be half-written
+    # by a job still running; an earlier one is damage). Read as bytes: one bad line loses that line, not the file.
+    try:
+        lines = (Path(job_dir) / METRICS).read_bytes().splitlines()
+    except OSError:
+        return [], 0
+    rows, bad = [], 0
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError is one
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif line.strip() and i < len(lines) - 1:
+            bad += 1
+    return rows, bad
+
+
 def read_curve(job_dir: Path) -> list[dict[str, Any]]:
-    """The rows of a job's metrics.jsonl (a half-written last line, from a job still running, is skipped)."""
-    return read_jsonl(Path(job_dir) / METRICS)
+    """The rows of a job's metrics.jsonl; a line that is not a JSON object (a half-written last one) is skipped."""
+    return _curve(job_dir)[0]
 
 
 def _key(override: str) -> tuple[str, str]:
@@ -30,17 +81,39 @@ def _key(override: str) -> tuple[str, str]:
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
-    """One job's row: overrides, status, stop reason, best and final metrics, wall time, error."""
+    """One job's row: overrides, status, stop reason, best and final metrics, wall time, error. A job whose files
+    cannot be read has the status `unreadable` and the reason as its error."""
     job_dir = Path(job_dir)
-    config = read_yaml(job_dir / CONFIG) or {}
-    overrides = read_yaml(job_dir / OVERRIDES) or []
+    try:
+        row = _row(job_dir)
+    except (Unreadable, ConfigError) as why:
+        row = {"job": job_dir.name, "status": "unreadable", "error": str(why)}
+    return {**row, "dir": str(job_dir)}
+
+
+def _mapping(summary: dict[str, Any], key: str) -> dict[str, Any]:
+    value = summary.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise Unreadable(f"{SUMMARY}'s `{key}` is {_KINDS.get(type(value), type(value).__name__)}, not a mapping")
+    return value or {}
+
+
+def _row(job_dir: Path) -> dict[str, Any]:
+    config = _parsed(job_dir, CONFIG, dict) or {}
+    overrides = _parsed(job_dir, OVERRIDES, list) or []
+    if not all(isinstance(o, str) for o in overrides):
+        raise Unreadable(f"{OVERRIDES} is not a list of KEY=VALUE strings")
     monitor, mode = config.get("monitor", "val/loss"), config.get("mode", "min")
+    if not isinstance(monitor, str):
+        raise Unreadable(f"{CONFIG}'s monitor is {monitor!r}, not a metric name")
+    best = Best(mode)  # ConfigError if the config's mode is neither min nor max
     row: dict[str, Any] = {"job": job_dir.name, "monitor": monitor, "mode": mode, "overrides": " ".join(overrides)}
     row.update({f"override:{k}": v for k, v in map(_key, overrides)})
-    summary = read_json(job_dir / SUMMARY)
+    summary = _parsed(job_dir, SUMMARY, dict)
     if summary is None:
-        curve = read_curve(job_dir)
-        best = Best(mode)
+        curve, bad = _curve(job_dir)
+        if bad:
+            raise Unreadable(f"{METRICS} has {bad} line(s) that are not JSON objects")
         for r in curve:
             if isinstance(r.get(monitor), (int, float)) and math.isfinite(r[monitor]):
                 best.update(r[monitor], r.get("step", 0))
@@ -49,20 +122,22 @@ def job_row(job_dir: Path) -> dict[str, Any]:
             latest.update(r)
         row.update(status="running", step=latest.get("step"), best=best.value)
         row.update({k: v for k, v in latest.items() if "/" in k})
-        return {**row, "dir": str(job_dir)}
+        return row
     reason = summary.get("stop_reason")
-    best = summary.get("best") or {}
+    if reason is not None and not isinstance(reason, str):
+        raise Unreadable(f"{SUMMARY}'s stop_reason is {reason!r}, not a string")
+    best_of, progress, metrics = (_mapping(summary, key) for key in ("best", "progress", "metrics"))
     row.update(
         status=StopReason.status_of(reason),
         stop_reason=reason,
-        best=best.get("value"),
-        best_step=best.get("step"),
-        step=(summary.get("progress") or {}).get("step"),
+        best=best_of.get("value"),
+        best_step=best_of.get("step"),
+        step=progress.get("step"),
         wall_time_s=summary.get("wall_time_s"),
         error=summary.get("error"),
     )
-    row.update(summary.get("metrics") or {})
-    return {**row, "dir": str(job_dir)}
+    row.update(metrics)
+    return row
 
 
 def find_jobs(path: str | Path) -> list[Path]:
@@ -155,7 +230,7 @@ def leaderboard(rows: list[dict[str, Any]], metric: str = "best", mode: str = "m
     table = Table(title=f"{len(rows)} job(s), by {title} ({mode})")
     for column in ["job", *(k.removeprefix("override:") for k in swept), "status", title, "at step", "wall s"]:
         table.add_column(column, no_wrap=True, justify="right" if column in (title, "at step", "wall s") else "left")
-    styles = {"failed": "red", "diverged": "yellow", "running": "cyan", "stopped": "yellow"}
+    styles = {"failed": "red", "unreadable": "red", "diverged": "yellow", "running": "cyan", "stopped": "yellow"}
     for row in rank(rows, metric, mode)[:top]:
         wall = row.get("wall_time_s")
         table.add_row(
