@@ -53,7 +53,7 @@ def make_source(folder: Path, n_layer: int, device: str) -> None:
     from omegaconf import OmegaConf
 
     from runner.build import build
-    from runner.ckpt.files import save_weights
+    from runner.ckpt.weights import save_weights
 
     corpus = Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py"
     cfg = _compose(

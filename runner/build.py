@@ -19,7 +19,7 @@ from torch import nn
 from runner import ConfigError
 from runner.callbacks.time_limit import TimeLimit
 from runner.checks import check_config
-from runner.ckpt.files import load_weights
+from runner.ckpt.weights import load_weights
 from runner.loop import check_monitored_metrics, check_monitors, validation_metrics
 from runner.meter import Meter, peak_flops
 from runner.progress import Duration, TrainingProgress

@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from runner import ConfigError, check_whole
-from runner.ckpt.files import ADAPTER, read_weights, save_weights
+from runner.ckpt.files import ADAPTER
+from runner.ckpt.weights import read_weights, save_weights
 from runner.rundir import CONFIG, MODEL
 
 MERGED = "model.merged.safetensors"

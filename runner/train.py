@@ -13,8 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.build import build
 from runner.ckpt.callback import Checkpoint
-from runner.ckpt.files import load_checkpoint, newest_valid, save_weights, weight_parts
+from runner.ckpt.files import load_checkpoint, newest_valid
 from runner.ckpt.state import model_weights, restore
+from runner.ckpt.weights import save_weights, weight_parts
 from runner.log.info import run_info, run_metadata
 from runner.loop import fit
 from runner.run import Callback, Run, StopReason

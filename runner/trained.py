@@ -14,7 +14,7 @@ from torch import nn
 
 from runner import ConfigError, trust
 from runner.build import build_data, decided_by_data, user_errors
-from runner.ckpt.files import load_weights
+from runner.ckpt.weights import load_weights
 from runner.rundir import CONFIG, MODEL
 
 # What another run's .hydra/config.yaml may name as `_target_`s when runner rebuilds its model and data

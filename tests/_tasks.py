@@ -27,7 +27,7 @@ class SlowToWrite(MLPClassifier):
 
     @property
     def parts(self) -> dict[str, str]:
-        # read by rank 0 alone, between model.safetensors and summary.json (runner.ckpt.files.weight_parts)
+        # read by rank 0 alone, between model.safetensors and summary.json (runner.ckpt.weights.weight_parts)
         time.sleep(self.write_seconds)
         return {}
 

@@ -173,7 +173,7 @@ def finished_run(directory: Path, *overrides: str) -> Run:
     from omegaconf import OmegaConf
 
     from runner.build import build
-    from runner.ckpt.files import save_weights
+    from runner.ckpt.weights import save_weights
     from runner.loop import fit
 
     cfg = compose_job(directory, *overrides)

@@ -10,7 +10,7 @@ import torch
 
 from runner import ConfigError
 from runner.callbacks.early_stopping import EarlyStopping
-from runner.ckpt.files import save_weights
+from runner.ckpt.weights import save_weights
 from runner.progress import parse_duration
 from runner.run import Callback, Run
 from runner.rundir import MODEL_PART

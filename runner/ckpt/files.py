@@ -1,4 +1,4 @@
-"""Checkpoint files: write a checkpoint folder atomically, verify and read it; the bare model's weights as safetensors.
+"""Checkpoint files: write a checkpoint folder atomically, verify and read it (weights files: runner.ckpt.weights).
 
 A checkpoint is a folder `<dir>/step-00001000/` holding `model.safetensors` (the bare model's weights), `state.pt`
 (everything else: optimizer, schedule, precision, progress, data position, RNG, callbacks, loggers; tensors and plain
@@ -29,10 +29,6 @@ FILES = ("model.safetensors", "state.pt")
 MANIFEST_SHA256 = "manifest_sha256"
 # In a weight's name: a LoRA adapter's (PEFT's lora_A / lora_B). A file of only those says so in its metadata.
 ADAPTER = "lora_"
-# model.safetensors.sha256 beside each weights file that save_weights writes, in `sha256sum` format (`sha256sum -c`
-# checks it by hand). A file of its own, not safetensors metadata: a checksum covers the whole file, header included,
-# and a file given by a user or written by an older runner (no record) still loads.
-RECORD = ".sha256"
 ADAPTERS_ONLY = {"runner_weights": "lora_adapters_only: merge with python -m runner.finetune merge RUN_DIR"}
 
 
@@ -50,7 +46,8 @@ def bare_names(state: dict[str, Any]) -> dict[str, Any]:
     return bare
 
 
-def _safetensors(weights: dict[str, torch.Tensor]) -> bytes:
+def safetensors_bytes(weights: dict[str, torch.Tensor]) -> bytes:
+    """`weights` as the bytes of a safetensors file (on the CPU; an adapters-only file says so in its metadata)."""
     from safetensors.torch import save
     from torch.distributed.tensor import DTensor
 
@@ -60,28 +57,6 @@ def _safetensors(weights: dict[str, torch.Tensor]) -> bytes:
     # clone: safetensors refuses tensors that share storage (tied weights); each key gets its own copy
     metadata = ADAPTERS_ONLY if weights and all(ADAPTER in k for k in weights) else None
     return save({k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()}, metadata=metadata)
-
-
-def save_weights(model: torch.nn.Module | dict[str, torch.Tensor], path: str | Path) -> None:
-    """The bare model's weights (or weights already gathered: model_weights) as safetensors, written atomically,
-    with their sha256 in a record beside them (RECORD) that every load checks (read_weights)."""
-    weights = bare_names(model.state_dict()) if isinstance(model, torch.nn.Module) else model
-    data, path = _safetensors(weights), Path(path)
-    record = path.with_name(path.name + RECORD)
-    # The old record goes first: a crash between the writes leaves weights without a record (loaded unchecked, as an
-    # older run's are), never a record that disagrees with good weights.
-    record.unlink(missing_ok=True)
-    rundir.write_atomic(path, data, fsync=True)
-    rundir.write_atomic(record, f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode(), fsync=True)
-
-
-def weight_parts(task: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """The weights of each part of a task made of several models (`task.parts`: name -> prefix of its weights, as a
-    family of SAEs has), under the part's own names: a file of its own loads into that part alone."""
-    return {
-        name: {key[len(prefix) :]: value for key, value in weights.items() if key.startswith(prefix)}
-        for name, prefix in getattr(task, "parts", {}).items()
-    }
 
 
 def write_checkpoint(
@@ -107,7 +82,7 @@ def _write_folder(tmp: Path, model: dict[str, torch.Tensor], state: dict[str, An
     tmp.mkdir(parents=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    files = {"model.safetensors": _safetensors(model), "state.pt": buffer.getvalue()}
+    files = {"model.safetensors": safetensors_bytes(model), "state.pt": buffer.getvalue()}
     manifest = {**info, "files": {}}
     for name, data in files.items():
         rundir.write_atomic(tmp / name, data, fsync=True)
@@ -231,78 +206,3 @@ def newest_valid(directory: Path) -> tuple[Path, tuple] | None:
             "run's earlier files are moved to before-scratch-<time>/ in it, not deleted)"
         )
     return None
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The bare model's weights from a checkpoint folder, a run folder or a .safetensors file, checked against the
-    checkpoint's manifest or the file's sha256 record where there is one (save_weights writes it)."""
-    from safetensors.torch import load as safetensors_load
-
-    path = Path(path)
-    folder, name = (path, "model.safetensors") if path.is_dir() else (path.parent, path.name)
-    if (folder / "manifest.json").is_file() and name in FILES:  # a checkpoint folder, or its weights file
-        return safetensors_load(verified(folder, name, read_manifest(folder)))
-    file = path / rundir.MODEL if path.is_dir() else path
-    try:
-        data = file.read_bytes()
-        weights = safetensors_load(_recorded(file, data))
-    except CheckpointError:
-        raise
-    except Exception as error:  # missing, truncated, not safetensors at all
-        raise CheckpointError(
-            f"cannot read weights from {path} ({error}); give a checkpoint folder, a run folder or a .safetensors file"
-        ) from None
-    return weights
-
-
-def _recorded(file: Path, data: bytes) -> bytes:
-    """`data` (the bytes of `file`) if they match the sha256 in the file's record, or if it has none."""
-    record = file.with_name(file.name + RECORD)
-    try:
-        expected = record.read_text(encoding="utf-8").split()[0]
-    except FileNotFoundError:
-        return data  # a user's file, or an older run's
-    except (OSError, ValueError, IndexError) as error:
-        raise CheckpointError(f"{file}: its checksum record {record} cannot be read ({error})") from None
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != expected:
-        raise CheckpointError(
-            f"{file} does not match the sha256 recorded in {record.name} when it was written (expected {expected}, "
-            f"got {actual}): the file is corrupted (or replaced). Use a good copy, or write it again from the run's "
-            "newest checkpoint (resume=auto writes a finished run's final files again)"
-        )
-    return data
-
-
-def load_weights(
-    model: torch.nn.Module, path: str | Path, strict: bool = True, what: str = "init_from", say: bool = True
-) -> dict:
-    """Load only weights into `model` from a checkpoint folder, a run folder or a .safetensors file.
-
-    Reports missing, unexpected and shape-mismatched keys; with `strict` any of them is an error (`what` names the
-    setting in it), otherwise the matching tensors are loaded and the rest keep their initial values. `say`: print
-    what was loaded (rank 0 does; the other ranks load the same quietly).
-    """
-    weights = read_weights(path)
-    own = bare_names(model.state_dict())
-    report = {
-        "missing": sorted(set(own) - set(weights)),
-        "unexpected": sorted(set(weights) - set(own)),
-        "shape_mismatch": sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape),
-    }
-    problems = {k: v for k, v in report.items() if v}
-    if problems and strict:
-        details = "; ".join(f"{k}: {v[:5]}{' ...' if len(v) > 5 else ''}" for k, v in problems.items())
-        hint = " Set init_strict=false to load the tensors that fit and keep the others as initialised."
-        raise CheckpointError(f"{what}={path} does not fit the model ({details}).{hint if what == 'init_from' else ''}")
-    usable = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
-    with torch.no_grad():
-        for name, tensor in usable.items():
-            own[name].copy_(tensor)
-    if say and (what == "init_from" or problems):
-        print(
-            f"{what}: loaded {len(usable)} of {len(own)} tensors from {path}"
-            + "".join(f"; {k}: {len(v)}" for k, v in problems.items()),
-            file=sys.stderr,
-        )
-    return report

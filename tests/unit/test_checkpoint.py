@@ -18,11 +18,11 @@ from runner.ckpt.files import (
     CheckpointError,
     checkpoints,
     load_checkpoint,
-    load_weights,
     manifest_checksum,
     newest_valid,
     read_manifest,
 )
+from runner.ckpt.weights import load_weights
 from runner.loop import fit
 from runner.run import Run
 from runner.train import train

@@ -21,7 +21,7 @@ from torch import nn
 
 from runner import ConfigError
 from runner.build import build
-from runner.ckpt.files import save_weights
+from runner.ckpt.weights import save_weights
 from runner.data import batch_size_of, to_device
 from runner.log.jsonl import JsonlLogger
 from runner.log.wandb_logger import WandbLogger

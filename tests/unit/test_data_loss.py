@@ -18,16 +18,8 @@ from helpers import StopAt, child_env
 from runner import ConfigError
 from runner.ckpt import callback as ckpt_callback
 from runner.ckpt.callback import Checkpoint
-from runner.ckpt.files import (
-    CheckpointError,
-    checkpoints,
-    load_checkpoint,
-    load_weights,
-    newest_valid,
-    read_weights,
-    save_weights,
-    write_checkpoint,
-)
+from runner.ckpt.files import CheckpointError, checkpoints, load_checkpoint, newest_valid, write_checkpoint
+from runner.ckpt.weights import load_weights, read_weights, save_weights
 from runner.rundir import METRICS, MODEL, read_jsonl
 from runner.train import train
 
@@ -240,4 +232,3 @@ def test_a_full_disk_removes_the_temporary_file(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(ConfigError, match="disk full"):
         rundir.write_atomic(tmp_path / "x.json", b"{}", fsync=True)
     assert list(tmp_path.iterdir()) == []
-

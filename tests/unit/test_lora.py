@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from runner import ConfigError
 from runner.build import build
-from runner.ckpt.files import ADAPTER, ADAPTERS_ONLY, read_weights
+from runner.ckpt.files import ADAPTER, ADAPTERS_ONLY
+from runner.ckpt.weights import read_weights
 from runner.finetune import MERGED, merge
 from runner.trained import load_trained
 

@@ -34,7 +34,7 @@ from experiments.sae.metrics import feature_recovery
 from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, auxk_loss, geometric_median
 from runner import ConfigError
 from runner.build import build
-from runner.ckpt.files import save_weights
+from runner.ckpt.weights import save_weights
 from runner.data import DataModule
 from runner.loop import fit
 from runner.run import Callback, Run

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.build import build
-from runner.ckpt.files import save_weights
+from runner.ckpt.weights import save_weights
 from runner.trained import load_trained
 
 MARKER = Path("/tmp/runner-source-pwned")
