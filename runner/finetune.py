@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import ConfigError, check_whole
+from runner import ConfigError, check_whole, trust
 from runner.ckpt.files import ADAPTER
 from runner.ckpt.weights import read_weights, save_weights
 from runner.rundir import CONFIG, MODEL
@@ -149,6 +149,11 @@ def merge(run_dir: str | Path, base: str | Path | None = None) -> Path:
     lora = cfg.get("finetune") or {}
     if not isinstance(lora, DictConfig) or lora.get("_target_") != TARGET:
         raise ConfigError(f"{run_dir} is not a finetune=lora run (its {CONFIG} has no finetune=lora)")
+    unsafe = trust.unsafe_resolvers(OmegaConf.to_container(lora, resolve=False))
+    if unsafe:  # a run folder may be anybody's: resolving its settings must not run what it names
+        raise ConfigError(
+            f"finetune in {config} calls the resolvers {sorted(set(unsafe))}: give the base with --base PATH"
+        )
     rank = check_whole(_setting(lora, "rank", config), f"finetune.rank in {config}")
     alpha = _setting(lora, "alpha", config)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):

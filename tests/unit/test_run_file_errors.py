@@ -88,6 +88,16 @@ def test_merge_refuses_a_config_it_cannot_use(tmp_path: Path, capsys, change: di
     assert not (tmp_path / "run" / "model.merged.safetensors").exists()
 
 
+def test_merge_runs_no_resolver_that_writes(tmp_path: Path, capsys) -> None:
+    from runner import resolvers
+
+    resolvers.register()  # as in any process that composed a config: runner_fresh makes the folder it names
+    made = tmp_path / "made by the config"
+    run = lora_run(tmp_path / "fresh", base=f"${{runner_fresh:{made}}}")
+    refused(finetune.main, ["merge", str(run)], capsys, "calls the resolvers \\['runner_fresh'\\]: give the base with")
+    assert not made.exists()
+
+
 def test_merge_refuses_a_missing_folder_a_file_and_bytes_that_are_not_utf8(tmp_path: Path, capsys) -> None:
     refused(finetune.main, ["merge", str(tmp_path / "nowhere")], capsys, "nowhere does not exist: give the folder")
     (tmp_path / "file").write_text("x")
