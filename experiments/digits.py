@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner import ConfigError
+from runner import ConfigError, check_whole
 from runner.data import TensorData
 
 
@@ -53,6 +53,8 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
 def digits_splits(val_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0) -> dict[str, TensorData]:
     """{'train': ..., 'val': ..., 'test': ...} datasets of (image, label) tensors; the test split (when
     test_fraction > 0) is carved out of the held-out val_fraction, so that the training split does not change."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"data.splits.seed must be a whole number >= 0, got {seed!r}: e.g. data.splits.seed=0")
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"data.splits.val_fraction must be in (0, 1), got {val_fraction}")
     if not 0.0 <= test_fraction < val_fraction:
@@ -81,6 +83,18 @@ class MLPClassifier(nn.Module):
         self, in_features: int = 64, hidden: list[int] = (256, 256), num_classes: int = 10, dropout: float = 0.0
     ) -> None:
         super().__init__()
+        check_whole(in_features, "model.in_features")
+        check_whole(num_classes, "model.num_classes")
+        if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in hidden):
+            raise ConfigError(
+                f"model.hidden={list(hidden)}: each hidden layer's width must be a whole number >= 1: e.g. "
+                "model.hidden=[256,256] ([] for none)"
+            )
+        if not 0 <= dropout < 1:  # torch takes 1.0, which zeroes every activation: nothing could be learned
+            raise ConfigError(
+                f"model.dropout must be in [0, 1) (the share of activations zeroed), got {dropout}: "
+                "e.g. model.dropout=0.1"
+            )
         layers: list[nn.Module] = []
         for width in hidden:
             layers += [nn.Linear(in_features, width), nn.ReLU(), nn.Dropout(dropout)]

@@ -82,8 +82,34 @@ def _hydra_user_errors(run_and_report: Callable[[Callable[[], Any]], Any]) -> Ca
             _fail(ConfigError(_one_paragraph(error)), 2)
         except ConfigError as error:  # from outside a job: a sweep folder that another sweep holds
             _fail(error, 2)
+        except OSError as error:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1" or _raised_in_job(error):
+                raise
+            _fail(ConfigError(_folder_error(error)), 2)
 
     return lambda func: run_and_report(lambda: translated(func))
+
+
+def _raised_in_job(error: BaseException) -> bool:
+    # Whether `error` came out of main() (training's own, reported as it is) rather than from Hydra making the run
+    # folder around it (mkdir, .hydra/, the log file) before the job starts.
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is main.__wrapped__.__code__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _folder_error(error: OSError) -> str:
+    """What to do when the run folder cannot be made or written: hydra.run.dir names a file, or an unwritable place."""
+    where = Path(str(error.filename)) if error.filename else None
+    why = "it is a file, not a folder" if where is not None and where.is_file() else error.strerror or str(error)
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(sys.argv) else "hydra.run.dir"
+    return (
+        f"cannot make the run folder {where or ''} ({why}): {key} must name a folder you can write (made if missing), "
+        f"e.g. {key}=outputs/my-run"
+    )
 
 
 def _record_failure(cfg: DictConfig, error: BaseException, wall_time_s: float) -> None:
@@ -101,6 +127,7 @@ def main(cfg: DictConfig) -> float | None:
     """Train one run; return the best value of `monitor` so that sweepers can optimize it (runner.sweeps.job)."""
     hydra_cfg = HydraConfig.get()
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    # A bad `threads` (0, -3) is a ConfigError from here, before the folder is claimed: exit 2 (a sweep's too)
     threads = threads_per_job(cfg.get("threads"), parallel_jobs(hydra_cfg.launcher) if in_sweep else 1)
     if threads is not None:
         torch.set_num_threads(threads)

@@ -2,7 +2,9 @@
 
 Hydra refuses a misspelled key unless it is added with `+`, and then accepts anything: `+trainer.max_duraton=60st`
 would train the default duration. So every key under `trainer` must be one runner reads, and every key of a component
-(a node with `_target_`) must be a parameter of what it names.
+(a node with `_target_`) must be a parameter of what it names. Hydra also accepts any value for any key
+(`model.dropout=abc`): a value must fit the type its parameter is annotated with, so that a wrong type is refused here
+by name instead of failing as a TypeError deep inside torch.
 """
 
 from __future__ import annotations
@@ -10,26 +12,52 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-from collections.abc import Iterator
-from typing import Any
+import typing
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
+from runner.hints import check_value, plain_value, set_at, typed
 
-# What runner reads under `trainer` (runner/conf/config.yaml documents each).
-TRAINER_KEYS = {
-    "max_duration",
-    "max_time",
-    "accumulate_grad_batches",
-    "gradient_clip_val",
-    "val_interval",
-    "log_interval",
-    "max_nonfinite_steps",
-    "stop_check_interval",
-    "peak_flops",
+# What runner reads under `trainer` (runner/conf/config.yaml documents each), and the type of each; durations are
+# parsed by runner.progress, whose errors name the units (a duration given as a number reads as a bad duration).
+TRAINER_KEYS: dict[str, Any] = {
+    "max_duration": Any,
+    "max_time": str | float | None,
+    "accumulate_grad_batches": int,
+    "gradient_clip_val": float | None,
+    "val_interval": Any,
+    "log_interval": Any,
+    "max_nonfinite_steps": int,
+    "stop_check_interval": Any,
+    "peak_flops": float | None,
+}
+# The top-level settings of runner/conf/config.yaml that are not a group's, and their types.
+TOP_KEYS: dict[str, Any] = {
+    "monitor": str | None,
+    "mode": Literal["min", "max"],
+    "run_dir": str,
+    "resume": str | None,
+    "resume_allow_changes": bool,
+    "init_from": str | None,
+    "init_strict": bool,
+    "trusted_targets": list[str],
+    "threads": int | None,
+    "fail_fast": bool,
 }
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+# Optimizer settings torch would refuse with a traceback, or accept where no run can learn: (low, high, closed at
+# high, an example). The learning rate's bound is far above any that trains (1e99 is a typo, not a setting).
+OPTIMIZER_RANGES = {
+    "lr": (0.0, 1e3, True, "3e-4"),
+    "weight_decay": (0.0, math.inf, False, "0.01"),
+    "eps": (0.0, 1.0, True, "1e-8"),
+    "momentum": (0.0, 1.0, False, "0.9"),
+    "dampening": (0.0, 1.0, True, "0.0"),
+}
 
 
 # Names from other libraries that difflib cannot see are the same setting.
@@ -51,29 +79,44 @@ def _components(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
                 yield from _components(node._get_node(key), f"{path}.{key}" if path else key)
 
 
-def _parameters(target: str) -> set[str] | None:
-    """The keyword parameters of the callable `target` names; None if it takes **kwargs that cannot be followed, or
-    cannot be inspected. A runner or experiments class whose **kwargs go to its base classes' __init__ (a data module
-    of DataModule's loader options, an SAE of the base SAE's) takes theirs too."""
+def _signature(target: str, path: str) -> tuple[set[str] | None, dict[str, tuple[Any, Any]]]:
+    """The keyword parameters of the callable `target` names (None if it takes **kwargs that cannot be followed, or
+    cannot be inspected), and {parameter: (its type hint, its default)} where those can be read. A runner or
+    experiments class whose **kwargs go to its base classes' __init__ (a data module of DataModule's loader options,
+    an SAE of the base SAE's) takes theirs too."""
     from hydra._internal.utils import _locate
 
     try:
         obj = _locate(target)
+    except Exception as error:
+        raise ConfigError(
+            f"{path}._target_={target} cannot be imported ({str(error).splitlines()[0]}): check its spelling, or "
+            f"choose another {path.split('.')[0]} option"
+        ) from None
+    try:
         inits = [c.__init__ for c in obj.__mro__ if "__init__" in c.__dict__] if inspect.isclass(obj) else [obj]
     except Exception:  # instantiation will say what is wrong with the target itself
-        return None
+        return None, {}
     accepted: set[str] = set()
+    hinted: dict[str, tuple[Any, Any]] = {}
     for init in inits:
         if inits[0] is not init and not getattr(init, "__module__", "").startswith(("runner.", "experiments.")):
-            return None  # **kwargs handed to code that is not ours (nn.Module, a library): anything may be read
+            return None, hinted  # **kwargs handed to code not ours (nn.Module, a library): anything may be read
         try:
             params = inspect.signature(init).parameters.values()
         except (TypeError, ValueError):
-            return None
-        accepted |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+            return None, hinted
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # an annotation that names what only a type checker imports: no types from this one
+            hints = {}
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+        for p in named:
+            hinted.setdefault(p.name, (hints.get(p.name, Any), p.default))
+        accepted |= {p.name for p in named}
         if not any(p.kind == p.VAR_KEYWORD for p in params):
-            return accepted
-    return None
+            return accepted, hinted
+    return None, hinted
 
 
 def check_keys(cfg: DictConfig) -> None:
@@ -81,25 +124,48 @@ def check_keys(cfg: DictConfig) -> None:
     for key in cfg.get("trainer", {}):
         if key not in TRAINER_KEYS:
             raise ConfigError(
-                f"trainer.{key} is not a trainer setting ({_nearest(key, TRAINER_KEYS, 'trainer.')}); "
+                f"trainer.{key} is not a trainer setting ({_nearest(key, set(TRAINER_KEYS), 'trainer.')}); "
                 "nothing would read it"
             )
-    for path, node in _components(cfg, ""):
-        if path == "hydra" or path.startswith("hydra."):
-            continue
-        target = OmegaConf.select(node, "_target_")
-        accepted = _parameters(target) if isinstance(target, str) else None
+    for path, node, accepted, _ in _targets(cfg):
         if accepted is None:
             continue
         for key in node.keys():
             if key in HYDRA_KEYS or key in accepted:
                 continue
             raise ConfigError(
-                f"{path}.{key} is not a parameter of {target} ({_nearest(str(key), accepted, path + '.')}); "
+                f"{path}.{key} is not a parameter of {node._target_} ({_nearest(str(key), accepted, path + '.')}); "
                 f"nothing would read it. Remove it, or choose another {path.split('.')[0]} option"
             )
 
 
+def _targets(cfg: DictConfig) -> Iterator[tuple[str, DictConfig, set[str] | None, dict[str, tuple[Any, Any]]]]:
+    # every component of the job config with what its target takes
+    for path, node in _components(cfg, ""):
+        if path == "hydra" or path.startswith("hydra."):
+            continue
+        target = OmegaConf.select(node, "_target_")
+        if isinstance(target, str):
+            yield path, node, *_signature(target, path)
+
+
+# ---- types ----------------------------------------------------------------------------------------------------------
+def check_types(cfg: DictConfig) -> None:
+    """Refuse a value whose type does not fit its setting: the top-level keys, trainer's, and every component key whose
+    parameter is annotated (a string for a number, a list for a scalar, null where a value is needed)."""
+    for key, hint in TOP_KEYS.items():
+        if key in cfg and (got := plain_value(cfg, key))[0]:
+            check_value(set_at(cfg, key, key), got[1], hint)
+    for key, hint in TRAINER_KEYS.items():
+        if key in cfg.get("trainer", {}) and (got := plain_value(cfg.trainer, key))[0]:
+            check_value(set_at(cfg.trainer, key, f"trainer.{key}"), got[1], hint)
+    for path, node, _, params in _targets(cfg):
+        for key in node.keys():
+            if key in params and key not in HYDRA_KEYS and (got := plain_value(node, key))[0]:
+                check_value(set_at(node, key, f"{path}.{key}"), got[1], *params[key])
+
+
+# ---- values ---------------------------------------------------------------------------------------------------------
 def _missing(node: Any, path: str) -> Iterator[str]:
     # Keys left as ??? (OmegaConf.missing_keys resolves interpolations on the way and raises on `${a}` when a is ???).
     if isinstance(node, DictConfig):
@@ -109,6 +175,35 @@ def _missing(node: Any, path: str) -> Iterator[str]:
                 yield child
             else:
                 yield from _missing(node._get_node(key), child)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    # ranges of the optimizer settings (their types are checked with the components')
+    for key, (low, high, closed, example) in OPTIMIZER_RANGES.items():
+        value = optimizer.get(key)
+        if value is None or not _number(value):
+            continue
+        if not (math.isfinite(value) and low <= value and (value <= high if closed else value < high)):
+            span = f"in [{low:g}, {high:g}{']' if closed else ')'}" if math.isfinite(high) else f">= {low:g}"
+            raise ConfigError(
+                f"optimizer.{key} must be a finite number {span}, got {value!r}: e.g. optimizer.{key}={example}"
+            )
+    betas = optimizer.get("betas")
+    if isinstance(betas, Sequence) and not isinstance(betas, str):
+        if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+            raise ConfigError(
+                f"optimizer.betas must be two numbers in [0, 1) (the moving averages' decay rates), got "
+                f"{typed(list(betas))}: e.g. optimizer.betas=[0.9,0.999]"
+            )
+    if optimizer.get("nesterov") and (not optimizer.get("momentum") or optimizer.get("dampening")):
+        raise ConfigError(
+            "optimizer.nesterov=true needs optimizer.momentum > 0 and optimizer.dampening=0: e.g. "
+            "optimizer.momentum=0.9"
+        )
 
 
 def check_values(cfg: DictConfig) -> None:
@@ -122,15 +217,22 @@ def check_values(cfg: DictConfig) -> None:
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"seed must be a whole number >= 0, got {seed!r}: e.g. seed=0")
-    lr = cfg.get("optimizer", {}).get("lr")
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0):
-        raise ConfigError(f"optimizer.lr must be a finite number >= 0, got {lr!r}: e.g. optimizer.lr=3e-4")
+    _check_optimizer(cfg.get("optimizer", {}))
+    device = cfg.get("distributed", {}).get("device")
+    if isinstance(device, str) and device != "auto":
+        try:
+            torch.device(device)
+        except (RuntimeError, ValueError):
+            raise ConfigError(
+                f"distributed.device={device!r} is not a device: auto (a GPU when there is one), cpu, cuda, cuda:1"
+            ) from None
     workers = cfg.get("data", {}).get("num_workers")
     if workers is not None and (not isinstance(workers, int) or workers < 0):
         raise ConfigError(f"data.num_workers must be a whole number >= 0 (0: load in this process), got {workers!r}")
 
 
 def check_config(cfg: DictConfig) -> None:
-    """check_values and check_keys."""
+    """check_values, check_keys and check_types."""
     check_values(cfg)
     check_keys(cfg)
+    check_types(cfg)

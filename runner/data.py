@@ -7,6 +7,7 @@ import math
 import multiprocessing
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,6 +71,8 @@ class DataModule:
         if "train" not in splits:
             raise ConfigError(f"data.splits must have a 'train' split, got {sorted(splits)}")
         check_whole(batch_size, "data.batch_size")
+        if val_batch_size is not None:
+            check_whole(val_batch_size, "data.val_batch_size")
         self.splits, self.batch_size = splits, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.shuffle, self.drop_last, self.seed = num_workers, shuffle, drop_last, seed
@@ -147,6 +150,21 @@ class DataModule:
             n = min(n, kept * per_batch) if isinstance(limit, int) else max(min(world_size, n), int(limit * n))
         sampler = torch.utils.data.BatchSampler(ValidationShard(n, rank, world_size), self.val_batch_size, False)
         return self._loader(dataset, sampler, device or torch.device("cpu"), self.seed + rank)
+
+
+def load_npy(path: str | Path, what: str) -> np.ndarray:
+    """A .npy array, memory-mapped and never unpickled; a ConfigError naming `what` if the file is not a .npy array."""
+    with open(path, "rb") as f:
+        magic = f.read(len(np.lib.format.MAGIC_PREFIX))
+    if magic != np.lib.format.MAGIC_PREFIX:
+        raise ConfigError(
+            f"{what} cannot be read: it is not a valid .npy file (it does not start with numpy's header; empty, "
+            "truncated, or another format). Write it with numpy.save"
+        )
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as error:  # a header numpy cannot read, or object arrays (pickled)
+        raise ConfigError(f"{what} cannot be read as a plain .npy array ({error})") from None
 
 
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -62,6 +62,27 @@ def _steps(progress: TrainingProgress, duration: str | Duration, what: str) -> i
     return steps
 
 
+def _warmup_steps(progress: TrainingProgress, warmup: str, total: int | None) -> int:
+    # A warmup longer than the run never reaches optimizer.lr: surely a mistake (a warmup in epochs of a short run)
+    warm = _steps(progress, warmup, "scheduler.warmup")
+    if total is not None and warm > total:
+        raise ConfigError(
+            f"scheduler.warmup={warmup} is {warm} optimizer steps, longer than the whole run (trainer.max_duration="
+            f"{progress.max_duration}: {total} steps): the learning rate would never reach optimizer.lr. Shorten it, "
+            "e.g. scheduler.warmup=0.05dur (a fraction of the run)"
+        )
+    return warm
+
+
+def _ratio(min_lr_ratio: float) -> float:
+    if not 0 <= min_lr_ratio <= 1:  # (a NaN fails too)
+        raise ConfigError(
+            f"scheduler.min_lr_ratio must be in [0, 1] (the final LR as a share of optimizer.lr), got {min_lr_ratio}: "
+            "e.g. scheduler.min_lr_ratio=0.1"
+        )
+    return min_lr_ratio
+
+
 def _warmup(t: int, warm: int) -> float:
     # The LR factor during a linear warmup of `warm` steps: never 0 (the first step learns), 1 from step `warm` on.
     return min(1.0, (t + 1) / (warm + 1))
@@ -69,7 +90,7 @@ def _warmup(t: int, warm: int) -> float:
 
 def constant(optimizer: torch.optim.Optimizer, progress: TrainingProgress, warmup: str = "0st") -> PerStep:
     """Constant learning rate after an optional linear warmup."""
-    warm = _steps(progress, warmup, "scheduler.warmup")
+    warm = _warmup_steps(progress, warmup, progress.total_steps())
     return PerStep(LambdaLR(optimizer, lambda t: _warmup(t, warm)))
 
 
@@ -78,7 +99,7 @@ def cosine(
 ) -> PerStep:
     """Linear warmup, then cosine decay that reaches `min_lr_ratio` x the base LR exactly at max_duration."""
     total = _steps(progress, progress.max_duration, "trainer.max_duration")
-    warm = min(_steps(progress, warmup, "scheduler.warmup"), total)
+    warm, min_lr_ratio = _warmup_steps(progress, warmup, total), _ratio(min_lr_ratio)
 
     def factor(t: int) -> float:
         if t < warm:
@@ -98,8 +119,14 @@ def wsd(
 ) -> PerStep:
     """Warmup-stable-decay: linear warmup, constant, then linear decay to `min_lr_ratio` over the last `decay`."""
     total = _steps(progress, progress.max_duration, "trainer.max_duration")
-    warm = min(_steps(progress, warmup, "scheduler.warmup"), total)
-    cool = min(_steps(progress, decay, "scheduler.decay"), total - warm)
+    warm, min_lr_ratio = _warmup_steps(progress, warmup, total), _ratio(min_lr_ratio)
+    cool = _steps(progress, decay, "scheduler.decay")
+    if warm + cool > total:
+        raise ConfigError(
+            f"scheduler.warmup={warmup} ({warm} steps) and scheduler.decay={decay} ({cool} steps) together are longer "
+            f"than the whole run (trainer.max_duration={progress.max_duration}: {total} steps): shorten them, e.g. "
+            "scheduler.warmup=0.01dur scheduler.decay=0.2dur"
+        )
 
     def factor(t: int) -> float:
         if t < warm:
@@ -141,6 +168,8 @@ def step(
     """Multiply the learning rate by `gamma` every `every` (a duration)."""
     if _steps(progress, every, "scheduler.every") < 1:
         raise ConfigError(f"scheduler.every={every} is shorter than one optimizer step")
+    if not 0 < gamma <= 1:
+        raise ConfigError(f"scheduler.gamma must be in (0, 1] (the LR is multiplied by it), got {gamma}: e.g. 0.5")
     return Ticks(optimizer, progress, progress.resolve(every), gamma)
 
 
@@ -158,6 +187,11 @@ def plateau(
     """ReduceLROnPlateau stepped once per validation: the LR drops after `patience` + 1 validations without gain."""
     if mode not in ("min", "max"):
         raise ConfigError(f"scheduler.mode must be 'min' or 'max', got {mode!r}")
+    if not 0 < factor < 1:
+        raise ConfigError(f"scheduler.factor must be in (0, 1) (the LR is multiplied by it), got {factor}: e.g. 0.5")
+    for name, value in (("patience", patience), ("threshold", threshold), ("cooldown", cooldown), ("min_lr", min_lr)):
+        if not value >= 0:  # (a NaN fails too)
+            raise ConfigError(f"scheduler.{name} must be >= 0, got {value}")
     scheduler = ReduceLROnPlateau(
         optimizer, mode=mode, factor=factor, patience=patience, threshold=threshold, cooldown=cooldown, min_lr=min_lr
     )

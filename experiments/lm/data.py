@@ -3,12 +3,10 @@ user's files), encoded once into a memory-mapped cache, and pre-tokenized files 
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
 import shutil
-import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,10 +15,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from runner import ConfigError
-from runner.data import DataModule
+from experiments.lm.corpus import (
+    corpus_files,
+    held_out_files,
+    read_text,
+    stdlib_sources,  # noqa: F401 - where it was: experiments.lm.data.stdlib_sources
+)
+from runner import ConfigError, check_whole
+from runner.data import DataModule, load_npy
 
-_SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 _FORMAT = 1  # of the cache's files: a change makes new keys, never reads an old layout
 
 
@@ -50,12 +53,21 @@ class Windows(Dataset):
 
 
 def windows_or_error(tokens: np.ndarray, seq_len: int, what: str, limit: int | None = None) -> Windows:
+    """The windows of `tokens`, or a ConfigError when not even one fits (`what`: the split, for the message)."""
+    check_seq_len(seq_len)
+    if limit is not None:
+        check_whole(limit, "data.val_windows")
     if len(tokens) < seq_len + 1:
         raise ConfigError(
             f"{what} holds {len(tokens):,} tokens, fewer than one window of model.seq_len + 1 = {seq_len + 1}: "
             f"lower model.seq_len, or give more data"
         )
     return Windows(tokens, seq_len, limit)
+
+
+def check_seq_len(seq_len: int) -> None:
+    """A ConfigError unless the window length (data.seq_len follows model.seq_len) is a whole number >= 1."""
+    check_whole(seq_len, "model.seq_len")
 
 
 class TokenData(DataModule):
@@ -71,52 +83,6 @@ class TokenData(DataModule):
 
 
 # ---- data=text_bytes ------------------------------------------------------------------------------------------------
-
-
-def stdlib_sources() -> list[Path]:
-    """The standard library's .py files, sorted, without tests and site-packages: ~12 MB of real text on every
-    machine that runs Python, no download."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        p for p in root.rglob("*.py") if not _SKIPPED_DIRS.intersection(p.relative_to(root).parts) and p.is_file()
-    )
-
-
-def expand_paths(paths: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for pattern in paths:
-        matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(str(pattern)), recursive=True))
-        matches = [m for m in matches if m.is_file()]
-        if not matches:
-            raise ConfigError(f"data.paths: {pattern!r} matches no file (relative paths start at {os.getcwd()})")
-        files += matches
-    return files
-
-
-def corpus_files(paths: list[str] | None, val_every: int) -> list[Path]:
-    """The files of a text corpus: `paths` (files or globs) or the standard library's sources; `val_every` checked."""
-    if val_every == 1 or val_every < 0:
-        raise ConfigError(f"data.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
-    return expand_paths(list(paths)) if paths else stdlib_sources()
-
-
-def held_out_files(n: int, val_every: int) -> list[bool]:
-    """Which of `n` files are validation text: every `val_every`-th (none for 0)."""
-    return [bool(val_every) and i % val_every == val_every - 1 for i in range(n)]
-
-
-def read_text(path: Path) -> bytes:
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ConfigError(
-            f"data.paths: {path} is not UTF-8 text (byte {error.start} is not valid UTF-8): data=text_bytes reads "
-            "text files; for pre-tokenized ids use data=tokens_file"
-        ) from None
-    if b"\0" in data:
-        raise ConfigError(f"data.paths: {path} holds NUL bytes, a binary file: name text files only")
-    return data
 
 
 def _cache_root(cache_dir: str | None) -> Path:
@@ -139,7 +105,13 @@ def encode_corpus(files: list[Path], val_every: int, cache_dir: str | None = Non
         held_out = held_out_files(len(texts), val_every)
         val = [t for t, held in zip(texts, held_out, strict=True) if held]
         train = [t for t, held in zip(texts, held_out, strict=True) if not held]
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(
+                f"data.cache_dir: cannot make the cache folder {folder.parent} ({error.strerror}): name a folder you "
+                "can write, or data.cache_dir=null (~/.cache/runner/text_bytes)"
+            ) from None
         # Written aside and renamed into place: a killed or concurrent encoding (every rank of a torchrun job) never
         # leaves a half-written cache that a later run would trust.
         scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".encoding-"))
@@ -155,23 +127,31 @@ def encode_corpus(files: list[Path], val_every: int, cache_dir: str | None = Non
     return folder, {**meta, "cache": str(folder)}
 
 
+def _mapped(path: Path) -> np.ndarray:
+    # the bytes of a cache file, memory-mapped (numpy cannot map an empty file: an empty array)
+    return np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+
+
 class TextBytes(TokenData):
     """Byte-level text (vocab 256): the standard library's sources by default, or `paths` (files or globs)."""
 
     def __init__(
         self,
         seq_len: int,
-        paths: list[str] | None = None,
+        paths: list[str] | str | None = None,  # one string: one path (or glob)
         val_every: int = 20,
         val_windows: int | None = 512,
         cache_dir: str | None = None,
         bytes_per_token: float = 1.0,
         **loader: Any,
     ) -> None:
+        check_seq_len(seq_len)
         files = corpus_files(paths, val_every)
         folder, corpus = encode_corpus(files, val_every, cache_dir)
-        train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
-        val = np.memmap(folder / "val.u8", dtype=np.uint8, mode="r") if corpus["val_files"] else None
+        train, val = _mapped(folder / "train.u8"), _mapped(folder / "val.u8") if corpus["val_files"] else None
+        if len(train) == 0:
+            empty = ", ".join(str(f) for f in files if f.stat().st_size == 0)
+            raise ConfigError(f"data.paths: the training text is empty ({empty}: 0 bytes): name files that hold text")
         super().__init__(train, val, seq_len, val_windows, **loader)
         self.info = {"corpus": {**corpus, "train_bytes": len(train), "val_bytes": 0 if val is None else len(val)}}
         self.bytes_per_token = bytes_per_token  # read by the model's config (val/bits_per_byte)
@@ -184,17 +164,27 @@ def load_tokens(path: str | Path, vocab_size: int, dtype: str = "uint16") -> np.
     """A flat array of token ids, memory-mapped: `.npy`, or raw `.bin` of `dtype` (nanoGPT writes uint16); every id
     must be < vocab_size."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"tokens file {path} is a folder: name the file of token ids in it (a .bin or .npy)")
     if not path.is_file():
         raise ConfigError(f"tokens file {path} does not exist (relative paths start at {os.getcwd()})")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"tokens file {path} is empty (0 bytes): name a file of token ids")
     if path.suffix == ".npy":
-        try:
-            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as error:
-            raise ConfigError(f"tokens file {path} is not a plain .npy array ({error})") from None
+        tokens = load_npy(path, f"tokens file {path}")
     else:
-        if np.dtype(dtype).kind != "u":
-            raise ConfigError(f"data.dtype={dtype}: .bin token files hold unsigned ids (uint16 or uint32)")
-        tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        try:
+            width = np.dtype(dtype)
+        except TypeError:
+            width = None
+        if width is None or width.kind != "u":
+            raise ConfigError(f"data.dtype={dtype}: .bin token files hold unsigned ids: data.dtype=uint16 or uint32")
+        if path.stat().st_size % width.itemsize:
+            raise ConfigError(
+                f"tokens file {path} is {path.stat().st_size:,} bytes, not a whole number of {width} ids "
+                f"({width.itemsize} bytes each): a truncated file, or another width (data.dtype=uint16 or uint32)"
+            )
+        tokens = np.memmap(path, dtype=width, mode="r")
     if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
         raise ConfigError(f"tokens file {path} must be a flat array of integer ids, got {tokens.dtype} {tokens.shape}")
     for start in range(0, len(tokens), 1 << 24):  # in chunks: a file of billions of tokens stays on disk
@@ -224,6 +214,7 @@ class TokensFile(TokenData):
         bytes_per_token: float | None = None,
         **loader: Any,
     ) -> None:
+        check_seq_len(seq_len)
         train = load_tokens(train_path, vocab_size, dtype)
         val = load_tokens(val_path, vocab_size, dtype) if val_path else None
         if val is None and val_fraction:

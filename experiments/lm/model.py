@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner import ConfigError
+from runner import ConfigError, check_whole
 
 LN2 = math.log(2)
 
@@ -97,14 +97,20 @@ class GPT(nn.Module):
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("seq_len", seq_len), ("n_layer", n_layer)):
+            check_whole(value, f"model.{name}")
+        check_whole(d_model, "model.d_model")
+        check_whole(n_head, "model.n_head")
+        for name, value in (("init_std", init_std), ("bytes_per_token", bytes_per_token)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"model.{name} must be a finite number > 0, got {value}")
+        if not 0 < mlp_ratio <= 64:  # (a NaN fails too)
+            raise ConfigError(f"model.mlp_ratio must be in (0, 64] (the MLP's width over d_model), got {mlp_ratio}")
         if d_model % n_head or (d_model // n_head) % 2:
             raise ConfigError(
                 f"model.d_model={d_model} must be a multiple of model.n_head={n_head} with an even head size "
                 f"(rotary positions rotate pairs of dims): e.g. model.n_head={_divisor_near(d_model, n_head)}"
             )
-        for name, value in (("vocab_size", vocab_size), ("seq_len", seq_len), ("n_layer", n_layer)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
         self.vocab_size, self.seq_len, self.bytes_per_token = vocab_size, seq_len, bytes_per_token
         hidden = 64 * math.ceil(mlp_ratio * d_model / 64)  # a multiple of 64: fast matmuls
         self.embed = nn.Embedding(vocab_size, d_model)

@@ -7,6 +7,7 @@ byte offset of its block, windows taken) is a handful of integers: exact resume 
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 from collections.abc import Iterator
@@ -16,11 +17,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.lm.data import corpus_files, held_out_files, read_text, windows_or_error
+from experiments.lm.corpus import corpus_files, held_out_files, read_text
+from experiments.lm.data import check_seq_len, windows_or_error
 from runner import ConfigError
 from runner.streaming import ShardedStream, StreamingData
 
-_SNIFF = 8192  # bytes of each file checked for NUL (a binary file) before streaming
+_SNIFF = 8192  # bytes of each training file checked before streaming: no NUL (a binary file), UTF-8
+
+
+def sniff_text(path: Path, head: bytes) -> None:
+    """Refuse a training file whose first bytes are not text (NUL bytes, or not UTF-8), as text_bytes refuses one
+    anywhere in it: a stream reads no more than this before training."""
+    if b"\0" in head:
+        raise ConfigError(f"data.paths: {path} holds NUL bytes, a binary file: name text files only")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"data.paths: {path} is not UTF-8 text (byte {error.start} is not valid UTF-8): data=text_stream reads "
+            "text files; for pre-tokenized ids use data=tokens_file"
+        ) from None
 
 
 class TextStreamShards(ShardedStream):
@@ -108,7 +124,7 @@ class TextStream(StreamingData):
     def __init__(
         self,
         seq_len: int,
-        paths: list[str] | None = None,
+        paths: list[str] | str | None = None,  # one string: one path (or glob)
         val_every: int = 20,
         val_windows: int | None = 512,
         block: int = 8192,
@@ -117,6 +133,7 @@ class TextStream(StreamingData):
         seed: int = 0,
         **loader: Any,
     ) -> None:
+        check_seq_len(seq_len)
         files = corpus_files(paths, val_every)
         if block < 1:
             raise ConfigError(f"data.block={block}: windows shuffled together, at least 1")
@@ -124,8 +141,12 @@ class TextStream(StreamingData):
         train = [f for f, h in zip(files, held, strict=True) if not h]
         for path in train:  # the validation files are read whole below, with the same checks
             with open(path, "rb") as f:
-                if b"\0" in f.read(_SNIFF):
-                    raise ConfigError(f"data.paths: {path} holds NUL bytes, a binary file: name text files only")
+                sniff_text(path, f.read(_SNIFF))
+        if train and not any(os.path.getsize(f) for f in train):
+            raise ConfigError(
+                f"data.paths: the training files are empty ({', '.join(map(str, train[:3]))}: 0 bytes): name files "
+                "that hold text"
+            )
         val = None
         if any(held):
             text = b"\0".join(read_text(f) for f, h in zip(files, held, strict=True) if h)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from runner import ConfigError
-from runner.data import DataModule, TensorData
+from runner import ConfigError, check_whole
+from runner.data import DataModule, TensorData, load_npy
 
 
 def _generator(seed: int, stream: str, position: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
@@ -22,6 +23,10 @@ def _generator(seed: int, stream: str, position: int = 0, device: torch.device |
     words = [seed, position, *stream.encode()]
     seed = int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> 1)
     return torch.Generator(device).manual_seed(seed)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class SyntheticFeatures:
@@ -42,10 +47,21 @@ class SyntheticFeatures:
         group_size: int = 8,
         seed: int = 0,
     ) -> None:
-        if not 0 < mean_active <= n_features:
-            raise ConfigError(f"data mean_active={mean_active} must be in (0, n_features={n_features}]")
-        if not 0 <= correlation < 1:
-            raise ConfigError(f"data correlation={correlation} must be in [0, 1)")
+        # synthetic_splits hands these on as **features, which runner.checks cannot type: checked here
+        for name, value in (("d", d), ("n_features", n_features), ("group_size", group_size)):
+            check_whole(value, f"data.splits.{name}")
+        if not _number(mean_active) or not 0 < mean_active <= n_features:
+            raise ConfigError(f"data.splits.mean_active={mean_active} must be in (0, n_features={n_features}]")
+        if not _number(correlation) or not 0 <= correlation < 1:
+            raise ConfigError(f"data.splits.correlation={correlation} must be in [0, 1)")
+        if not _number(decay) or not 0 < decay <= 1:
+            raise ConfigError(f"data.splits.decay={decay} must be in (0, 1]: feature i is active with odds decay**i")
+        if not isinstance(magnitude, Sequence) or len(magnitude) != 2 or not all(map(_number, magnitude)):
+            raise ConfigError(
+                f"data.splits.magnitude={magnitude} must be [low, high]: e.g. data.splits.magnitude=[0.0,1.0]"
+            )
+        if not 0 <= magnitude[0] <= magnitude[1]:
+            raise ConfigError(f"data.splits.magnitude={list(magnitude)} must be [low, high] with 0 <= low <= high")
         g = _generator(seed, "features")
         self.features = torch.nn.functional.normalize(torch.randn(n_features, d, generator=g), dim=1)
         weights = decay ** torch.arange(n_features, dtype=torch.float64)
@@ -151,9 +167,16 @@ class SyntheticValidation(TensorData):
 
 
 def synthetic_splits(n_train: int = 4_194_304, n_val: int = 16_384, seed: int = 0, **features) -> dict[str, Dataset]:
-    """Train (generated on the fly) and validation (fixed, in memory) splits of synthetic activations."""
+    """Train (generated on the fly) and validation (fixed, in memory; none for n_val=0) splits of synthetic
+    activations."""
+    check_whole(n_train, "data.splits.n_train")
+    if isinstance(n_val, bool) or not isinstance(n_val, int) or n_val < 0 or seed < 0:
+        raise ConfigError(
+            f"data.splits.n_val={n_val} and seed={seed} must be whole numbers >= 0 (n_val=0: no validation)"
+        )
     source = SyntheticFeatures(seed=seed, **features)  # d, n_features, mean_active, decay, magnitude, ...
-    return {"train": SyntheticActivations(source, n_train, seed), "val": SyntheticValidation(source, n_val, seed)}
+    train = SyntheticActivations(source, n_train, seed)
+    return {"train": train, "val": SyntheticValidation(source, n_val, seed)} if n_val else {"train": train}
 
 
 class SyntheticData(DataModule):
@@ -219,7 +242,7 @@ def load_matrix(path: str | Path, key: str | None = None, d: int | None = None) 
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
-            array = np.load(path, mmap_mode="r")  # never reads more than the rows asked for
+            array = load_npy(path, f"activation file {path}")  # memory-mapped: reads only the rows asked for
         elif suffix == ".pt":
             array = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         elif suffix == ".safetensors":

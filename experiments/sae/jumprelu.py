@@ -81,7 +81,8 @@ class JumpReLUSAE(SAE):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        if threshold_init < 0 or bandwidth <= 0:
+        # (a float32 parameter: a value beyond float32's range would overflow; a NaN fails too)
+        if not 0 <= threshold_init <= torch.finfo(torch.float32).max or not bandwidth > 0:
             raise ConfigError(f"model.threshold_init={threshold_init} must be >= 0 and bandwidth={bandwidth} > 0")
         if target_l0 is not None and target_l0 <= 0:
             raise ConfigError(f"model.target_l0={target_l0} must be > 0 (or null: penalise L0 itself)")

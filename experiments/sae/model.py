@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.sae.sparse import Pre, SparsePre, pick, pick_columns, pick_flat, plain, top_indices
-from runner import ConfigError
+from runner import ConfigError, check_whole
 from runner.progress import parse_duration
 
 
@@ -66,7 +66,7 @@ class SAE(nn.Module):
 
     def __init__(
         self,
-        d_in: int = 256,
+        d_in: int | None = 256,  # null in the configs: the data's width fills it (runner.build.decided_by_data)
         n_latents: int = 1024,
         dead_window: str = "200st",
         normalize_input: bool = True,
@@ -82,6 +82,9 @@ class SAE(nn.Module):
                 f"model.d_in={d_in}: the SAE's input width is unknown (its data gives none). Several hooked modules "
                 "(source.module=[...]) need model=sae_multi, which makes an SAE for each"
             )
+        check_whole(n_latents, "model.n_latents")
+        if not abs(b_enc_init) <= torch.finfo(torch.float32).max:  # a float32 parameter (a NaN fails too)
+            raise ConfigError(f"model.b_enc_init must be a finite number, got {b_enc_init}: e.g. model.b_enc_init=0.0")
         self.d_in, self.n_latents = d_in, n_latents
         self.normalize_input, self.unit_norm_decoder = normalize_input, unit_norm_decoder
         self.geometric_median_init, self.sparse_decode = geometric_median_init, sparse_decode

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from runner import ConfigError
 from runner.run import Best, StopReason
 
 SWEEP_DIR_VARIABLE = "RUNNER_SWEEP_DIR"  # set by runner's torchrun launcher for the processes of a job
@@ -56,8 +57,13 @@ def objective(stop_reason: str | None, best: float | None, mode: str) -> float |
 
 
 def threads_per_job(threads: int | None, parallel_jobs: int, cores: int | None = None) -> int | None:
-    """Torch threads for one job: `threads` if set, else the cores shared by the jobs that run at once (None: keep)."""
+    """Torch threads for one job: `threads` if set, else the cores shared by the jobs that run at once (None: keep).
+    A ConfigError for a `threads` that is not a whole number >= 1 (torch refuses 0 and negative counts)."""
     if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(
+                f"threads must be a whole number >= 1, or null (torch's default), got {threads!r}: e.g. threads=4"
+            )
         return threads
     if parallel_jobs == 1:
         return None

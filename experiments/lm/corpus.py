@@ -1,0 +1,70 @@
+"""The files of a text corpus (the user's files or globs, or the Python standard library's own sources), which of them
+are held out for validation, and reading one as UTF-8 text: shared by data=text_bytes and data=text_stream."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from pathlib import Path
+
+from runner import ConfigError
+
+_SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's .py files, sorted, without tests and site-packages: ~12 MB of real text on every
+    machine that runs Python, no download."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(
+        p for p in root.rglob("*.py") if not _SKIPPED_DIRS.intersection(p.relative_to(root).parts) and p.is_file()
+    )
+
+
+def expand_paths(paths: list[str]) -> list[Path]:
+    """The files that `paths` (files or globs) name, each pattern's sorted; a ConfigError for one that names none."""
+    files: list[Path] = []
+    for pattern in paths:
+        if not isinstance(pattern, str):
+            raise ConfigError(f"data.paths: {pattern!r} is not a path: e.g. data.paths=[notes/*.md,book.txt]")
+        found = sorted(Path(m) for m in glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [m for m in found if m.is_file()]
+        if not matches and found:
+            raise ConfigError(
+                f"data.paths: {pattern!r} names only folders ({found[0]}...): name the files in them, e.g. "
+                f"data.paths=[{Path(pattern) / '**' / '*.txt'}]"
+            )
+        if not matches:
+            raise ConfigError(f"data.paths: {pattern!r} matches no file (relative paths start at {os.getcwd()})")
+        files += matches
+    return files
+
+
+def corpus_files(paths: list[str] | str | None, val_every: int) -> list[Path]:
+    """The files of a text corpus: `paths` (files or globs; one string is one of them) or the standard library's
+    sources; `val_every` checked."""
+    if val_every == 1 or val_every < 0:
+        raise ConfigError(f"data.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
+    if isinstance(paths, str):  # data.paths=book.txt: one path, not a list of its characters
+        paths = [paths]
+    return expand_paths(list(paths)) if paths else stdlib_sources()
+
+
+def held_out_files(n: int, val_every: int) -> list[bool]:
+    """Which of `n` files are validation text: every `val_every`-th (none for 0)."""
+    return [bool(val_every) and i % val_every == val_every - 1 for i in range(n)]
+
+
+def read_text(path: Path) -> bytes:
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"data.paths: {path} is not UTF-8 text (byte {error.start} is not valid UTF-8): data=text_bytes reads "
+            "text files; for pre-tokenized ids use data=tokens_file"
+        ) from None
+    if b"\0" in data:
+        raise ConfigError(f"data.paths: {path} holds NUL bytes, a binary file: name text files only")
+    return data

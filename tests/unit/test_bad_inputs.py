@@ -1,0 +1,190 @@
+"""Bad values and bad files that were accepted silently, failed with a traceback, or said something misleading: each is
+now refused as a configuration error (exit 2) whose one paragraph names the key or the file and what to type instead.
+In-process, as tests/unit/test_cli_errors.py; the CLI itself (hydra.run.dir, threads) through runner.__main__.cli."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import sysconfig
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+
+from runner import ConfigError
+from runner.sweeps.job import threads_per_job
+from runner.train import train
+
+JSON_PY = Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py"
+# a tiny GPT on one stdlib file; the cases below add their data
+LM = ["+experiment=lm", "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=16"]
+LM += ["logger=none", "callbacks=none", "checkpoint=none", "trainer.max_duration=2st"]
+DIGITS = ["+experiment=digits", "logger=none"]
+
+# id: (overrides, fragments the message must contain); {tmp} is the folder of the files bad_files() writes
+CASES: dict[str, tuple[list[str], list[str]]] = {
+    # silently accepted before
+    "warmup-longer-than-the-run": (
+        [*DIGITS, "scheduler=cosine", "scheduler.warmup=100ep", "trainer.max_duration=2ep"],
+        ["scheduler.warmup=100ep is 4500 optimizer steps", "longer than the whole run", "90 steps", "0.05dur"],
+    ),
+    "warmup-and-decay-longer-than-the-run": (
+        [*DIGITS, "scheduler=wsd", "scheduler.warmup=0.6dur", "scheduler.decay=0.6dur"],
+        ["scheduler.warmup=0.6dur", "scheduler.decay=0.6dur", "longer than the whole run"],
+    ),
+    "min-lr-ratio-above-one": (
+        [*DIGITS, "scheduler=cosine", "scheduler.min_lr_ratio=2"],
+        ["scheduler.min_lr_ratio must be in [0, 1]", "got 2", "scheduler.min_lr_ratio=0.1"],
+    ),
+    "min-lr-ratio-negative": (
+        ["+experiment=sae", "logger=none", "scheduler.min_lr_ratio=-0.5"],
+        ["scheduler.min_lr_ratio must be in [0, 1]", "got -0.5"],
+    ),
+    "zero-width-hidden-layer": ([*DIGITS, "model.hidden=[0]"], ["model.hidden=[0]", "whole number >= 1"]),
+    "non-utf8-text-stream": (
+        [*LM, "data=text_stream", "data.paths=[{tmp}/latin1.txt]"],
+        ["latin1.txt is not UTF-8 text (byte 2 is not valid UTF-8)", "data=text_stream"],
+    ),
+    # tracebacks (exit 1) before
+    "huge-lr": ([*DIGITS, "optimizer.lr=1e99"], ["optimizer.lr must be a finite number in [0, 1000]", "got 1e+99"]),
+    "infinite-lr": ([*DIGITS, "optimizer.lr=inf"], ["optimizer.lr", "got inf", "optimizer.lr=3e-4"]),
+    "betas-above-one": (
+        [*DIGITS, "optimizer=adamw", "optimizer.betas=[2,3]"],
+        ["optimizer.betas must be two numbers in [0, 1)", "got [2,3]", "optimizer.betas=[0.9,0.999]"],
+    ),
+    "one-beta": ([*DIGITS, "optimizer=adamw", "optimizer.betas=[0.9]"], ["optimizer.betas must be two numbers"]),
+    "negative-weight-decay": (
+        [*DIGITS, "optimizer.weight_decay=-1"],
+        ["optimizer.weight_decay must be a finite number >= 0, got -1", "optimizer.weight_decay=0.01"],
+    ),
+    "nesterov-without-momentum": (
+        [*DIGITS, "optimizer=sgd", "optimizer.momentum=0"],
+        ["optimizer.nesterov=true needs optimizer.momentum > 0"],
+    ),
+    "dropout-above-one": ([*DIGITS, "model.dropout=1.5"], ["model.dropout must be in [0, 1)", "got 1.5"]),
+    "plateau-factor-above-one": ([*DIGITS, "scheduler.factor=2"], ["scheduler.factor must be in (0, 1)"]),
+    "empty-text-file": ([*LM, "data.paths=[{tmp}/empty.txt]"], ["training text is empty", "empty.txt"]),
+    "empty-text-file-streamed": (
+        [*LM, "data=text_stream", "data.paths=[{tmp}/empty.txt]"],
+        ["training files are empty", "empty.txt"],
+    ),
+    "empty-tokens-bin": (
+        [*LM, "data=tokens_file", "data.train_path={tmp}/empty.bin"],
+        ["tokens file", "empty.bin is empty (0 bytes)"],
+    ),
+    "odd-sized-tokens-bin": (
+        [*LM, "data=tokens_file", "data.train_path={tmp}/odd.bin"],
+        ["odd.bin is 3 bytes, not a whole number of uint16 ids (2 bytes each)", "data.dtype"],
+    ),
+    "zero-seq-len": ([*LM, f"data.paths=[{JSON_PY}]", "model.seq_len=0"], ["model.seq_len", "got 0"]),
+    # a wrong type for a key, wherever it is: named, with the type it needs
+    "text-for-a-number": ([*DIGITS, "model.dropout=abc"], ["model.dropout must be a number, got 'abc' (str)"]),
+    "list-for-a-number": (
+        [*DIGITS, "trainer.gradient_clip_val=[1,2]"],
+        ["trainer.gradient_clip_val must be a number or null, got [1,2]"],
+    ),
+    "null-for-a-count": ([*DIGITS, "model.num_classes=null"], ["model.num_classes must be a whole number, got null"]),
+    "unknown-target": ([*DIGITS, "model._target_=nope.Nothing"], ["model._target_=nope.Nothing cannot be imported"]),
+    # unclear messages before
+    "folder-as-tokens-file": (
+        [*LM, "data=tokens_file", "data.train_path={tmp}/tokens"],
+        ["tokens file", "tokens is a folder"],
+    ),
+    "folder-as-text-paths": ([*LM, "data.paths=[{tmp}/tokens]"], ["data.paths", "names only folders"]),
+    "random-bytes-as-npy": (
+        ["+experiment=sae", "logger=none", "data=activations_file", "data.train_path={tmp}/random.npy"],
+        ["random.npy cannot be read: it is not a valid .npy file"],
+    ),
+}
+
+
+@pytest.fixture
+def bad_files(tmp_path: Path) -> Path:
+    """A folder of bad data files: latin-1 text, an empty text file, empty and odd-sized .bin, a folder named like a
+    tokens file, random bytes named .npy."""
+    folder = tmp_path / "files"
+    (folder / "tokens").mkdir(parents=True)
+    (folder / "latin1.txt").write_bytes("naïve café ".encode("latin-1") * 10)
+    (folder / "empty.txt").write_bytes(b"")
+    (folder / "empty.bin").write_bytes(b"")
+    (folder / "odd.bin").write_bytes(b"\x01\x02\x03")
+    (folder / "random.npy").write_bytes(np.random.default_rng(0).bytes(1000))
+    return folder
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_input_is_one_paragraph_naming_the_key_and_the_fix(
+    case: str, compose_cfg: Callable, bad_files: Path, tmp_path: Path
+) -> None:
+    overrides, fragments = CASES[case]
+    with pytest.raises(ConfigError) as caught:
+        train(compose_cfg(*(o.format(tmp=bad_files) for o in overrides)))
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert len(message.splitlines()) <= 2, message
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+def test_data_paths_given_as_one_string_is_one_path(built: Callable) -> None:
+    # data.paths=file.py read as a list of its characters ('/' matches no file)
+    _, run = built(*LM, f"data.paths={JSON_PY}", "data.val_every=0")
+    assert run.settings.data_info["corpus"]["files"] == 1
+
+
+@pytest.mark.parametrize("threads", [0, -3, 2.5, "abc"])
+def test_threads_that_torch_would_refuse_are_a_config_error(threads: object) -> None:
+    with pytest.raises(ConfigError, match=r"threads must be a whole number >= 1, or null .*e\.g\. threads=4"):
+        threads_per_job(threads, 1)
+
+
+@pytest.fixture
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Iterator[Callable]:
+    """`run_cli(*args)`: `python -m runner *args` in this process (runner.__main__.cli); (exit code, stderr)."""
+    import hydra._internal.utils as hydra_utils
+
+    from runner.__main__ import cli
+
+    monkeypatch.setattr(hydra_utils, "run_and_report", hydra_utils.run_and_report)  # cli() wraps it: undone after
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    handlers, level = logging.root.handlers[:], logging.root.level
+
+    def run(*args: str) -> tuple[object, str]:
+        monkeypatch.setattr(sys, "argv", ["runner", *args])
+        with pytest.raises(SystemExit) as exited:
+            cli()
+        return exited.value.code, capsys.readouterr().err
+
+    yield run
+    logging.root.handlers[:], logging.root.level = handlers, level
+    GlobalHydra.instance().clear()
+    HydraConfig.instance().cfg = None
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        ("a file", "(it is a file, not a folder): hydra.run.dir must name a folder you can write"),
+        ("a folder under a file", "(Not a directory): hydra.run.dir must name a folder you can write"),
+        ("/proc/x", "cannot make the run folder /proc/x ("),
+    ],
+)
+def test_a_run_folder_that_cannot_be_made_exits_2_with_the_fix(
+    make: str, fragment: str, run_cli: Callable, tmp_path: Path
+) -> None:
+    (tmp_path / "taken").write_text("not a folder")
+    where = {"a file": tmp_path / "taken", "a folder under a file": tmp_path / "taken" / "run"}.get(make, make)
+    code, err = run_cli("+experiment=digits", "logger=none", f"hydra.run.dir={where}")
+    assert code == 2, err
+    assert fragment in err and "e.g. hydra.run.dir=outputs/my-run" in err and "Traceback" not in err, err
+
+
+def test_zero_threads_exits_2_before_the_run_starts(run_cli: Callable, tmp_path: Path) -> None:
+    code, err = run_cli("+experiment=digits", "logger=none", "threads=0", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2, err
+    assert "threads must be a whole number >= 1" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "summary.json").exists()
