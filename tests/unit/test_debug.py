@@ -139,7 +139,7 @@ def test_limited_sampler_gives_every_rank_the_same_number_of_batches() -> None:
     [
         ("data.limit_train_batches=1.5", "data.limit_train_batches must be a fraction in (0, 1] or a whole number"),
         ("data.limit_val_batches=0", "data.limit_val_batches must be a fraction in (0, 1] or a whole number"),
-        ("+data.overfit_batches=0.5", "data.overfit_batches must be a whole number >= 1"),
+        ("+data.overfit_batches=0.5", "data.overfit_batches must be a whole number"),
     ],
 )
 def test_bad_limits_are_configuration_errors(

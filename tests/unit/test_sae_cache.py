@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 from helpers import TINY_LM, assert_resume_is_exact, finished_run
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from experiments.sae import cache as cache_module
 from experiments.sae.hooked import SourceModel
 from runner import ConfigError
 from runner.build import build
+from runner.ckpt.weights import save_weights
 from runner.loop import fit
 
 # 2,500 rows in shards of 1,000: three shards, the last one short
@@ -93,7 +94,7 @@ def test_a_cache_from_another_hook_point_checkpoint_or_dtype_is_refused(
     shutil.copytree(lm_run, other)
     weights = load_file(str(other / "model.safetensors"))
     weights[next(iter(weights))] += 1e-3
-    save_file(weights, str(other / "model.safetensors"))
+    save_weights(weights, other / "model.safetensors")  # other weights, as another run writes them (with their record)
     with pytest.raises(ConfigError, match=r"weights_sha256="):
         build(compose_cfg(*_sae(other, acts)))
     with pytest.raises(ConfigError, match=r"dtype='float32'.*dtype='float16'"):
