@@ -119,7 +119,10 @@ def _record_failure(cfg: DictConfig, error: BaseException, wall_time_s: float) -
     path = Path(cfg.run_dir) / SUMMARY
     if environment()["rank"] == 0 and path.parent.is_dir() and not path.exists():
         error_text = str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
-        write_json(path, {"stop_reason": StopReason.FAILED, "error": error_text, "wall_time_s": wall_time_s})
+        try:
+            write_json(path, {"stop_reason": StopReason.FAILED, "error": error_text, "wall_time_s": wall_time_s})
+        except (OSError, ConfigError) as failed:  # a full disk fails this write too: the first error is the one to tell
+            print(f"warning: {SUMMARY} not written ({str(failed).split(';')[0]})", file=sys.stderr)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
