@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,19 @@ def sniff_text(path: Path, head: bytes) -> None:
         ) from None
 
 
+def _utf8_error(data: bytes, offset: int) -> int | None:
+    """The offset of the first byte of `data` (read from `offset` in its file) that is not UTF-8, or None; a character
+    cut at either end of the read is not an error."""
+    skip = 0
+    while offset and skip < min(3, len(data)) and data[skip] & 0xC0 == 0x80:  # the tail of a character begun before
+        skip += 1
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data[skip:], final=False)
+    except UnicodeDecodeError as error:
+        return offset + skip + error.start
+    return None
+
+
 class TextStreamShards(ShardedStream):
     """Windows of seq_len + 1 bytes from `files`, each file followed by a NUL byte; endless (pass after pass)."""
 
@@ -50,6 +64,7 @@ class TextStreamShards(ShardedStream):
         listing = "\n".join(f"{f}\t{n}" for f, n in zip(self.files, self.sizes, strict=True))
         self.identity = hashlib.sha256(listing.encode()).hexdigest()[:16]  # names and sizes
         self._orders: dict[int, list[int]] = {}
+        self._warned: set[str] = set()  # files found not to be UTF-8 past their first bytes, said once each
         # the place: the cursor (pass, file in this shard's list, byte offset) where the current block starts, the
         # block's number, and how many of its windows were handed out
         self.place = {"pass": 0, "file": 0, "offset": 0, "block": 0, "taken": 0}
@@ -87,12 +102,24 @@ class TextStreamShards(ShardedStream):
                     data = f.read(min(n, size - offset))
                 if len(data) != min(n, size - offset):
                     raise RuntimeError(f"data=text_stream: {path} changed while it was streamed (it was {size} bytes)")
+                self._check_text(path, data, offset)
                 out.append(data)
                 n, offset = n - len(data), offset + len(data)
             else:  # the NUL byte that ends every file
                 out.append(b"\0")
                 n, i, offset = n - 1, i + 1, 0
         return b"".join(out), (pass_, i, offset)
+
+    def _check_text(self, path: str, data: bytes, offset: int) -> None:
+        # Only each file's first bytes are checked before training (reading a whole corpus up front is what a stream
+        # avoids): a later byte that is not UTF-8 is trained on as a byte, and said loudly once per file.
+        if path not in self._warned and (bad := _utf8_error(data, offset)) is not None:
+            self._warned.add(path)
+            print(
+                f"warning: data=text_stream: {path} is not UTF-8 text at byte {bad} (its first {_SNIFF} bytes were); "
+                "its bytes are trained on as they are. Remove or fix the file (text_bytes refuses such files)",
+                file=sys.stderr,
+            )
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         T, place = self.seq_len, self.place

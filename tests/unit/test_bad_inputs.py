@@ -188,3 +188,18 @@ def test_zero_threads_exits_2_before_the_run_starts(run_cli: Callable, tmp_path:
     assert code == 2, err
     assert "threads must be a whole number >= 1" in err and "Traceback" not in err, err
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_stream_says_once_where_a_file_stops_being_utf8(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # text_stream checks each file's first 8 KB before training; a bad byte past them is said when it is read
+    from experiments.lm.stream import TextStreamShards
+
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text("é" * 10_000)  # two-byte characters: windows cut them anywhere, which is not an error
+    bad.write_bytes(b"a" * 9000 + b"\xff" + b"b" * 999)
+    stream = TextStreamShards([good, bad], seq_len=64, shuffle=False, block=16)
+    windows = iter(stream)
+    for _ in range(2 * (20_000 + 10_000) // (16 * 64) * 16):  # two passes over both files
+        next(windows)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and f"{bad} is not UTF-8 text at byte 9000" in warnings[0], warnings
