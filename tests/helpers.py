@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import queue
+import re
 import struct
 import subprocess
 import sys
@@ -382,6 +383,16 @@ def python(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: fl
         timeout=timeout,
         check=False,
     )
+
+
+def refused(main, argv: list[str], capsys: Any, message: str) -> str:
+    """`main(argv)` exits 2 with a one-paragraph error that matches `message`; returns it."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(message, err), err
+    return err
 
 
 def with_run_dir(overrides: tuple[str, ...] | list[str], run_dir: Path | None) -> list[str]:

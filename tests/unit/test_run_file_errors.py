@@ -3,26 +3,15 @@ the file and what to give instead, or for a report the job shown `unreadable` wi
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import refused
 from safetensors.torch import load_file, save_file
 
 from runner import finetune, report
 from runner.sweeps.results import collect
-
-
-def refused(main, argv: list[str], capsys: pytest.CaptureFixture, message: str) -> str:
-    """`main(argv)` exits 2 with a one-paragraph error that matches `message`; returns it."""
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    assert re.search(message, err), err
-    return err
-
 
 # ---- python -m runner.finetune merge ------------------------------------------------------------------------------
 LORA_CONFIG = """\

@@ -3,27 +3,16 @@ that names the argument or file and what to give instead; never a traceback, nev
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import finished_run, read_json
+from helpers import finished_run, read_json, refused
 
 from runner import evaluate, init
 
 DIGITS = ["+experiment=digits", "trainer.max_duration=10st", "logger=none", "callbacks=none"]
-
-
-def refused(main, argv: list[str], capsys: pytest.CaptureFixture, message: str) -> str:
-    """`main(argv)` exits 2 with a one-paragraph error that matches `message`; returns it."""
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    assert re.search(message, err), err
-    return err
 
 
 # ---- python -m runner.evaluate ------------------------------------------------------------------------------------
