@@ -49,11 +49,16 @@ def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str
 def _confined(node: Any, trusted: Sequence[str]) -> Any:
     # A component that reads another run folder (an SAE's source: HookedData, SpliceEval) takes the reader's trust,
     # never the one this folder's config gives it: else a folder could name a run whose torch.load it trusts itself.
+    # And a rebuilt run writes no cache where its config says (a folder of anybody's choosing): caches hold training
+    # rows, which a rebuilt run does not read; text_bytes' tokens go to the default cache, named by their content.
     if isinstance(node, dict):
-        return {k: list(trusted) if k == "trusted_targets" else _confined(v, trusted) for k, v in node.items()}
+        return {k: CONFINED[k](trusted) if k in CONFINED else _confined(v, trusted) for k, v in node.items()}
     if isinstance(node, list):
         return [_confined(value, trusted) for value in node]
     return node
+
+
+CONFINED = {"trusted_targets": list, "cache": lambda _: None, "cache_dir": lambda _: None}
 
 
 def load_trained(

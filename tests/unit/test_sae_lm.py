@@ -56,6 +56,12 @@ def test_evaluate_reports_the_spliced_loss_the_run_validated_with(lm_run: Path, 
     metrics = evaluate_run(tmp_path)["metrics"]  # the final weights, again, from the run folder
     for key in ("val/fve", "val/ce_spliced", "val/kl_spliced", "val/loss_recovered", "val/loss_recovered_mean"):
         assert metrics[key] == pytest.approx(run.state.metrics[key], rel=1e-6), key
+    # A rebuilt run writes no activation cache where its config says (a run folder may be anybody's)
+    config = tmp_path / ".hydra" / "config.yaml"
+    config.write_text(config.read_text().replace("cache: null", f"cache: {tmp_path / 'elsewhere'}", 1))
+    assert "elsewhere" in config.read_text()
+    assert evaluate_run(tmp_path)["metrics"]["val/fve"] == pytest.approx(metrics["val/fve"], rel=1e-12)
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_kl_is_zero_for_the_identity_and_matches_a_hand_computation(lm_run: Path) -> None:
