@@ -21,14 +21,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.sae.data import (
-    ActivationFiles,
-    RowData,
     SyntheticActivations,
     SyntheticData,
     SyntheticFeatures,
-    file_splits,
     synthetic_splits,
 )
+from experiments.sae.files import ActivationFiles, RowData, file_splits
 from experiments.sae.hooked import HookedData
 from experiments.sae.metrics import feature_recovery
 from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, auxk_loss, geometric_median
