@@ -25,6 +25,14 @@ SMOKE = {
     "sae_multi": ["--n-layer", "1", "--cycles", "1", "--reps", "1", "data.buffer_size=2048", "data.batch_size=128"],
     # a one-block source; 5,000 rows in shards of 2,048
     "sae_cache": ["--rows", "5000", "--shard-rows", "2048", "--n-layer", "1", "--layer", "0"],
+    # a 4-step one-block GPT on one stdlib package, then each variant on 2,048 of its activations
+    "sae_init": [
+        *("model.n_latents=64", "model.k=4", "data.buffer_size=1024", "scheduler.decay=0.5dur"),  # the SAEs'
+        *("--seeds", "0", "--rows", "2048", "--batch", "256", "--layer", "0", "--dir", "out", "--lm-args"),
+        *("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=2"),
+        *("trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
+        f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
+    ],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
     "stream": [
         "--batches",
@@ -133,6 +141,13 @@ def test_stream_smoke(runs: dict[str, Future]) -> None:
     assert result["batches"] == 20 and set(result["workers"]) == {"0", "2"}
     for row in result["workers"].values():
         assert row["runner"] > 0 and row["plain"] > 0 and row["ratio"] == row["runner"] / row["plain"]
+
+
+def test_sae_init_smoke(runs: dict[str, Future]) -> None:
+    results = runs["sae_init"].result()["results"]
+    assert "unit-norm encoder (before)" in results and "fit encoder scale (default)" in results
+    for name, (run,) in results.items():  # one seed: each variant trained and validated, with its codes' L0
+        assert math.isfinite(run["fve"]) and run["l0"] == 4 and 0 <= run["dead_fraction"] <= 1, name
 
 
 def test_checkpoint_smoke(runs: dict[str, Future]) -> None:

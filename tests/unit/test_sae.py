@@ -245,6 +245,34 @@ def test_initialize_from_scales_inputs_to_root_d() -> None:
     torch.testing.assert_close(sae.b_dec.detach(), geometric_median(x * sae.input_scale))
 
 
+@pytest.mark.parametrize("make", [TopKSAE, BatchTopKSAE])
+def test_encoder_init_fit_scales_the_encoder_to_the_first_batch_s_least_squares_optimum(make: type) -> None:
+    # top-k codes keep their latents at any encoder scale, so the first batch's error is a parabola in the scale
+    torch.manual_seed(0)
+    x = torch.randn(512, 32) @ torch.randn(32, 32) + 3
+    sae = make(d_in=32, n_latents=256, k=8, encoder_init="fit")
+    sae.initialize_from(x)
+    xn = x * sae.input_scale
+
+    def error(scale: float) -> float:
+        with torch.no_grad():
+            pre = (xn - sae.b_dec) @ (sae.W_enc * scale) + sae.b_enc
+            return float((sae.decode(*sae.activate(pre)) - xn).pow(2).sum())
+
+    fitted = error(1.0)
+    assert fitted < error(0.97) and fitted < error(1.03)
+    assert 0.1 < float(sae.W_enc.detach().norm(dim=0).mean()) < 0.9  # unit-norm columns start far too large here
+    if make is BatchTopKSAE:
+        sae = make(d_in=32, n_latents=256, k=8, encoder_init="fit")
+        sae.initialize_from(x)
+        assert float(sae.threshold) == -1.0  # the fit's codes leave the inference threshold to training
+    unit = make(d_in=32, n_latents=256, k=8)
+    unit.initialize_from(x)
+    torch.testing.assert_close(unit.W_enc.detach().norm(dim=0), torch.ones(256))
+    with pytest.raises(ConfigError, match="model.encoder_init='auto': give unit or fit"):
+        make(d_in=32, n_latents=256, k=8, encoder_init="auto")
+
+
 def test_identity_sae_reconstructs_in_original_units() -> None:
     d = 8
     sae = TopKSAE(d_in=d, n_latents=d, k=d, geometric_median_init=False)
@@ -636,9 +664,11 @@ def test_sae_digits_end_to_end(compose_cfg: Callable[..., DictConfig], digits_ru
     assert run.progress.step == 40 and run.state.nonfinite_steps == 0
     m = run.state.metrics
     assert "val/loss_recovered" in m, sorted(m)
-    assert 0.0 <= m["val/loss_recovered"] <= 1.0
+    # The spliced classifier may score a little better than the clean one (the SAE denoises its hidden layer: 1.003
+    # with encoder_init=fit), so loss recovered is near 1, not at most 1.
+    assert 0.8 <= m["val/loss_recovered"] <= 1.05
     assert m["val/ce_zero_ablated"] > m["val/ce_clean"]
-    assert m["val/ce_clean"] <= m["val/ce_spliced"] < m["val/ce_zero_ablated"]
+    assert m["val/ce_spliced"] < m["val/ce_zero_ablated"]
     assert m["val/fve"] > 0
     # loss_recovered is what its definition says
     expected = (m["val/ce_zero_ablated"] - m["val/ce_spliced"]) / (m["val/ce_zero_ablated"] - m["val/ce_clean"])
