@@ -25,7 +25,7 @@ from torch import nn
 from runner import ConfigError, check_whole, trust
 from runner.ckpt.files import ADAPTER
 from runner.ckpt.weights import read_weights, save_weights
-from runner.rundir import CONFIG, MODEL
+from runner.rundir import CONFIG, MODEL, read_run_config
 
 MERGED = "model.merged.safetensors"
 TARGET = "runner.finetune.Lora"  # not f"{__name__}.Lora": under `python -m runner.finetune` that is __main__.Lora
@@ -110,21 +110,12 @@ def merged_weights(
 
 def _config(run_dir: Path) -> Any:
     # The run's own config, with ${run_dir} as the folder the run is in now (as runner.trained reads a run)
-    config = run_dir / CONFIG
     if not run_dir.is_dir():
         what = "does not exist" if not run_dir.exists() else "is a file"
         raise ConfigError(f"{run_dir} {what}: give the folder of a finetune=lora run, e.g. outputs/DATE/TIME")
-    if not config.is_file():
+    if not (run_dir / CONFIG).is_file():
         raise ConfigError(f"{run_dir} has no {CONFIG}: give the folder of a finetune=lora run, e.g. outputs/DATE/TIME")
-    try:
-        cfg = OmegaConf.load(config)
-    except Exception as error:  # not UTF-8, not YAML, a bare value: omegaconf and yaml raise several kinds
-        raise ConfigError(f"{config} is not a readable YAML config ({' '.join(str(error).split())})") from None
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"{config} holds a list, not a config mapping: is {run_dir} the folder of a runner run?")
-    if "run_dir" in cfg:
-        cfg.run_dir = str(run_dir)
-    return cfg
+    return read_run_config(run_dir)
 
 
 def _setting(lora: DictConfig, key: str, config: Path) -> Any:
@@ -149,11 +140,10 @@ def merge(run_dir: str | Path, base: str | Path | None = None) -> Path:
     lora = cfg.get("finetune") or {}
     if not isinstance(lora, DictConfig) or lora.get("_target_") != TARGET:
         raise ConfigError(f"{run_dir} is not a finetune=lora run (its {CONFIG} has no finetune=lora)")
-    unsafe = trust.unsafe_resolvers(OmegaConf.to_container(lora, resolve=False))
-    if unsafe:  # a run folder may be anybody's: resolving its settings must not run what it names
-        raise ConfigError(
-            f"finetune in {config} calls the resolvers {sorted(set(unsafe))}: give the base with --base PATH"
-        )
+    # a run folder may be anybody's: resolving its settings must not run what it names
+    trust.check_resolvers(
+        OmegaConf.to_container(lora, resolve=False), f"finetune in {config}", "give the base with --base PATH"
+    )
     rank = check_whole(_setting(lora, "rank", config), f"finetune.rank in {config}")
     alpha = _setting(lora, "alpha", config)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):

@@ -151,6 +151,23 @@ def read_yaml(path: str | Path) -> Any:
         return None
 
 
+def read_run_config(run_dir: Path) -> Any:
+    """A run folder's .hydra/config.yaml as a DictConfig, unresolved, with `run_dir` as the folder the run is in now
+    (Hydra's output folder when it ran); a ConfigError if it is not a readable YAML mapping."""
+    from omegaconf import DictConfig, OmegaConf
+
+    config = run_dir / CONFIG
+    try:
+        cfg = OmegaConf.load(config)
+    except Exception as error:  # not UTF-8, not YAML, a bare value: omegaconf and yaml raise several kinds
+        raise ConfigError(f"{config} is not a readable YAML config ({' '.join(str(error).split())})") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{config} holds a list, not a config mapping: is {run_dir} the folder of a runner run?")
+    if "run_dir" in cfg:
+        cfg.run_dir = str(run_dir)
+    return cfg
+
+
 LOCK = ".lock"
 CLASH = "clash"  # runner.resolvers writes a refused launch's Hydra files to .hydra/clash-*
 

@@ -15,7 +15,7 @@ from torch import nn
 from runner import ConfigError, trust
 from runner.build import build_data, decided_by_data, user_errors
 from runner.ckpt.weights import load_weights
-from runner.rundir import CONFIG, MODEL
+from runner.rundir import CONFIG, MODEL, read_run_config
 
 # What another run's .hydra/config.yaml may name as `_target_`s when runner rebuilds its model and data
 # (source.checkpoint): module paths of the project's own tasks. Overridden by the config key `trusted_targets`.
@@ -86,22 +86,15 @@ def load_trained(
                 f"{needed} does not exist: give the folder of a finished runner run (or its "
                 "model.safetensors), e.g. source.checkpoint=outputs/2026-01-01/12-00-00"
             )
-    try:
-        cfg = OmegaConf.load(config)
-    except Exception as error:
-        raise ConfigError(f"{config} is not a readable YAML config ({error})") from None
+    cfg = read_run_config(run_dir)
     for key in ("model", "data"):
-        if not isinstance(cfg, DictConfig) or not isinstance(cfg.get(key), DictConfig):
+        if not isinstance(cfg.get(key), DictConfig):
             raise ConfigError(f"{config} has no `{key}` mapping: is {run_dir} the folder of a runner run?")
+    # a resolver runs while the config is read, before any _target_ can be checked
     built = {key: OmegaConf.to_container(cfg[key], resolve=False) for key in BUILT if key in cfg}
-    unsafe = trust.unsafe_resolvers(built)
-    if unsafe:  # a resolver runs while the config is read, before any _target_ can be checked
-        raise ConfigError(
-            f"refusing to read {config}: it calls the resolvers {sorted(set(unsafe))}; a run folder's config may "
-            f"only use {sorted(trust.SAFE_RESOLVERS)}"
-        )
-    if "run_dir" in cfg:  # Hydra's output folder when it ran; outside Hydra, the folder where the run now is
-        cfg.run_dir = str(run_dir)
+    trust.check_resolvers(
+        built, f"{config} (refused)", f"a run folder's config may only use {sorted(trust.SAFE_RESOLVERS)}"
+    )
     # Every part that will be built is checked here, before anything is instantiated.
     source = OmegaConf.create({k: _trusted_node(cfg, k, config, trusted) for k in ("model", "data")})
     precision = _trusted_node(cfg, "precision", config, ["runner.precision"])

@@ -130,6 +130,14 @@ def unsafe_resolvers(node: Any) -> list[str]:
     return [name for name in _RESOLVER.findall(node) if name not in SAFE_RESOLVERS] if isinstance(node, str) else []
 
 
+def check_resolvers(node: Any, what: str, fix: str) -> None:
+    """A ConfigError, before anything is resolved, if the unresolved config tree `node` (`what`) calls a resolver that
+    does more than read; `fix` says what to do instead."""
+    unsafe = unsafe_resolvers(node)
+    if unsafe:
+        raise ConfigError(f"{what} calls the resolvers {sorted(set(unsafe))}: {fix}")
+
+
 def check(node: Any, trusted: Sequence[str], path: str, source: str) -> None:
     """A ConfigError naming every `_target_` of `node` (a resolved config tree read from `source`) that may not run."""
     forged, untrusted = problems(node, trusted, path)
