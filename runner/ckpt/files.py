@@ -120,26 +120,30 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
+def _matches(folder: Path, name: str, expected: dict[str, Any], size: int, sha256: str) -> None:
+    # a file of a checkpoint against its manifest entry: a short file is truncated, a same-size mismatch corrupted
+    if size != expected["bytes"]:
+        raise CheckpointError(f"checkpoint {folder}: {name} is {size} bytes, expected {expected['bytes']} (truncated)")
+    if sha256 != expected["sha256"]:
+        raise CheckpointError(f"checkpoint {folder}: {name} does not match its sha256 (corrupted)")
+
+
 def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
     """The bytes of one file of a checkpoint, after checking its size and sha256 against the manifest."""
-    expected = manifest["files"][name]  # read_manifest checked that every file is listed
     try:
         data = (folder / name).read_bytes()
     except OSError as error:
         raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({error})") from None
-    if len(data) != expected["bytes"]:
-        raise CheckpointError(
-            f"checkpoint {folder}: {name} is {len(data)} bytes, expected {expected['bytes']} (truncated)"
-        )
-    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise CheckpointError(f"checkpoint {folder}: {name} does not match its sha256 (corrupted)")
+    _matches(
+        folder, name, manifest["files"][name], len(data), hashlib.sha256(data).hexdigest()
+    )  # (listed: read_manifest)
     return data
 
 
 def verify(folder: Path) -> dict[str, Any]:
     """The manifest of a checkpoint folder whose files match their sizes and sha256 (read in chunks, not loaded)."""
     manifest = read_manifest(folder)
-    for name, expected in ((name, manifest["files"][name]) for name in FILES):
+    for name in FILES:
         digest, size = hashlib.sha256(), 0
         try:
             with open(folder / name, "rb") as f:
@@ -148,8 +152,7 @@ def verify(folder: Path) -> dict[str, Any]:
                     size += len(chunk)
         except OSError as error:
             raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({error})") from None
-        if size != expected["bytes"] or digest.hexdigest() != expected["sha256"]:
-            raise CheckpointError(f"checkpoint {folder}: {name} does not match its size and sha256 (corrupted)")
+        _matches(folder, name, manifest["files"][name], size, digest.hexdigest())
     return manifest
 
 
