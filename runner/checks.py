@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
-from runner.hints import check_value, plain_value, set_at, typed
+from runner.hints import check_value, fits, plain_value, set_at, typed
 
 # What runner reads under `trainer` (runner/conf/config.yaml documents each), and the type of each; durations are
 # parsed by runner.progress, whose errors name the units (a duration given as a number reads as a bad duration).
@@ -179,15 +179,11 @@ def _missing(node: Any, path: str) -> Iterator[str]:
                 yield from _missing(node._get_node(key), child)
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_optimizer(optimizer: Any) -> None:
     # ranges of the optimizer settings (their types are checked with the components')
     for key, (low, high, closed, example) in OPTIMIZER_RANGES.items():
         value = optimizer.get(key)
-        if value is None or not _number(value):
+        if value is None or not fits(value, float):
             continue
         if not (math.isfinite(value) and low <= value and (value <= high if closed else value < high)):
             span = f"in [{low:g}, {high:g}{']' if closed else ')'}" if math.isfinite(high) else f">= {low:g}"
@@ -196,7 +192,7 @@ def _check_optimizer(optimizer: Any) -> None:
             )
     betas = optimizer.get("betas")
     if isinstance(betas, Sequence) and not isinstance(betas, str):
-        if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+        if len(betas) != 2 or not all(fits(b, float) and 0 <= b < 1 for b in betas):
             raise ConfigError(
                 f"optimizer.betas must be two numbers in [0, 1) (the moving averages' decay rates), got "
                 f"{typed(list(betas))}: e.g. optimizer.betas=[0.9,0.999]"

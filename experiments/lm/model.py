@@ -97,10 +97,9 @@ class GPT(nn.Module):
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("seq_len", seq_len), ("n_layer", n_layer)):
+        sizes = {"vocab_size": vocab_size, "seq_len": seq_len, "n_layer": n_layer, "d_model": d_model, "n_head": n_head}
+        for name, value in sizes.items():
             check_whole(value, f"model.{name}")
-        check_whole(d_model, "model.d_model")
-        check_whole(n_head, "model.n_head")
         for name, value in (("init_std", init_std), ("bytes_per_token", bytes_per_token)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"model.{name} must be a finite number > 0, got {value}")
