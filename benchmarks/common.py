@@ -136,6 +136,20 @@ def peak_gpu_mb(device: str | torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
+def peak_rss_mb() -> float:
+    """This process's own peak RSS (MiB): VmHWM, which exec resets. ru_maxrss (and wait4's) keeps the high-water mark
+    of the process before exec, so a child forked from a large parent would report the parent's size."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 class Stamps:
     """Clock readings a worker takes: at the first optimizer step, then at the ends of `segments` equal stretches of
     the steady state (after `warmup` of `steps` steps).
@@ -174,6 +188,7 @@ class Stamps:
             "first_step": self.first_step,
             "per_step_s": None,
             "peak_gpu_mb": peak_gpu_mb(self.device),
+            "own_peak_rss_mb": peak_rss_mb(),
         }
         if len(marks) > 1:
             clock, steps = self.clock, marks[-1] - marks[0]

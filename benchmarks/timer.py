@@ -22,7 +22,7 @@ class StepTimer(Callback):
     and rank r > 0 writes rank_path(out, r), so that no two processes write one file.
     """
 
-    def __init__(self, size: str, warmup: int, out: str) -> None:
+    def __init__(self, warmup: int, out: str, size: str | None = None) -> None:
         self.size, self.warmup, self.out = size, warmup, out
 
     def on_fit_start(self, run: Run) -> None:
@@ -38,7 +38,7 @@ class StepTimer(Callback):
         rank = getattr(run.strategy, "rank", 0)
         self.stamps.write(
             rank_path(self.out, rank),
-            final_loss=final_loss(run.task, self.size),
+            final_loss=final_loss(run.task, self.size) if self.size else None,  # None: not benchmarks.common.Net
             rank=rank,
             world_size=run.world_size,
             rank_peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

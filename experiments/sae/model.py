@@ -1,11 +1,11 @@
 """Sparse autoencoders: TopK (+AuxK), ReLU + L1, BatchTopK, sharing one recipe.
 
 The recipe (each piece an option): inputs scaled so that E||x|| = sqrt(d), with the scale kept as a buffer so that
-reconstructions come back in the original units; decoder rows (one direction per latent, `W_dec` [n_latents, d]) kept
-at unit norm after every optimizer step, with the gradient component parallel to each row removed before the step;
-the encoder initialised as the decoder's transpose (with `encoder_init=fit`, scaled to best reconstruct the first
-batch); the decoder bias initialised to the geometric median of the first training batch. Dead latents are those that
-have not fired within `dead_window` (optimizer steps or samples).
+reconstructions come back in the original units; decoder rows (one direction per latent, `W_dec` [n_latents, d]) kept at
+unit norm after every optimizer step, with the gradient component parallel to each row removed before the step; the
+encoder initialised as the decoder's transpose (with `encoder_init=fit`, scaled to best reconstruct the first batch;
+with a number, columns of that norm); the decoder bias initialised to the geometric median of the first training batch.
+Dead latents are those that have not fired within `dead_window` (optimizer steps or samples).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class SAE(nn.Module):
         geometric_median_init: bool = True,
         sparse_decode: bool = True,
         b_enc_init: float = 0.0,
-        encoder_init: str = "unit",
+        encoder_init: str | float = "unit",
     ) -> None:
         super().__init__()
         if isinstance(d_in, bool) or not isinstance(d_in, int) or d_in < 1:
@@ -87,8 +87,11 @@ class SAE(nn.Module):
         check_whole(n_latents, "model.n_latents")
         if not abs(b_enc_init) <= torch.finfo(torch.float32).max:  # a float32 parameter (a NaN fails too)
             raise ConfigError(f"model.b_enc_init must be a finite number, got {b_enc_init}: e.g. model.b_enc_init=0.0")
-        if encoder_init not in ("unit", "fit"):
-            raise ConfigError(f"model.encoder_init={encoder_init!r}: give unit or fit")
+        norm = encoder_init if isinstance(encoder_init, (int, float)) and not isinstance(encoder_init, bool) else None
+        if encoder_init not in ("unit", "fit") and not (norm is not None and 0 < norm < float("inf")):
+            raise ConfigError(
+                f"model.encoder_init={encoder_init!r}: give unit, fit or the encoder columns' starting norm (e.g. 0.5)"
+            )
         self.d_in, self.n_latents, self.encoder_init = d_in, n_latents, encoder_init
         self.normalize_input, self.unit_norm_decoder = normalize_input, unit_norm_decoder
         self.geometric_median_init, self.sparse_decode = geometric_median_init, sparse_decode
@@ -98,7 +101,10 @@ class SAE(nn.Module):
         self.dead_unit, self.dead_window = ("st" if window.unit == "st" else "sa"), window.value
         W_dec = F.normalize(torch.randn(n_latents, d_in), dim=1)
         self.W_dec = nn.Parameter(W_dec)
-        self.W_enc = nn.Parameter(W_dec.t().clone() if tied_init else F.normalize(torch.randn(d_in, n_latents), dim=0))
+        W_enc = W_dec.t() if tied_init else F.normalize(torch.randn(d_in, n_latents), dim=0)
+        # contiguous: a fused optimizer walks a parameter, its gradient and its state as flat memory; a transposed
+        # W_enc beside the row-major state a checkpoint restores would mix up its entries (torch 2.13, CPU and CUDA)
+        self.W_enc = nn.Parameter((W_enc * (norm or 1.0)).contiguous())
         self.b_enc = nn.Parameter(torch.full((n_latents,), float(b_enc_init)))  # < 0: ReLU codes start sparse
         self.b_dec = nn.Parameter(torch.zeros(d_in))
         self.register_buffer("input_scale", torch.ones(()))
@@ -206,7 +212,8 @@ class SAE(nn.Module):
     # ---- forward --------------------------------------------------------------------------------------------
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
         """Encoder pre-activations of normalised inputs."""
-        return (x - self.b_dec) @ self.W_enc + self.b_enc
+        # addmm: the bias added inside the product, not in a second pass over the [B, n_latents] result
+        return torch.addmm(self.b_enc, x - self.b_dec, self.W_enc)
 
     def activate(self, pre: Pre) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(values [B, k], indices [B, k]) of the active latents per row, or (dense codes [B, n], None)."""
@@ -340,8 +347,8 @@ class TopKSAE(SAE):
 
     def activate(self, pre: Pre) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k values (ReLU'd) and their indices."""
-        indices = plain(pre).topk(self.k, dim=1, sorted=False).indices
-        return F.relu(pick(pre, indices)), indices
+        values, indices = plain(pre).topk(self.k, dim=1, sorted=False)
+        return F.relu(pick(pre, indices, values)), indices
 
     def aux_loss(
         self, x: torch.Tensor, pre: Pre, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor

@@ -8,6 +8,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
+import pytest
+import torch
 from helpers import ROOT, ok, python, read_json
 
 # script -> its smoke arguments (the slowest first: they start in this order). Every script runs with --device cpu:
@@ -72,7 +75,21 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], dict]]:
         proc = python(script, "--device", "cuda", cwd=root / "ddp_cuda", env={"CUDA_VISIBLE_DEVICES": ""})
         return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
 
-    return {**{name: job(name) for name in SMOKE}, "ddp_cuda": ddp_without_gpus}
+    def sae_peers() -> dict:
+        # runner alone (CI has no peers' virtualenvs) on a small file: 12 steps of 256, 1,024 rows held out; then a
+        # peer whose interpreter is missing, which must say how to make it
+        folder = root / "sae_peers"
+        folder.mkdir()
+        rows = torch.randn(4096, 16, generator=torch.Generator().manual_seed(0)) @ torch.randn(16, 16) + 1
+        np.save(folder / "acts.npy", rows.numpy())
+        script, out = str(ROOT / "benchmarks" / "sae_peers.py"), folder / "out.json"
+        sizes = ["--n-latents", "64", "--k", "4", "--batch", "256", "--steps", "12", "--dead-steps", "4"]
+        args = ["--acts", "acts.npy", "--heldout", "1024", "--seeds", "0", *sizes, "--dir", "bench"]
+        ok(python(script, *args, "--contenders", "runner", "--json", str(out), cwd=folder, timeout=600))
+        missing = python(script, *args, "--contenders", "sparsify", "--sparsify-python", "nowhere/python", cwd=folder)
+        return {**read_json(out), "missing": {"returncode": missing.returncode, "stderr": missing.stderr}}
+
+    return {**{name: job(name) for name in SMOKE}, "ddp_cuda": ddp_without_gpus, "sae_peers": sae_peers}
 
 
 def test_every_script_names_its_device(runs: dict[str, Future]) -> None:
@@ -148,6 +165,18 @@ def test_sae_init_smoke(runs: dict[str, Future]) -> None:
     assert "unit-norm encoder (before)" in results and "fit encoder scale (default)" in results
     for name, (run,) in results.items():  # one seed: each variant trained and validated, with its codes' L0
         assert math.isfinite(run["fve"]) and run["l0"] == 4 and 0 <= run["dead_fraction"] <= 1, name
+
+
+def test_sae_peers_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_peers"].result()
+    (run,) = result["results"]["runner"]
+    assert result["steps"] == 12 and set(result["results"]) == {"runner"}
+    # the shared scorer (float64, from the saved weights) agrees with runner's own validation on the held-out file
+    assert run["score"]["fve"] == pytest.approx(run["own"]["fve"], abs=1e-5) and 0 < run["score"]["fve"] < 1
+    assert run["score"]["l0"] == 4 and 0 <= run["score"]["unfired"] < 1
+    assert run["samples_per_s"] > 0 and run["to_first_step_s"] > 0 and run["own_peak_rss_mb"] > 100
+    missing = result["missing"]
+    assert missing["returncode"] == 1 and "benchmarks/peers/install.sh" in missing["stderr"]
 
 
 def test_checkpoint_smoke(runs: dict[str, Future]) -> None:

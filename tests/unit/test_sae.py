@@ -269,8 +269,17 @@ def test_encoder_init_fit_scales_the_encoder_to_the_first_batch_s_least_squares_
     unit = make(d_in=32, n_latents=256, k=8)
     unit.initialize_from(x)
     torch.testing.assert_close(unit.W_enc.detach().norm(dim=0), torch.ones(256))
-    with pytest.raises(ConfigError, match="model.encoder_init='auto': give unit or fit"):
-        make(d_in=32, n_latents=256, k=8, encoder_init="auto")
+    # row-major like its gradient and its optimizer state: a fused Adam walks all three as flat memory, and a
+    # transposed W_enc beside the row-major state a checkpoint restores made a resumed run step wrongly
+    assert sae.W_enc.is_contiguous() and make(d_in=32, n_latents=256, k=8, tied_init=False).W_enc.is_contiguous()
+    # a number: the columns' starting norm, kept by the data-dependent init
+    fixed = make(d_in=32, n_latents=256, k=8, encoder_init=0.5)
+    fixed.initialize_from(x)
+    torch.testing.assert_close(fixed.W_enc.detach().norm(dim=0), torch.full((256,), 0.5))
+    torch.testing.assert_close(fixed.W_enc.detach() / 0.5, fixed.W_dec.detach().t())  # still tied
+    for bad in ("auto", 0.0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ConfigError, match="give unit, fit or the encoder columns' starting norm"):
+            make(d_in=32, n_latents=256, k=8, encoder_init=bad)
 
 
 def test_identity_sae_reconstructs_in_original_units() -> None:

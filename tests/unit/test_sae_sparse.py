@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from experiments.sae import sparse as sparse_module
 from experiments.sae.matryoshka import MatryoshkaSAE
 from experiments.sae.model import SAE, BatchTopKSAE, TopKSAE, auxk_loss
 from experiments.sae.sparse import SparsePre, pick, pick_columns, pick_flat, plain, top_indices
@@ -87,8 +88,12 @@ def test_masked_auxk_with_sparse_backward_gives_the_dense_gradients(n_dead: int)
         torch.testing.assert_close(sparse[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_picks_differentiate_every_input_like_indexing() -> None:
-    # In float64 and with an input that wants a gradient too (an SAE's inputs do not; the Function serves both).
+@pytest.mark.parametrize("product", ["sorted sparse (CPU)", "index_add (CUDA)"])
+def test_picks_differentiate_every_input_like_indexing(product: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # In float64 and with an input that wants a gradient too (an SAE's inputs do not; the Function serves both). The
+    # backward's product takes the CPU's way or CUDA's: both must give the dense path's gradients.
+    if product.startswith("index_add"):
+        monkeypatch.setattr(sparse_module, "scatter_rows", sparse_module.index_add_rows)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(B, D, dtype=torch.float64, generator=gen, requires_grad=True)
     params = [torch.randn(*s, dtype=torch.float64, generator=gen, requires_grad=True) for s in [(D, N), (N,), (D,)]]
@@ -104,6 +109,8 @@ def test_picks_differentiate_every_input_like_indexing() -> None:
         pre = SparsePre(x, sae) if sparse else (x - b_dec) @ W_enc + b_enc
         torch.testing.assert_close(plain(pre), ((x - b_dec) @ W_enc + b_enc).detach())
         picks = pick(pre, indices), pick_flat(pre, flat), pick_columns(pre, columns)
+        # a top-k's own values, handed to pick, stand for the gather they spare
+        torch.testing.assert_close(pick(pre, indices, plain(pre).gather(1, indices)), picks[0])
         loss = sum((p * w).sum() for p, w in zip(picks, weights, strict=True))
         grads[sparse] = torch.autograd.grad(loss, [x, *params])
     for name, dense, sparse in zip(["x", "W_enc", "b_enc", "b_dec"], grads[False], grads[True], strict=True):

@@ -1,0 +1,252 @@
+"""runner's TopK SAE against EleutherAI's sparsify and SAELens, side by side on one activation file: held-out quality
+and training speed.
+
+    python benchmarks/sae_peers.py [--acts CACHE_DIR|FILE.npy] [--lm RUN_DIR] [--seeds 0 1 2] [--threads 1]
+        [--contenders runner sparsify saelens] [--sparsify-python PY] [--saelens-python PY] [--json out.json]
+
+The peers run in their own virtualenvs (`benchmarks/peers/install.sh` makes .venv-sparsify and .venv-saelens), each
+through its own trainer (benchmarks/peers/*_run.py); runner runs as `python -m runner`. Without --acts, the
+activations are the lm preset's GPT's residual stream after blocks.2 (`source.cache`, written by a one-step
+`+experiment=sae_lm` run; the GPT is trained first without --lm, as benchmarks/sae_init.py does).
+
+Same for every contender: the rows (the file's last --heldout rows held out, whole windows of text; the rest shuffled
+once per seed into a training file read in order, so every tool sees the same batches), latents, k, batch, Adam at
+--lr with a linear warmup over 1% of the steps and a linear decay to 0, AuxK at 1/32 over latents silent for
+--dead-steps steps, the seed, one thread (--threads), fresh processes in rotating order. What differs is each tool's
+recipe (its initialisation, input scaling, decoder constraint, loss normalisation and AuxK form) and a few things that
+could not be made equal, listed in benchmarks/README.md.
+
+Quality: the trained SAEs are rewritten into one form (benchmarks/peers/driver.py) and scored here on the held-out rows
+in float64: FVE (1 - SSE/SST, SST about the split's mean), L0, and the share of latents that never fire there; each
+tool's own figure (its own forward, float32) stands beside it. Speed: samples/s over the steady state (median of ten
+stretches after the first 10% of steps), launch to the end of the first optimizer step, and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, machine, spawn, write_json  # noqa: E402
+
+PEERS = {"sparsify": "sparsify_run.py", "saelens": "saelens_run.py"}
+
+
+def cached_rows(path: Path) -> np.ndarray:
+    """The rows of a source.cache folder (its shards in order) or of one .npy file, as float32."""
+    if path.is_dir():
+        manifest = json.loads((path / "manifest.json").read_text())
+        return np.concatenate([np.load(path / s["file"]) for s in manifest["shards"]]).astype(np.float32)
+    return np.load(path).astype(np.float32)
+
+
+def write_data(acts: Path, out: Path, seeds: list[int], heldout: int) -> dict[str, object]:
+    """heldout.npy (the last `heldout` rows: whole windows of text the training never sees) and one training file per
+    seed (the other rows in that seed's order), once."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"heldout": out / "heldout.npy", **{f"train{s}": out / f"train-s{s}.npy" for s in seeds}}
+    if all(f.exists() for f in files.values()):
+        return {"rows": len(np.load(files["train" + str(seeds[0])], mmap_mode="r")), "files": files}
+    array = cached_rows(acts)
+    if len(array) <= heldout:
+        raise SystemExit(f"{acts} holds {len(array)} rows: fewer than --heldout {heldout}")
+    np.save(files["heldout"], array[-heldout:])
+    for seed in seeds:
+        order = np.random.default_rng(seed).permutation(len(array) - heldout)
+        np.save(files[f"train{seed}"], array[order])
+    return {"rows": len(array) - heldout, "files": files}
+
+
+def build_acts(args: argparse.Namespace, out: Path) -> Path:
+    """The lm preset's residual-stream cache: train the GPT (without --lm), then a one-step sae_lm run writes it."""
+    cache = out / "acts"
+    if (cache / "manifest.json").exists():
+        return cache
+    lm = Path(args.lm).resolve() if args.lm else out / "lm"
+    if not (lm / "model.safetensors").exists():
+        train = [sys.executable, "-m", "runner", "+experiment=lm", "logger=none", f"hydra.run.dir={lm}"]
+        subprocess.run(train, check=True)
+    command = [
+        *("-m", "runner", "+experiment=sae_lm", f"source.checkpoint={lm}", f"source.cache={cache}"),
+        *(f"data.cache_rows={args.rows}", "trainer.max_duration=1st", "callbacks=none", "logger=none"),
+        *("checkpoint=none", "trainer.val_interval=1.0dur", f"hydra.run.dir={out / 'cache-run'}"),
+    ]
+    subprocess.run([sys.executable, *command], check=True, env={**os.environ, "WANDB_MODE": "offline"})
+    return cache
+
+
+def runner_command(spec: dict, run_dir: Path) -> list[str]:
+    """`python -m runner` with the job's settings: the TopK SAE preset on the training file, held-out validation."""
+    cool = spec["steps"] - spec["lr_warmup_steps"]
+    return [
+        *(sys.executable, "-m", "runner", "+experiment=sae", "model=sae_lm", "data=activations_file"),
+        *(f"data.train_path={spec['train']}", f"data.val_path={spec['heldout']}", "data.shuffle=false"),
+        *(f"data.batch_size={spec['batch']}", f"model.n_latents={spec['n_latents']}", f"model.k={spec['k']}"),
+        # runner's window counts steps >= it; the peers count > dead_steps
+        *(f"model.auxk_coeff={spec['auxk_coeff']}", f"model.dead_window={spec['dead_steps'] + 1}st"),
+        *(f"optimizer.lr={spec['lr']}", "scheduler=wsd", f"scheduler.warmup={spec['lr_warmup_steps']}st"),
+        *(f"scheduler.decay={cool}st", f"trainer.max_duration={spec['steps']}st", "trainer.val_interval=1.0dur"),
+        *("callbacks=none", "logger=[jsonl]", "checkpoint=none", f"seed={spec['seed']}", f"threads={spec['threads']}"),
+        *(f"distributed.device={spec['device']}", f"hydra.run.dir={run_dir}"),
+        "+callbacks.peer_timer._target_=benchmarks.timer.StepTimer",
+        f"+callbacks.peer_timer.warmup={spec['warmup_steps']}",
+        f"+callbacks.peer_timer.out={spec['out']}",
+        *spec["runner_args"],
+    ]
+
+
+def runner_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """runner's trained SAE in the shared form, and its own held-out FVE (validation on the held-out file)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(run_dir / "model.safetensors"))
+    keep = {k: state[k] for k in ("W_enc", "b_enc", "W_dec", "b_dec")}
+    return {**keep, "center": state["b_dec"], "scale": state["input_scale"]}
+
+
+@torch.no_grad()
+def score(weights: dict[str, torch.Tensor], heldout: np.ndarray, k: int, chunk: int = 8192) -> dict[str, float]:
+    """Held-out FVE (float64, SST about the split's mean), L0 and the share of latents that never fire."""
+    w = {name: t.double() for name, t in weights.items()}
+    x_all = torch.from_numpy(np.asarray(heldout, dtype=np.float64))
+    mean = x_all.mean(0)
+    sse = sst = l0 = 0.0
+    fired = torch.zeros(w["W_enc"].shape[1], dtype=torch.bool)
+    for x in x_all.split(chunk):
+        pre = (x * w["scale"] - w["center"]) @ w["W_enc"] + w["b_enc"]
+        values, indices = pre.topk(k, dim=1)
+        values = values.relu()
+        codes = torch.zeros_like(pre).scatter(1, indices, values)
+        recon = (codes @ w["W_dec"] + w["b_dec"]) / w["scale"]
+        sse += float((recon - x).pow(2).sum())
+        sst += float((x - mean).pow(2).sum())
+        l0 += float((values > 0).sum())
+        fired |= (codes > 0).any(0)
+    return {"fve": 1 - sse / sst, "l0": l0 / len(x_all), "unfired": float((~fired).double().mean())}
+
+
+def run_one(name: str, spec: dict, args: argparse.Namespace, out: Path) -> dict:
+    """One fresh process of contender `name` on `spec`; its figures, the shared score and its own figure."""
+    spec = {**spec, "out": str(out / f"{name}.json")}
+    log = out / f"{name}.log"
+    threads = {"OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"])}
+    if name == "runner":
+        run_dir = out / "runner-run"
+        shutil.rmtree(run_dir, ignore_errors=True)  # this benchmark's own folder: a fresh run each time
+        env = {**threads, "WANDB_MODE": "offline"}
+        result = spawn(runner_command(spec, run_dir), Path(spec["out"]), env=env, log=log)
+        weights = runner_weights(run_dir)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        result["own"] = {"fve": summary["metrics"]["val/fve"], "tool": "runner"}
+    else:
+        job = out / f"{name}-job.json"
+        job.write_text(json.dumps(spec))
+        python = getattr(args, f"{name}_python")
+        script = ROOT / "benchmarks" / "peers" / PEERS[name]
+        result = spawn([python, str(script), str(job)], Path(spec["out"]), env=threads, log=log)
+        from safetensors.torch import load_file
+
+        weights = load_file(str(Path(spec["out"]).with_suffix(".safetensors")))
+    result["score"] = score(weights, np.load(spec["heldout"], mmap_mode="r"), spec["k"])
+    result["samples_per_s"] = spec["batch"] / result["per_step_s"]
+    return result
+
+
+def main() -> None:
+    """Prepare the data once, train every contender for every seed in rotating order, print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--acts", help="a source.cache folder or an [N, d] .npy file (default: build the lm's)")
+    parser.add_argument("--lm", help="a finished +experiment=lm run folder, for building --acts")
+    parser.add_argument("--rows", type=int, default=589824, help="rows to cache when building --acts")
+    parser.add_argument("--heldout", type=int, default=65536)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--contenders", nargs="+", choices=["runner", *PEERS], default=["runner", *PEERS])
+    parser.add_argument("--sparsify-python", default=str(ROOT / ".venv-sparsify" / "bin" / "python"))
+    parser.add_argument("--saelens-python", default=str(ROOT / ".venv-saelens" / "bin" / "python"))
+    parser.add_argument("--n-latents", type=int, default=2048)
+    parser.add_argument("--k", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--steps", type=int, help="default: one epoch of the training rows")
+    parser.add_argument("--dead-steps", type=int, default=128, help="a latent silent this many steps is dead")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dir", default="outputs/bench-sae-peers")
+    parser.add_argument("--runner-args", nargs="*", default=[], help="more overrides of runner's run (ablations)")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    for name in set(args.contenders) & set(PEERS):
+        if not Path(getattr(args, f"{name}_python")).exists():
+            raise SystemExit(
+                f"no {name} interpreter at {getattr(args, f'{name}_python')}: make it with "
+                f"benchmarks/peers/install.sh, give --{name}-python, or leave {name} out of --contenders"
+            )
+    out = Path(args.dir).resolve()
+    acts = Path(args.acts).resolve() if args.acts else build_acts(args, out)
+    data = write_data(acts, out / "data", args.seeds, args.heldout)
+    steps = args.steps or data["rows"] // args.batch
+    if steps * args.batch > data["rows"] or steps < 10:
+        raise SystemExit(f"--steps {steps} x --batch {args.batch} needs 10 steps and at most {data['rows']} rows")
+    results: dict[str, list[dict]] = {name: [] for name in args.contenders}
+    for i, seed in enumerate(args.seeds):
+        spec = {
+            "train": str(data["files"][f"train{seed}"]),
+            "heldout": str(data["files"]["heldout"]),
+            **{"n_latents": args.n_latents, "k": args.k, "batch": args.batch, "lr": args.lr, "steps": steps},
+            **{"lr_warmup_steps": max(1, round(0.01 * steps)), "warmup_steps": steps // 10, "seed": seed},
+            **{"auxk_coeff": 1 / 32, "dead_steps": args.dead_steps, "threads": args.threads, "device": args.device},
+            "runner_args": args.runner_args,
+        }
+        order = args.contenders[i % len(args.contenders) :] + args.contenders[: i % len(args.contenders)]
+        for name in order:
+            seed_dir = out / f"seed{seed}"
+            seed_dir.mkdir(parents=True, exist_ok=True)
+            results[name].append(run_one(name, spec, args, seed_dir))
+            r = results[name][-1]
+            print(
+                f"seed {seed} {name}: FVE {r['score']['fve']:.4f} (own {r['own']['fve']:.4f}), "
+                f"{r['samples_per_s']:.0f} samples/s",
+                flush=True,
+            )
+    print_tables(results, args, steps)
+    write_json(args.json, {"device": args.device, "steps": steps, "args": vars(args), "results": results})
+
+
+def print_tables(results: dict[str, list[dict]], args: argparse.Namespace, steps: int) -> None:
+    """Quality and speed, medians over seeds; speed ratios paired per seed against runner."""
+    print(
+        f"\n{machine()}, device {args.device}, {args.threads} thread(s); {args.n_latents} latents, k {args.k}, "
+        f"batch {args.batch}, {steps} steps, seeds {args.seeds}\n"
+    )
+    print(
+        "| contender | held-out FVE per seed (float64) | own figure | L0 | never fire | samples/s | runner / it |"
+        " to first step s | peak RSS MiB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    base = [r["samples_per_s"] for r in results.get("runner", [])]
+    for name, runs in results.items():
+        fves = " / ".join(f"{r['score']['fve']:.4f}" for r in runs)
+        own = " / ".join(f"{r['own']['fve']:.4f}" for r in runs)
+        rate = [r["samples_per_s"] for r in runs]
+        ratio = statistics.median(b / x for b, x in zip(base, rate, strict=True)) if base else float("nan")
+        print(
+            f"| {name} | {fves} | {own} | {statistics.median(r['score']['l0'] for r in runs):.1f} | "
+            f"{max(r['score']['unfired'] for r in runs):.4f} | {statistics.median(rate):.0f} | {ratio:.2f} | "
+            f"{statistics.median(r['to_first_step_s'] for r in runs):.1f} | "
+            f"{statistics.median(r['own_peak_rss_mb'] for r in runs):.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
