@@ -33,6 +33,7 @@ def fit(run: Run) -> Run:
     params = run.precision.stepped([q for q in run.task.parameters() if q.requires_grad])
     for cb in run.callbacks:
         cb.on_fit_start(run)
+    _tell_task(run)  # a resumed run's last logged row, as the uninterrupted run had it at this step
     run.state.meter.start()
     run.task.train()
     sampler, window = getattr(run.train_loader, "batch_sampler", None), _Window()
@@ -153,6 +154,7 @@ def end_step(run: Run, params: list[torch.Tensor]) -> bool:
             run.request_stop(StopReason.NONFINITE)
     if metrics:
         _log(run, metrics)
+        _tell_task(run)
     for cb in run.callbacks:
         cb.on_step_end(run)
     return p.finished or run.stop_reason is not None
@@ -177,6 +179,13 @@ def _log(run: Run, metrics: dict[str, float]) -> None:
     run.state.metrics.update(metrics)
     for logger in run.loggers:
         logger.log(metrics, p.step)
+
+
+def _tell_task(run: Run) -> None:
+    # A task may decide what its steps compute from what the log rows read from the device anyway (an SAE's AuxK
+    # runs while the last row saw dead latents), so that no other step reads it. The last row is checkpointed
+    # (state.metrics), so a resumed run decides as the uninterrupted one did.
+    getattr(run.task, "logged", lambda metrics: None)(run.state.metrics)
 
 
 def check_monitors(run: Run) -> None:

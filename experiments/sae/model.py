@@ -115,6 +115,7 @@ class SAE(nn.Module):
         # Dead latents as of the last optimizer step, kept on the device: AuxK reads them with no host read.
         self.register_buffer("dead", torch.zeros(n_latents, dtype=torch.bool), persistent=False)
         self._init_checked = False  # the host's copy of `initialized` once read: it never turns false again
+        self.auxk_active = False  # CUDA: whether AuxK runs, from the last log row (logged)
         self.sparse_backward = False  # TopK-style subclasses may turn it on: their codes pick from pre-activations
         if unit_norm_decoder:
             self.W_dec.register_hook(self._remove_parallel_grad)
@@ -174,6 +175,12 @@ class SAE(nn.Module):
             self.dead.copy_(self.dead_mask())
         self._init_checked = False  # a checkpoint saved before the first step holds initialized=False
         return result
+
+    def logged(self, metrics: dict[str, float], prefix: str = "") -> None:
+        """Told the run's last logged row (runner's loop does, after each row): on CUDA AuxK runs while that row saw
+        dead latents, and no step reads the device to decide it (on the CPU each step counts them: no wait there).
+        `prefix`: this SAE's metric prefix in a family (model=sae_multi)."""
+        self.auxk_active = metrics.get(f"train/{prefix}dead_fraction", 0.0) > 0
 
     @property
     def n_dead(self) -> int:
@@ -357,8 +364,11 @@ class TopKSAE(SAE):
         if self.auxk_coeff <= 0:
             return {"auxk_loss": torch.zeros((), device=x.device)}  # the same keys every step, for the log means
         # On a GPU, picking out the dead columns would read their number from the device every step; on the CPU
-        # there is nothing to wait for, and the gather is the faster way (auxk_loss).
+        # there is nothing to wait for, and the gather is the faster way (auxk_loss). On a GPU the masked way (a top
+        # k_aux over every latent) runs only while the last log row saw dead latents.
         masked = x.device.type != "cpu"
+        if masked and not self.auxk_active:
+            return {"auxk_loss": torch.zeros((), device=x.device)}
         auxk = auxk_loss(pre, self.dead, self.W_dec, self.k_aux, (x - recon).detach(), masked)
         return {"auxk_loss": auxk.detach(), "auxk_term": self.auxk_coeff * auxk}
 

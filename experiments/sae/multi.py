@@ -113,6 +113,11 @@ class MultiSAE(nn.Module):
         for sae in self.saes.values():
             sae.after_optimizer_step()
 
+    def logged(self, metrics: dict[str, float]) -> None:
+        """Tell each SAE the last logged row, under its own prefix (SAE.logged)."""
+        for name, sae in self.saes.items():
+            sae.logged(metrics, prefix=f"{name}/")
+
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The sum of the SAEs' losses, and each SAE's metrics under its name."""
         out: dict[str, torch.Tensor] = {}

@@ -24,7 +24,7 @@ from runner.ckpt.files import (
 )
 from runner.ckpt.weights import load_weights
 from runner.loop import fit
-from runner.run import Run
+from runner.run import Callback, Run
 from runner.train import train
 
 EXACT_CASES = [  # every value of each factor at least once: accumulation, loader workers, scheduler
@@ -78,12 +78,26 @@ def test_sae_resume_is_exact(compose_cfg: Callable, tmp_path: Path) -> None:
         "logger=jsonl",
         "checkpoint.interval=1000st",
     ]
-    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
+    whole_flags, second_flags = AuxKFlags(), AuxKFlags()
+    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"), extra_callbacks=[whole_flags])
     assert whole.task.n_dead > 0
     train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(5)])
-    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"))
+    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"), extra_callbacks=[second_flags])
     assert_same_state(whole, second)
+    # the SAE's AuxK switch (what a GPU step computes) follows the last log row: resumed, it decides as before
+    assert any(whole_flags.seen.values()) and not all(whole_flags.seen.values())
+    assert second_flags.seen == {s: on for s, on in whole_flags.seen.items() if s > 5}
     assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
+
+
+class AuxKFlags(Callback):
+    """The SAE's AuxK switch as each optimizer step found it."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, bool] = {}
+
+    def on_optimizer_step(self, run: Run) -> None:
+        self.seen[run.progress.step] = run.task.auxk_active
 
 
 def _trained(compose_cfg: Callable, run_dir: Path, *overrides: str) -> Run:

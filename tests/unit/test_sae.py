@@ -849,13 +849,41 @@ def test_sae_steps_on_the_gpu_never_wait_for_it(compose_cfg: Callable[..., DictC
     assert run.device.type == "cuda" and next(iter(run.train_loader))[0].is_cuda
     watch = SyncErrors(first=2, last=10)
     run.callbacks.append(watch)
+    if model in ("sae_topk", "sae_batchtopk"):  # as a log row that saw dead latents would: AuxK on from step 3
+        run.callbacks.append(AuxKOn(after=2))
     try:
         fit(run)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert watch.steps == 8 and run.progress.step == 12 and run.state.nonfinite_steps == 0
     if model in ("sae_topk", "sae_batchtopk"):  # ReLU and JumpReLU have no AuxK
-        assert run.task.n_dead > 0  # AuxK had dead latents to train
+        assert run.task.n_dead > 0 and run.state.metrics["train/auxk_loss"] > 0  # AuxK trained dead latents
+
+
+class AuxKOn(Callback):
+    """Turns an SAE's AuxK on after optimizer step `after`, as a log row that saw dead latents does."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+
+    def on_step_end(self, run: Run) -> None:
+        if run.progress.step == self.after:
+            run.task.auxk_active = True
+
+
+@gpu
+def test_auxk_on_the_gpu_runs_only_while_the_last_log_row_saw_dead_latents() -> None:
+    torch.manual_seed(0)
+    sae = TopKSAE(d_in=16, n_latents=64, k=4, dead_window="1st").cuda()
+    x = torch.randn(256, 16, device="cuda")
+    sae.training_step(x)
+    sae.after_optimizer_step()  # every latent that did not fire is dead now
+    assert sae.n_dead > 0 and not sae.auxk_active
+    assert float(sae.training_step(x)["auxk_loss"]) == 0  # skipped: no log row has seen them yet
+    sae.logged({"train/dead_fraction": 0.5})
+    assert sae.auxk_active and float(sae.training_step(x)["auxk_loss"]) > 0
+    sae.logged({"train/dead_fraction": 0.0})
+    assert not sae.auxk_active
 
 
 # ---- The field's metric bugs, as regression tests -----------------------------------------------------------------
