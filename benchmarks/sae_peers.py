@@ -98,7 +98,7 @@ def runner_command(spec: dict, run_dir: Path) -> list[str]:
         *(f"optimizer.lr={spec['lr']}", "scheduler=wsd", f"scheduler.warmup={spec['lr_warmup_steps']}st"),
         *(f"scheduler.decay={cool}st", f"trainer.max_duration={spec['steps']}st", "trainer.val_interval=1.0dur"),
         *("callbacks=none", "logger=[jsonl]", "checkpoint=none", f"seed={spec['seed']}", f"threads={spec['threads']}"),
-        *(f"distributed.device={spec['device']}", f"hydra.run.dir={run_dir}"),
+        *(f"distributed.device={spec['device']}", f"precision={spec['precision']}", f"hydra.run.dir={run_dir}"),
         "+callbacks.peer_timer._target_=benchmarks.timer.StepTimer",
         f"+callbacks.peer_timer.warmup={spec['warmup_steps']}",
         f"+callbacks.peer_timer.out={spec['out']}",
@@ -182,6 +182,9 @@ def main() -> None:
     parser.add_argument("--dead-steps", type=int, default=128, help="a latent silent this many steps is dead")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16"], default="fp32", help="runner's precision=, SAELens's autocast"
+    )
     parser.add_argument("--dir", default="outputs/bench-sae-peers")
     parser.add_argument("--runner-args", nargs="*", default=[], help="more overrides of runner's run (ablations)")
     parser.add_argument("--json")
@@ -206,6 +209,7 @@ def main() -> None:
             **{"n_latents": args.n_latents, "k": args.k, "batch": args.batch, "lr": args.lr, "steps": steps},
             **{"lr_warmup_steps": max(1, round(0.01 * steps)), "warmup_steps": steps // 10, "seed": seed},
             **{"auxk_coeff": 1 / 32, "dead_steps": args.dead_steps, "threads": args.threads, "device": args.device},
+            "precision": args.precision,
             "runner_args": args.runner_args,
         }
         order = args.contenders[i % len(args.contenders) :] + args.contenders[: i % len(args.contenders)]
@@ -226,7 +230,8 @@ def main() -> None:
 def print_tables(results: dict[str, list[dict]], args: argparse.Namespace, steps: int) -> None:
     """Quality and speed, medians over seeds; speed ratios paired per seed against runner."""
     print(
-        f"\n{machine()}, device {args.device}, {args.threads} thread(s); {args.n_latents} latents, k {args.k}, "
+        f"\n{machine()}, device {args.device} ({args.precision}), {args.threads} thread(s); {args.n_latents} latents, "
+        f"k {args.k}, "
         f"batch {args.batch}, {steps} steps, seeds {args.seeds}\n"
     )
     print(

@@ -42,8 +42,9 @@ def batches(path: str, batch: int) -> Iterator[torch.Tensor]:
 
 
 def stamp_steps(optimizer: torch.optim.Optimizer, spec: dict[str, Any]) -> Stamps:
-    """Stamps taken after each of `optimizer`'s steps (a post-step hook: the tool's loop is left as it is)."""
-    stamps = Stamps(spec["warmup_steps"], spec["steps"])
+    """Stamps taken after each of `optimizer`'s steps (a post-step hook: the tool's loop is left as it is; on CUDA
+    only the stamped steps wait for the GPU)."""
+    stamps = Stamps(spec["warmup_steps"], spec["steps"], spec["device"])
     count = [0]
 
     def after(*_: Any) -> None:

@@ -6,7 +6,8 @@ time, after one extra copy of the first batch that the trainer reads to estimate
 (`n_batches_for_norm_estimate=1`: the first batch, as runner's SAE estimates it), so training sees exactly the same
 batches as the other contenders. Everything else is SAELens's TopKTrainingSAE and SAETrainer as its users run them:
 decoder rows initialised at norm 0.1 with the encoder their transpose, b_dec zero, codes rescaled by the decoder norms
-instead of a renorm, MSE loss, AuxK over dead latents, Adam, gradient clipping at 1.0.
+instead of a renorm, MSE loss, AuxK over dead latents, Adam, gradient clipping at 1.0; with precision bf16, its
+trainer's autocast.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main() -> None:
             aux_loss_coefficient=spec["auxk_coeff"],  # its MSE and AuxK are both unnormalised: the same ratio
             normalize_activations="expected_average_only_in",
             dtype="float32",
-            device="cpu",
+            device=spec["device"],
         )
     )
     lr, warm, steps = spec["lr"], spec["lr_warmup_steps"], spec["steps"]
@@ -52,7 +53,8 @@ def main() -> None:
         dead_feature_window=spec["dead_steps"],
         feature_sampling_window=steps,
         n_batches_for_norm_estimate=1,
-        device="cpu",
+        device=spec["device"],
+        autocast=spec["precision"] == "bf16",
     )
     first = next(batches(spec["train"], spec["batch"]))
     provider = itertools.chain([first], batches(spec["train"], spec["batch"]))
@@ -60,7 +62,11 @@ def main() -> None:
     stamps = stamp_steps(trainer.optimizer, spec)
     trainer.fit()  # folds the input scale into the weights at the end
     sae.eval()
-    own = {"fve": own_fve(sae, spec), "tool": "sae_lens", "dead": int(trainer.dead_neurons.sum())}
+    own = {
+        "fve": own_fve(lambda x: sae(x.to(sae.device)).float().cpu(), spec),
+        "tool": "sae_lens",
+        "dead": int(trainer.dead_neurons.sum()),
+    }
     with torch.no_grad():
         norm = sae.W_dec.norm(dim=-1) if sae.cfg.rescale_acts_by_decoder_norm else torch.ones(sae.cfg.d_sae)
         weights = {

@@ -5,7 +5,8 @@ sparsify trains on a Hugging Face model's hooked activations: its Trainer finds 
 whose hook point returns the file's rows: "token" i of the dataset is row i, and a batch is `batch // 128` sequences
 of 128 positions, so every step trains on `batch` rows in file order. Everything else is sparsify's Trainer.fit as its
 users run it: its initialisation (nn.Linear encoder, decoder its normalised copy, b_dec the first batch's mean), FVU
-loss, AuxK over dead latents, Adam with its linear warmup and decay, gradient projection and decoder renorm.
+loss, AuxK over dead latents, Adam with its linear warmup and decay, gradient projection and decoder renorm. On CUDA its
+forward runs under bf16 autocast whatever the job's precision (a decorator of SparseCoder.forward); on the CPU in fp32.
 """
 
 from __future__ import annotations
@@ -41,21 +42,21 @@ class Rows(Dataset):
 class FileModel(nn.Module):
     """A stand-in for a transformer: `acts`, the hook point, outputs the file's rows that the ids name."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, device: str) -> None:
         super().__init__()
         self.array = rows(path)
         self.acts = nn.Identity()
+        self.device = torch.device(device)
         self.dummy_inputs = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
-        self.device = torch.device("cpu")
 
     @property
     def base_model(self) -> nn.Module:
         return self
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.flatten().numpy()
+        ids = input_ids.flatten().cpu().numpy()
         x = torch.from_numpy(np.ascontiguousarray(self.array[ids])).view(*input_ids.shape, -1)
-        return self.acts(x)
+        return self.acts(x.to(self.device, non_blocking=True))
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
     from sparsify import SaeConfig, TrainConfig, Trainer
 
     torch.manual_seed(spec["seed"])
-    model = FileModel(spec["train"])
+    model = FileModel(spec["train"], spec["device"])
     cfg = TrainConfig(
         SaeConfig(num_latents=spec["n_latents"], k=spec["k"]),
         batch_size=spec["batch"] // POSITIONS,
@@ -83,7 +84,7 @@ def main() -> None:
     stamps = stamp_steps(trainer.optimizers[0], spec)
     trainer.fit()
     sae = trainer.saes["acts"]
-    own = {"fve": own_fve(lambda x: sae(x).sae_out, spec), "tool": "sparsify"}
+    own = {"fve": own_fve(lambda x: sae(x.to(sae.device)).sae_out.float().cpu(), spec), "tool": "sparsify"}
     weights = {
         "W_enc": sae.encoder.weight.t(),
         "b_enc": sae.encoder.bias,

@@ -51,7 +51,7 @@ def auxk_loss(
     if masked:
         picked = values.masked_fill(~dead, float("-inf")).topk(min(k_aux, values.shape[1]), dim=1).indices
         top = pick(pre, picked).masked_fill(~dead[picked], float("-inf"))  # live picks: no value, no gradient
-        aux = F.embedding_bag(picked, W_dec, per_sample_weights=F.relu(top), mode="sum")
+        aux = F.embedding_bag(picked, W_dec, per_sample_weights=F.relu(top).to(W_dec.dtype), mode="sum")
         return (aux - residual).pow(2).sum(1).mean() / sst * dead.any()
     dead_idx = dead.nonzero().flatten()
     if len(dead_idx) == 0:
@@ -232,7 +232,10 @@ class SAE(nn.Module):
             return values @ self.W_dec + self.b_dec
         if self.sparse_decode:
             # Sums k decoder rows per sample instead of a dense [B, n] x [n, d] product (k << n).
-            return F.embedding_bag(indices, self.W_dec, per_sample_weights=values, mode="sum") + self.b_dec
+            # the codes in the decoder's precision: under bf16 autocast they come from a bf16 product, and
+            # embedding_bag (which autocast leaves alone) takes one dtype
+            codes = values.to(self.W_dec.dtype)
+            return F.embedding_bag(indices, self.W_dec, per_sample_weights=codes, mode="sum") + self.b_dec
         return self._dense(values, indices) @ self.W_dec + self.b_dec
 
     def _dense(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:

@@ -36,6 +36,7 @@ from runner.ckpt.weights import save_weights
 from runner.data import DataModule
 from runner.loop import fit
 from runner.run import Callback, Run
+from runner.train import train as train_cfg
 
 
 @pytest.fixture
@@ -777,6 +778,23 @@ def test_a_run_that_resamples_dead_latents_resumes_exactly(compose_cfg, tmp_path
     ]
     whole, _ = assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=7)
     assert whole.callbacks[0].resampled > 0
+
+
+@pytest.mark.parametrize("model", ["sae_topk", "sae_batchtopk", "sae_matryoshka", "sae_relu", "sae_jumprelu"])
+def test_every_sae_trains_under_bf16_autocast_close_to_fp32(compose_cfg: Callable[..., DictConfig], model: str) -> None:
+    # precision=bf16 on the CPU (as on a GPU): the encoder's product in bf16, the codes decoded in the weights' fp32,
+    # AuxK over dead latents (a 2-step window), the sparse backward; weights stay fp32 and the fit follows fp32's
+    def trained(precision: str) -> Run:
+        overrides = ["+experiment=sae", f"model={model}", "model.dead_window=2st", "data.batch_size=256"]
+        overrides += ["data.splits.n_val=512", "trainer.max_duration=20st", "checkpoint=none", "logger=none"]
+        return train_cfg(compose_cfg(*overrides, f"precision={precision}", "callbacks=none"))
+
+    bf16, fp32 = trained("bf16"), trained("fp32")
+    assert all(p.dtype == torch.float32 for p in bf16.task.parameters())
+    assert bf16.state.nonfinite_steps == 0 and bf16.state.metrics["train/fve"] > 0.1  # 20 steps: learning
+    # the training fit (BatchTopK's inference threshold is still settling at 20 steps: its val/fve is not yet)
+    assert bf16.state.metrics["train/fve"] == pytest.approx(fp32.state.metrics["train/fve"], abs=0.03)
+    assert 0 < bf16.state.metrics["val/fve"] < 1
 
 
 # ---- 12. On a GPU (skipped without one): data made there, and steps that never wait for it -------------------------
