@@ -35,14 +35,15 @@ SETTINGS = [
     "logger=[jsonl]",
     "checkpoint=none",
 ]
-# name -> overrides of the sae_lm preset (whose TopK SAE has encoder_init=fit)
+# name -> overrides of the sae_lm preset (whose TopK SAE starts its encoder columns at norm 0.5)
 VARIANTS = {
-    "unit-norm encoder (before)": ["model.encoder_init=unit"],
-    "fit encoder scale (default)": [],
+    "unit-norm encoder": ["model.encoder_init=unit"],
+    "fit encoder scale": ["model.encoder_init=fit"],
+    "norm 0.5 (default)": [],
     "unit, no input scaling": ["model.encoder_init=unit", "model.normalize_input=false"],
-    "fit, no input scaling": ["model.normalize_input=false"],
-    "fit, untied encoder": ["model.tied_init=false"],
-    "fit, b_dec zero": ["model.geometric_median_init=false"],
+    "fit, no input scaling": ["model.encoder_init=fit", "model.normalize_input=false"],
+    "fit, untied encoder": ["model.encoder_init=fit", "model.tied_init=false"],
+    "fit, b_dec zero": ["model.encoder_init=fit", "model.geometric_median_init=false"],
 }
 
 
