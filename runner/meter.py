@@ -60,6 +60,10 @@ class Meter:
         # Skipped (non-finite) steps over the run and the streak of them, as of the last read; longest_streak: the
         # longest streak the last read saw (the loop's max_nonfinite_steps check).
         self.nonfinite_steps = self.nonfinite_in_a_row = self.longest_streak = 0
+        # This launch's timed log windows: the first (warm-up: allocator, caches, compile of what the first step did
+        # not reach) and the steady state, every later one; [samples, tokens, seconds] each
+        self.warmup: list[float] | None = None
+        self.steady = [0, 0, 0.0]
         self._reset()
 
     def _reset(self) -> None:
@@ -151,9 +155,23 @@ class Meter:
             }
         )
         if p.samples > self.samples:  # not when the window held only the untimed first step
-            metrics.update(self._throughput(p.samples - self.samples, p.tokens - self.tokens, elapsed))
+            window = [p.samples - self.samples, p.tokens - self.tokens, elapsed]
+            metrics.update(self._throughput(*window))
+            if self.warmup is None:
+                self.warmup = window
+            else:
+                self.steady = [a + b for a, b in zip(self.steady, window, strict=True)]
         self._reset()
         return metrics
+
+    def steady_throughput(self) -> dict[str, float]:
+        """samples/s, tokens/s and MFU of this launch's steady state: its log windows after the first, which holds
+        the warm-up (the first optimizer step, validation and checkpoint writes are out of every window); the first
+        window's when there is no other. Empty before any timed window."""
+        window = self.steady if self.steady[2] > 0 else self.warmup
+        if window is None:
+            return {}
+        return {key.removeprefix("train/"): value for key, value in self._throughput(*window).items()}
 
     def _throughput(self, samples: int, tokens: int, elapsed: float) -> dict[str, float]:
         # Samples and tokens are global (all ranks, every micro-batch of each step): per device divides by the world

@@ -38,8 +38,11 @@ def summarize(run: Run, samples_at_start: int = 0, tokens_at_start: int = 0) -> 
         "nonfinite_steps": run.state.nonfinite_steps,
         "wall_time_s": wall_time_s,
         "total_wall_time_s": run.state.clock.total_s(),
+        # the whole launch's average: startup, compiling, validation and checkpoints included
         "samples_per_s": (p.samples - samples_at_start) / wall_time_s if wall_time_s > 0 else 0.0,
         "tokens_per_s": (p.tokens - tokens_at_start) / wall_time_s if wall_time_s > 0 and p.tokens else None,
+        # training alone, after the warm-up: samples_per_s, tokens_per_s (+ _per_device) and mfu, as far as known
+        "steady": run.state.meter.steady_throughput(),
         # the first optimizer step's wall time, compiling included (compile is lazy); null when nothing is compiled
         "compile_time_s": run.state.meter.first_step_s if run.settings.compiled else None,
     }

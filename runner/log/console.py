@@ -143,9 +143,14 @@ class ConsoleLogger(Logger):
             if key.startswith("val/"):
                 table.add_row(key, _fmt(value))
         table.add_row("wall time", f"{summary['wall_time_s']:.1f} s")
-        table.add_row("samples/s", f"{summary['samples_per_s']:.0f}")
-        if summary.get("tokens_per_s") is not None:
-            table.add_row("tokens/s", f"{summary['tokens_per_s']:.0f}")
+        steady = summary.get("steady") or {}
+        for key, name in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")):
+            if key in steady:
+                table.add_row(f"{name}, training", f"{steady[key]:.0f} (after the first log window)")
+            if summary.get(key) is not None:
+                table.add_row(f"{name}, whole run", f"{summary[key]:.0f} (wall time: start, validation included)")
+        if "mfu" in steady:
+            table.add_row("MFU, training", f"{steady['mfu']:.3f}")
         if summary.get("compile_time_s") is not None:
             table.add_row("compile time", f"{summary['compile_time_s']:.1f} s (the first step)")
         self.console.print(table)

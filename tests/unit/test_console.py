@@ -72,3 +72,20 @@ def test_a_long_every_s_prints_no_progress_line(clock: Clock, capsys: pytest.Cap
         clock.now += 1
         console.log({"train/loss": 1.0}, step)
     assert lines(capsys) == []
+
+
+def test_the_final_table_names_the_training_rate_and_the_whole_run_average(capsys: pytest.CaptureFixture) -> None:
+    console = ConsoleLogger()
+    summary = {
+        "stop_reason": "max_duration",
+        "progress": {"step": 300, "samples": 9600, "tokens": 0},
+        "metrics": {"val/loss": 1.5},
+        "wall_time_s": 40.0,
+        "samples_per_s": 240.0,
+        "tokens_per_s": None,
+        "steady": {"samples_per_s": 900.0, "mfu": 0.41},
+    }
+    console.close(summary)
+    out = capsys.readouterr().err
+    assert "samples/s, training   900" in out and "samples/s, whole run  240" in out
+    assert "MFU, training" in out and "0.410" in out and "tokens/s" not in out  # no tokens: no tokens/s rows

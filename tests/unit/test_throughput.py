@@ -104,3 +104,55 @@ def test_no_mfu_without_a_peak_and_no_peak_on_the_cpu() -> None:
     progress = TrainingProgress("5st", batch_size=1, batches_per_epoch=10)
     meter = Meter(progress, flops_per_token=100.0, peak_flops=None)
     assert "train/mfu" not in meter._throughput(samples=10, tokens=100, elapsed=1.0)
+
+
+def test_the_steady_rate_leaves_out_the_first_log_window_and_summary_json_holds_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 8 steps logged every 2: step 1 compiles (untimed), step 2 is slow too (a recompile, caches warming): the first
+    # window's rate is low, the later windows run at RATE. summary.json's steady figures are RATE's; its whole-launch
+    # average is lower, with every slow step in it.
+    from runner.train import summarize
+
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    calls = [0]
+
+    class Warming(TinyLM):
+        def training_step(self, batch: dict) -> dict:
+            calls[0] += 1
+            now[0] += batch["num_tokens"] / RATE + {1: FIRST_STEP_S, 2: 50.0}.get(calls[0], 0.0)
+            return super().training_step(batch)
+
+    task = Warming()
+    data = DataModule(token_splits(), batch_size=32, shuffle=False)
+    loader = data.train_loader(0, 1)
+    progress = TrainingProgress("8st", batch_size=32, batches_per_epoch=len(loader))
+    optimizer = torch.optim.SGD(task.parameters(), lr=0.01)
+    rows = Rows()
+    run = Run(
+        task=task,
+        optimizer=optimizer,
+        schedule=constant(optimizer=optimizer, progress=progress),
+        precision=FP32(),
+        strategy=Single("cpu"),
+        train_loader=loader,
+        val_loader=None,
+        settings=Settings(val_interval=progress.resolve("100st"), log_interval=progress.resolve("2st")),
+        state=State(progress, meter=Meter(progress, task.flops_per_token(), PEAK)),
+        loggers=[rows],
+    )
+    fit(run)
+    assert rows.rows[0]["train/tokens_per_s"] < RATE / 2  # the warm-up window
+    steady = summarize(run)["steady"]
+    assert steady["tokens_per_s"] == pytest.approx(RATE) and steady["samples_per_s"] == pytest.approx(RATE / 8)
+    assert steady["mfu"] == pytest.approx(RATE * task.flops_per_token() / PEAK)
+    assert summarize(run)["tokens_per_s"] < RATE / 10  # the whole launch: compiling and warm-up included
+
+
+def test_a_run_with_one_log_window_reports_that_window_as_its_rate() -> None:
+    progress = TrainingProgress("5st", batch_size=1, batches_per_epoch=10)
+    meter = Meter(progress)
+    assert meter.steady_throughput() == {}  # nothing timed yet
+    meter.warmup = [100, 0, 2.0]
+    assert meter.steady_throughput() == {"samples_per_s": 50.0}
