@@ -19,6 +19,15 @@ from runner.run import Run
 E2E = Path(__file__).resolve().parent / "e2e"
 
 
+@pytest.fixture(autouse=True)
+def _syncs_allowed_after_each_test() -> Iterator:
+    """A test that made syncs errors (helpers.SyncsAreErrors) and failed half-way must not leave the mode on: every
+    later test's pageable copy to the GPU would raise (the first GPU run saw 9 failures from one leak)."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread_and_e2e_runs_in_the_background(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory

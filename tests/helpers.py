@@ -197,6 +197,25 @@ class StopAt(Callback):
             run.request_stop("preempted")
 
 
+class SyncsAreErrors(Callback):
+    """Makes every host-device sync an error (torch.cuda.set_sync_debug_mode) from the end of optimizer step `first`
+    to the end of step `last`: the steps in between (`guarded` of them) must not sync. The mode goes back to default
+    at `last`, at the end of fit, and, whatever a failing test left, after every test (conftest's fixture)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.guarded = first, last, 0
+
+    def on_optimizer_step(self, run: Run) -> None:
+        step = run.progress.step
+        if self.first < step <= self.last:
+            self.guarded += 1
+        if step in (self.first, self.last):
+            torch.cuda.set_sync_debug_mode("error" if step == self.first else "default")
+
+    def on_fit_end(self, run: Run) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 class CountSteps(Callback):
     """Counts the optimizer steps this process trained."""
 

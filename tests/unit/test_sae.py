@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_resume_is_exact, compose_job
+from helpers import SyncsAreErrors, assert_resume_is_exact, compose_job
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -832,20 +832,6 @@ def test_synthetic_batches_are_made_on_the_gpu_reproducibly_by_position(correlat
         torch.testing.assert_close(means, probs.double() * 0.5, rtol=0, atol=0.02)
 
 
-class SyncErrors(Callback):
-    """Makes any host-device sync an error from the end of optimizer step `first` to the end of step `last`."""
-
-    def __init__(self, first: int, last: int) -> None:
-        self.first, self.last, self.steps = first, last, 0
-
-    def on_optimizer_step(self, run: Run) -> None:
-        step = run.progress.step
-        if self.first < step <= self.last:
-            self.steps += 1
-        if step in (self.first, self.last):
-            torch.cuda.set_sync_debug_mode("error" if step == self.first else "default")
-
-
 @gpu
 @pytest.mark.parametrize("model", ["sae_topk", "sae_batchtopk", "sae_relu", "sae_jumprelu"])
 def test_sae_steps_on_the_gpu_never_wait_for_it(compose_cfg: Callable[..., DictConfig], model: str) -> None:
@@ -865,15 +851,12 @@ def test_sae_steps_on_the_gpu_never_wait_for_it(compose_cfg: Callable[..., DictC
     )
     run = build(cfg)
     assert run.device.type == "cuda" and next(iter(run.train_loader))[0].is_cuda
-    watch = SyncErrors(first=2, last=10)
+    watch = SyncsAreErrors(first=2, last=10)
     run.callbacks.append(watch)
     if model in ("sae_topk", "sae_batchtopk"):  # as a log row that saw dead latents would: AuxK on from step 3
         run.callbacks.append(AuxKOn(after=2))
-    try:
-        fit(run)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert watch.steps == 8 and run.progress.step == 12 and run.state.nonfinite_steps == 0
+    fit(run)
+    assert watch.guarded == 8 and run.progress.step == 12 and run.state.nonfinite_steps == 0
     if model in ("sae_topk", "sae_batchtopk"):  # ReLU and JumpReLU have no AuxK
         assert run.task.n_dead > 0 and run.state.metrics["train/auxk_loss"] > 0  # AuxK trained dead latents
 
