@@ -57,6 +57,17 @@ def test_the_model_is_causal_tied_and_counts_its_flops() -> None:
     assert model.blocks[0].mlp.gate_up.weight.std().item() == pytest.approx(0.02, rel=0.1)
 
 
+def test_model_gpt2_small_is_gpt2_small_s_shape(compose_cfg: Callable) -> None:
+    from hydra.utils import instantiate
+
+    cfg = compose_cfg("+experiment=lm", "model=gpt2_small")
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.seq_len) == (12, 768, 12, 1024)
+    with torch.device("meta"):  # the shape alone: no 85M parameters made
+        model = instantiate({k: v for k, v in cfg.model.items() if k != "bytes_per_token"})
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    assert 84e6 < blocks < 86e6  # GPT-2 small's 85M in its blocks (SwiGLU at 8/3 x d keeps the MLP's size)
+
+
 def test_validation_gives_nats_bits_and_bits_per_byte() -> None:
     batch = {"tokens": torch.randint(0, 256, (3, 17)), "num_tokens": 48}
     out = tiny_gpt(bytes_per_token=1.0).validation_step(batch)
