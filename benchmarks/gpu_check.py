@@ -1,0 +1,180 @@
+"""One GPU check: the GPU tests and every benchmark on the device, sized to a time budget, written to one folder.
+
+    python benchmarks/gpu_check.py [--minutes 8] [--out gpu-check] [--device cuda] [--only STEP ...]
+
+First the imports: a GPU machine may have torch but not Hydra, and no internet. Each missing package is named with the
+way to bring its wheel (`wheels_hint`), and the check exits 2 before running anything. Then each step runs in a fresh
+process, from the repository root, with its share of the minutes as its time limit:
+- `pytest -m gpu` over tests/unit;
+- the benchmarks with `--device`.
+
+The folder gets, for every step, its JSON (where the script writes one) and its output, plus `report.md` (one table: the
+device, then step, status, seconds, file, last line of output) and `report.json`. The table is printed too.
+
+Exit code:
+- 1: the GPU tests failed, or a step crashed.
+- 2: a package is missing.
+- 0: otherwise. A step that ran out of its time is marked `timeout` and is not a failure.
+
+SAE peers run only where benchmarks/peers/install.sh has made their virtualenvs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+# module -> what to install for it (runner's and the tests' imports; torch is the machine's own)
+NEEDED = {
+    "torch": "torch",
+    "hydra": "hydra-core==1.3.2",
+    "omegaconf": "omegaconf==2.3.0",
+    "antlr4": "antlr4-python3-runtime==4.9.3",
+    "yaml": "PyYAML",
+    "numpy": "numpy",
+    "rich": "rich",
+    "safetensors": "safetensors",
+    "pytest": "pytest",
+}
+
+
+# module -> what it is for: the check warns and goes on without these
+OPTIONAL = {"sklearn": "scikit-learn, whose bundled file the digits experiment reads (its GPU tests fail without it)"}
+
+
+def missing_packages(needed: dict[str, str] = NEEDED) -> list[str]:
+    """What to install for the modules of `needed` that this interpreter cannot import."""
+    return [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
+
+
+def wheels_hint(packages: list[str]) -> str:
+    """How to bring `packages` to a machine without internet: wheels made elsewhere, installed without an index."""
+    pinned = " ".join(packages)
+    return (
+        f"missing: {', '.join(packages)}. On a machine with internet: pip download --no-deps -d wheels {pinned} "
+        "(antlr4-python3-runtime has no wheel on PyPI: pip wheel --no-deps -w wheels antlr4-python3-runtime==4.9.3); "
+        "bring the wheels folder here, then: pip install --no-index --no-deps wheels/*.whl"
+    )
+
+
+def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]]]:
+    """(name, share of the time, command) of each step, in order."""
+    py, bench = sys.executable, lambda name: str(ROOT / "benchmarks" / f"{name}.py")
+
+    def script(name: str, tag: str, *args: str) -> list[str]:
+        return [py, bench(name), "--device", device, *args, "--json", str(out / f"{tag}.json")]
+
+    usual = ["--size", "usual", "--reps", str(reps), "--steps", "20"]
+    lightning = importlib.util.find_spec("lightning") is not None
+    contenders = [] if lightning else ["--contenders", "hand", "runner", "runner_usual"]
+    found = [ROOT / f".venv-{peer}" / "bin" / "python" for peer in ("sparsify", "saelens")]
+    peers = [
+        *("--acts", str(out / "acts768.npy"), "--n-latents", "24576", "--k", "32", "--batch", "4096"),
+        *("--heldout", "8192", "--steps", "60", "--seeds", "0", "1", "--threads", "8", "--dir", str(out / "peers")),
+    ]
+    plan = [
+        ("gpu tests", 0.25, [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider"]),
+        # Lightning only where it is installed (the device machines have torch alone)
+        ("overhead", 0.10, script("overhead", "overhead", "--reps", str(reps), "--sizes", "tiny", "mlp", *contenders)),
+        ("startup", 0.05, script("startup", "startup", "--reps", str(reps))),
+        ("lm bf16", 0.15, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile,ac")),
+        ("sae preset", 0.05, script("sae_throughput", "sae-preset", "--size", "preset", "--reps", str(reps))),
+        ("sae usual fp32", 0.08, script("sae_throughput", "sae-usual-fp32", *usual)),
+        ("sae usual bf16", 0.08, script("sae_throughput", "sae-usual-bf16", *usual, "--precision", "bf16")),
+        ("checkpoint", 0.04, script("checkpoint", "checkpoint", "--reps", str(reps))),
+    ]
+    if all(p.exists() for p in found):
+        plan.append(("sae peers bf16", 0.20, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")))
+    return plan
+
+
+def run_step(name: str, command: list[str], limit_s: float, out: Path) -> dict[str, Any]:
+    """Run one step with a time limit; its status, seconds and last line of output (all of it in out/<name>.log)."""
+    log = out / f"{name.replace(' ', '-')}.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
+        status = "ok" if done.returncode == 0 else f"failed ({done.returncode})"
+        text = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as expired:
+        status = "timeout"
+        text = "".join(x.decode() if isinstance(x, bytes) else x or "" for x in (expired.stdout, expired.stderr))
+    log.write_text(text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return {
+        "step": name,
+        "status": status,
+        "seconds": time.perf_counter() - started,
+        "log": log.name,
+        "last": lines[-1][:160] if lines else "",
+    }
+
+
+def report(results: list[dict[str, Any]], device: str, out: Path) -> str:
+    """report.md and report.json in `out`; returns the markdown."""
+    rows = [
+        f"GPU check on {device}, {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        "| step | status | seconds | output | last line |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        last = r["last"].replace("|", "/")
+        rows.append(f"| {r['step']} | {r['status']} | {r['seconds']:.0f} | {r['log']} | {last} |")
+    text = "\n".join(rows) + "\n"
+    (out / "report.md").write_text(text)
+    (out / "report.json").write_text(json.dumps({"device": device, "steps": results}, indent=2) + "\n")
+    return text
+
+
+def device_name(device: str) -> str:
+    """The device in words: the GPU's name, or the CPU."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} (torch {torch.__version__})"
+    return f"{device} (torch {torch.__version__})"
+
+
+def main() -> int:
+    """Check the imports, run the steps within the minutes, write and print the report; the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=8.0)
+    parser.add_argument("--out", default="gpu-check")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--only", nargs="*", help="step names to run (default: all)")
+    args = parser.parse_args()
+    missing = missing_packages()
+    if missing:
+        print(wheels_hint(missing), file=sys.stderr)
+        return 2
+    for package in missing_packages(OPTIONAL):
+        print(f"warning: {package}", file=sys.stderr)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [s for s in steps(args.device, out, 2 if args.minutes < 15 else 3) if not args.only or s[0] in args.only]
+    if not plan:
+        print(f"--only {args.only}: no such step", file=sys.stderr)
+        return 2
+    if any(name.startswith("sae peers") for name, _, _ in plan):
+        import numpy as np  # Gaussian rows: the peers' speed at the usual size (their quality means nothing here)
+
+        np.save(out / "acts768.npy", np.random.default_rng(0).standard_normal((4096 * 60 + 8192, 768), np.float32))
+    budget = args.minutes * 60 / sum(share for _, share, _ in plan)
+    results = [run_step(name, command, share * budget, out) for name, share, command in plan]
+    print(report(results, device_name(args.device), out))
+    failed = [r for r in results if r["status"].startswith("failed")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

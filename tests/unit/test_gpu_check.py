@@ -1,0 +1,68 @@
+"""benchmarks/gpu_check.py's CPU-side parts: the import check and its advice, the step plan, the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+
+def test_a_missing_package_is_named_with_the_way_to_bring_its_wheel() -> None:
+    missing = gpu_check.missing_packages({"json": "json", "no_such_module_here": "hydra-core==1.3.2"})
+    assert missing == ["hydra-core==1.3.2"]
+    hint = gpu_check.wheels_hint(missing)
+    assert "pip download --no-deps -d wheels hydra-core==1.3.2" in hint
+    assert "pip install --no-index --no-deps wheels/*.whl" in hint and "antlr4-python3-runtime==4.9.3" in hint
+    assert gpu_check.missing_packages() == []  # this machine has everything runner and its tests import
+
+
+def test_the_plan_runs_the_gpu_tests_first_and_every_benchmark_on_the_device(tmp_path: Path) -> None:
+    plan = gpu_check.steps("cuda", tmp_path, reps=2)
+    names = [name for name, _, _ in plan]
+    assert names[0] == "gpu tests" and plan[0][2][1:6] == ["-m", "pytest", "-m", "gpu", "tests/unit"]
+    assert {"overhead", "lm bf16", "sae usual bf16", "sae usual fp32", "sae preset", "checkpoint"} <= set(names)
+    for name, share, command in plan[1:]:
+        assert command[command.index("--device") + 1] == "cuda" and 0 < share < 1, name
+        assert Path(command[command.index("--json") + 1]).parent == tmp_path, name  # one folder
+
+
+def test_the_report_names_the_device_and_every_step(tmp_path: Path) -> None:
+    results = [
+        {"step": "gpu tests", "status": "failed (1)", "seconds": 61.2, "log": "gpu-tests.log", "last": "1 failed"},
+        {"step": "lm bf16", "status": "timeout", "seconds": 90.0, "log": "lm-bf16.log", "last": "a | b"},
+    ]
+    text = gpu_check.report(results, "NVIDIA H200", tmp_path)
+    assert text.startswith("GPU check on NVIDIA H200")
+    assert "| gpu tests | failed (1) | 61 | gpu-tests.log | 1 failed |" in text
+    assert "| lm bf16 | timeout | 90 | lm-bf16.log | a / b |" in text  # a pipe in the output keeps the table whole
+    assert (tmp_path / "report.md").read_text() == text
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] == results
+
+
+@pytest.mark.parametrize(("status", "code"), [("ok", 0), ("timeout", 0), ("failed (1)", 1)])
+def test_a_step_that_times_out_is_marked_and_a_failure_fails_the_check(
+    tmp_path: Path, status: str, code: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_check, "steps", lambda device, out, reps: [("one", 1.0, ["true"])])
+    monkeypatch.setattr(
+        gpu_check, "run_step", lambda *a: {"step": "one", "status": status, "seconds": 1.0, "log": "x", "last": ""}
+    )
+    monkeypatch.setattr("sys.argv", ["gpu_check.py", "--device", "cpu", "--out", str(tmp_path)])
+    assert gpu_check.main() == code
+
+
+def test_a_step_runs_with_its_time_limit_and_keeps_its_output(tmp_path: Path) -> None:
+    done = gpu_check.run_step("echo", [sys.executable, "-c", "print('first'); print('last line')"], 30, tmp_path)
+    assert done["status"] == "ok" and done["last"] == "last line" and "first" in (tmp_path / "echo.log").read_text()
+    slow = gpu_check.run_step(
+        "slow", [sys.executable, "-c", "import time; print('began', flush=True); time.sleep(30)"], 1, tmp_path
+    )
+    assert slow["status"] == "timeout" and slow["seconds"] < 10
