@@ -73,6 +73,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         return [py, bench(name), "--device", device, *args, "--json", str(out / f"{tag}.json")]
 
     usual = ["--size", "usual", "--reps", str(reps), "--steps", "20"]
+    pipeline = ["--shape", "gpt2_small", "--reps", str(reps), "--precision", "bf16", "model.n_latents=12288"]
     lightning = importlib.util.find_spec("lightning") is not None
     contenders = [] if lightning else ["--contenders", "hand", "runner", "runner_usual"]
     found = [ROOT / f".venv-{peer}" / "bin" / "python" for peer in ("sparsify", "saelens")]
@@ -90,6 +91,8 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("sae usual fp32", 0.08, script("sae_throughput", "sae-usual-fp32", *usual)),
         ("sae usual bf16", 0.08, script("sae_throughput", "sae-usual-bf16", *usual, "--precision", "bf16")),
         ("checkpoint", 0.04, script("checkpoint", "checkpoint", "--reps", str(reps))),
+        # GPT-2 small's residual stream after block 6, a 16x SAE fed from a ring on the GPU, against a hand loop
+        ("sae pipeline", 0.10, script("sae_pipeline", "sae-pipeline", *pipeline)),
     ]
     if all(p.exists() for p in found):
         plan.append(("sae peers bf16", 0.20, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")))

@@ -61,7 +61,7 @@ def main() -> None:
     from experiments.sae.hooked import SourceModel
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        make_source(Path(tmp) / "source", args.n_layer, args.device)
+        make_source(Path(tmp) / "source", args.device, f"model.n_layer={args.n_layer}")
         source = SourceModel(str(Path(tmp) / "source"), f"blocks.{args.layer}", args.device, skip_positions=1)
         d = source.activations(next(iter(source.data.val_loader()))).shape[1]
         key = cache.identity(str(Path(tmp) / "source"), f"blocks.{args.layer}", 1, "float32", d)

@@ -47,9 +47,10 @@ def _compose(overrides: list[str]):
         return compose("config", overrides=overrides)
 
 
-def make_source(folder: Path, n_layer: int, device: str) -> None:
-    """A finished-run folder (model.safetensors, .hydra/config.yaml) of a randomly initialised GPT, on a small corpus
-    (one package of the standard library: the windows are inputs, their text does not matter here)."""
+def make_source(folder: Path, device: str, *model: str) -> None:
+    """A finished-run folder (model.safetensors, .hydra/config.yaml) of a randomly initialised GPT (`model`: overrides
+    of +experiment=lm's, e.g. model.n_layer=12), on a small corpus (one package of the standard library: the windows
+    are inputs, their text does not matter here)."""
     from omegaconf import OmegaConf
 
     from runner.build import build
@@ -59,7 +60,7 @@ def make_source(folder: Path, n_layer: int, device: str) -> None:
     cfg = _compose(
         [
             "+experiment=lm",
-            f"model.n_layer={n_layer}",
+            *model,
             f"data.paths=[{corpus}]",
             f"data.cache_dir={folder / 'cache'}",
             "data.val_every=2",
@@ -144,7 +145,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "source"
-        make_source(source, args.n_layer, args.device)
+        make_source(source, args.device, f"model.n_layer={args.n_layer}")
         for rep in range(args.reps):
             for name in CONTENDERS if rep % 2 == 0 else reversed(list(CONTENDERS)):  # alternate who goes first
                 results[name].append(time_one(name, source, layer, args.cycles, args.device, extra))

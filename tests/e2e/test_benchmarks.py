@@ -36,6 +36,11 @@ SMOKE = {
         *("trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
         f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
     ],
+    # a one-block d-32 source on one stdlib package, a ring of 2048 refilled every 4 steps of 256, hand against runner
+    "sae_pipeline": [
+        *("--shape", "lm", "--cycles", "1", "--reps", "2", "data.buffer_size=2048", "data.batch_size=256"),
+        *("--source-args", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32"),
+    ],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
     "stream": [
         "--batches",
@@ -177,6 +182,13 @@ def test_sae_peers_smoke(runs: dict[str, Future]) -> None:
     assert run["samples_per_s"] > 0 and run["to_first_step_s"] > 0 and run["own_peak_rss_mb"] > 100
     missing = result["missing"]
     assert missing["returncode"] == 1 and "benchmarks/peers/install.sh" in missing["stderr"]
+
+
+def test_sae_pipeline_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_pipeline"].result()
+    assert result["steps_timed"] == 4 and result["layer"] == 0 and result["buffer_size"] == 2048
+    assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0 and len(result["ratios"]) == 2
+    assert result["peak_gpu_mb"] == {"hand": None, "runner": None}  # on the CPU: no GPU figure
 
 
 def test_checkpoint_smoke(runs: dict[str, Future]) -> None:

@@ -28,7 +28,8 @@ def test_the_plan_runs_the_gpu_tests_first_and_every_benchmark_on_the_device(tmp
     plan = gpu_check.steps("cuda", tmp_path, reps=2)
     names = [name for name, _, _ in plan]
     assert names[0] == "gpu tests" and plan[0][2][1:6] == ["-m", "pytest", "-m", "gpu", "tests/unit"]
-    assert {"overhead", "lm bf16", "sae usual bf16", "sae usual fp32", "sae preset", "checkpoint"} <= set(names)
+    benchmarks = {"overhead", "lm bf16", "sae usual bf16", "sae usual fp32", "sae preset", "checkpoint", "sae pipeline"}
+    assert benchmarks <= set(names)
     for name, share, command in plan[1:]:
         assert command[command.index("--device") + 1] == "cuda" and 0 < share < 1, name
         assert Path(command[command.index("--json") + 1]).parent == tmp_path, name  # one folder
