@@ -186,6 +186,18 @@ def test_lm_resumed_with_samples_equals_the_uninterrupted_run(compose_cfg: Calla
         assert (tmp_path / "split" / name).read_text() == (tmp_path / "whole" / name).read_text()
 
 
+def test_a_compiled_lm_run_resumes_exactly(compose_cfg: Callable, tmp_path: Path) -> None:
+    # Both launches compile afresh (compile=blocks; compile=model resumes alike, measured, 8 s more to test); the
+    # resumed one must still continue bit for bit
+    overrides = [*TINY, "callbacks=[perplexity]", "trainer.max_duration=8st", "trainer.val_interval=4st"]
+    overrides.append("compile=blocks")
+    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
+    train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(3)])
+    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"))
+    assert_same_state(whole, second)
+    assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
+
+
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
