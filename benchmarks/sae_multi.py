@@ -77,12 +77,28 @@ def make_source(folder: Path, device: str, *model: str) -> None:
     OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
 
 
+def step_clock(last: int, device: str):
+    """A runner callback that reads the clock (after the device's work) at the end of step 1 and of step `last`:
+    its `stamps`."""
+    from runner.run import Callback
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def on_optimizer_step(self, run) -> None:
+            if run.progress.step in (1, last):
+                synchronize(device)
+                self.stamps.append(time.perf_counter())
+
+    return Clock()
+
+
 def time_one(name: str, source: Path, layer: int, cycles: int, device: str, extra: list[str]) -> dict:
     """Train one contender for `cycles` refill cycles after a first step; its wall time and the source's share."""
     from experiments.sae.hooked import SourceModel
     from runner.build import build
     from runner.loop import fit
-    from runner.run import Callback
 
     base = ["+experiment=sae_lm", f"source.checkpoint={source}", f"source.layer={layer}", *CONTENDERS[name]]
     data = _compose([*base, *extra]).data
@@ -103,14 +119,8 @@ def time_one(name: str, source: Path, layer: int, cycles: int, device: str, extr
         ]
     )
     run = build(cfg)
-    stamps: list[float] = []
-
-    class Clock(Callback):
-        def on_optimizer_step(self, run) -> None:
-            if run.progress.step in (1, steps):
-                synchronize(device)
-                stamps.append(time.perf_counter())
-
+    clock = step_clock(steps, device)
+    stamps = clock.stamps
     forward = {"s": 0.0}
     activations = SourceModel.activations
 
@@ -122,7 +132,7 @@ def time_one(name: str, source: Path, layer: int, cycles: int, device: str, extr
         forward["s"] += time.perf_counter() - start
         return out
 
-    run.callbacks.append(Clock())
+    run.callbacks.append(clock)
     SourceModel.activations = timed
     try:
         fit(run)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import default_device, device_name, peak_gpu_mb, synchronize  # noqa: E402
-from benchmarks.sae_multi import _compose, make_source  # noqa: E402
+from benchmarks.sae_multi import _compose, make_source, step_clock  # noqa: E402
 
 SHAPES = {"gpt2_small": ["model=gpt2_small"], "lm": []}
 
@@ -51,20 +51,11 @@ def runner_contender(cfg, steps: int, device: str) -> dict:
     """runner's fit of the composed run; seconds from the end of step 1 to the end of the last."""
     from runner.build import build
     from runner.loop import fit
-    from runner.run import Callback
 
-    stamps: list[float] = []
-
-    class Clock(Callback):
-        def on_optimizer_step(self, run) -> None:
-            if run.progress.step in (1, steps):
-                synchronize(device)
-                stamps.append(time.perf_counter())
-
-    run = build(cfg)
-    run.callbacks.append(Clock())
+    run, clock = build(cfg), step_clock(steps, device)
+    run.callbacks.append(clock)
     fit(run)
-    return {"s": stamps[1] - stamps[0]}
+    return {"s": clock.stamps[1] - clock.stamps[0]}
 
 
 def hand_contender(cfg, source: Path, layer: int, steps: int, device: str) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import StopAt, assert_same_state, metric_rows, read_json, read_run
+from helpers import StopAt, assert_resume_is_exact, assert_same_state, metric_rows, read_json, read_run
 
 from experiments.lm.data import TextBytes, TokensFile, Windows, stdlib_sources
 from experiments.lm.model import GPT, Block
@@ -190,12 +190,7 @@ def test_a_compiled_lm_run_resumes_exactly(compose_cfg: Callable, tmp_path: Path
     # Both launches compile afresh (compile=blocks; compile=model resumes alike, measured, 8 s more to test); the
     # resumed one must still continue bit for bit
     overrides = [*TINY, "callbacks=[perplexity]", "trainer.max_duration=8st", "trainer.val_interval=4st"]
-    overrides.append("compile=blocks")
-    whole = train(compose_cfg(*overrides, run_dir=tmp_path / "whole"))
-    train(compose_cfg(*overrides, run_dir=tmp_path / "split"), extra_callbacks=[StopAt(3)])
-    second = train(compose_cfg(*overrides, "resume=auto", run_dir=tmp_path / "split"))
-    assert_same_state(whole, second)
-    assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
+    assert_resume_is_exact(compose_cfg, [*overrides, "compile=blocks"], tmp_path, stop=3)
 
 
 @pytest.mark.parametrize(

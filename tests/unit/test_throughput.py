@@ -42,6 +42,24 @@ class Rows(Logger):
         self.rows.append(metrics)
 
 
+def _run(task: TinyLM, loader, progress: TrainingProgress, strategy: Single, log_every: str) -> tuple[Run, Rows]:
+    """A Run of `task` with SGD, a constant LR, no validation, a log row every `log_every` and MFU against PEAK."""
+    optimizer, rows = torch.optim.SGD(task.parameters(), lr=0.01), Rows()
+    run = Run(
+        task=task,
+        optimizer=optimizer,
+        schedule=constant(optimizer=optimizer, progress=progress),
+        precision=FP32(),
+        strategy=strategy,
+        train_loader=loader,
+        val_loader=None,
+        settings=Settings(val_interval=progress.resolve("100st"), log_interval=progress.resolve(log_every)),
+        state=State(progress, meter=Meter(progress, task.flops_per_token(), PEAK)),
+        loggers=[rows],
+    )
+    return run, rows
+
+
 def _logged(world_size: int, accumulate: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
     """The metrics of 5 steps in which each device trains 32 sequences (in `accumulate` micro-batches) at RATE."""
     now = [0.0]
@@ -64,20 +82,7 @@ def _logged(world_size: int, accumulate: int, monkeypatch: pytest.MonkeyPatch) -
         accumulate=accumulate,
         world_size=world_size,
     )
-    optimizer = torch.optim.SGD(task.parameters(), lr=0.01)
-    rows = Rows()
-    run = Run(
-        task=task,
-        optimizer=optimizer,
-        schedule=constant(optimizer=optimizer, progress=progress),
-        precision=FP32(),
-        strategy=Ranks(world_size),
-        train_loader=loader,
-        val_loader=None,
-        settings=Settings(val_interval=progress.resolve("100st"), log_interval=progress.resolve("5st")),
-        state=State(progress, meter=Meter(progress, task.flops_per_token(), PEAK)),
-        loggers=[rows],
-    )
+    run, rows = _run(task, loader, progress, Ranks(world_size), "5st")
     fit(run)
     assert run.state.meter.first_step_s == pytest.approx(FIRST_STEP_S + 32 * 8 / RATE)
     (row,) = rows.rows
@@ -128,20 +133,7 @@ def test_the_steady_rate_leaves_out_the_first_log_window_and_summary_json_holds_
     data = DataModule(token_splits(), batch_size=32, shuffle=False)
     loader = data.train_loader(0, 1)
     progress = TrainingProgress("8st", batch_size=32, batches_per_epoch=len(loader))
-    optimizer = torch.optim.SGD(task.parameters(), lr=0.01)
-    rows = Rows()
-    run = Run(
-        task=task,
-        optimizer=optimizer,
-        schedule=constant(optimizer=optimizer, progress=progress),
-        precision=FP32(),
-        strategy=Single("cpu"),
-        train_loader=loader,
-        val_loader=None,
-        settings=Settings(val_interval=progress.resolve("100st"), log_interval=progress.resolve("2st")),
-        state=State(progress, meter=Meter(progress, task.flops_per_token(), PEAK)),
-        loggers=[rows],
-    )
+    run, rows = _run(task, loader, progress, Single("cpu"), "2st")
     fit(run)
     assert rows.rows[0]["train/tokens_per_s"] < RATE / 2  # the warm-up window
     steady = summarize(run)["steady"]
