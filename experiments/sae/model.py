@@ -206,6 +206,15 @@ class SAE(nn.Module):
         """Latents that have not fired within dead_window."""
         return self.since_fired >= self.dead_window
 
+    def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
+        """Write this SAE in another tool's folder layout (experiments/sae/export.py) for runner.export; `cfg` is
+        the run's config (its hook point and source name the export's metadata). The folders written."""
+        from experiments.sae.export import export
+
+        source = cfg.get("source") or {}
+        module = source.get("module") if isinstance(source.get("module"), str) else None
+        return [export(self, fmt, out, module, source.get("checkpoint"))]
+
     def latent_slices(self, latents: torch.Tensor) -> dict[nn.Parameter, tuple[Any, ...]]:
         """Where `latents` live in the parameters: what resampling re-initialises, with its optimizer state."""
         return {self.W_dec: (latents,), self.W_enc: (slice(None), latents), self.b_enc: (latents,)}

@@ -113,6 +113,10 @@ class MultiSAE(nn.Module):
         for sae in self.saes.values():
             sae.after_optimizer_step()
 
+    def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
+        """Each SAE in its own folder under `out` (SAE.export), named as its weights file is."""
+        return [folder for name, sae in self.saes.items() for folder in sae.export(fmt, out / name, cfg)]
+
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each SAE the last logged row, under its own prefix (SAE.logged)."""
         for name, sae in self.saes.items():

@@ -1,0 +1,125 @@
+"""A trained SAE in the folder layout that SAELens or EleutherAI's sparsify loads (`python -m runner.export`).
+
+- SAELens: `cfg.json` + `sae_weights.safetensors` (W_enc [d, n], b_enc, W_dec [n, d], b_dec, and `threshold` for
+  jumprelu); `sae_lens.SAE.load_from_disk(DIR)` loads it.
+- sparsify: `cfg.json` + `sae.safetensors` (encoder.weight [n, d], encoder.bias, W_dec, b_dec);
+  `sparsify.SparseCoder.load_from_disk(DIR)` loads it.
+
+runner's SAE scales its inputs by `input_scale` s inside (E||x|| = sqrt(d)); the export takes and returns raw
+activations instead. Its codes are runner's divided by s, so the decoder rows stay as trained (unit norm) and b_enc,
+b_dec and any threshold are divided by s. The top-k picks the same latents, and the reconstruction is runner's to float
+rounding (tests/unit/test_sae_export.py; with the real packages, tests/e2e/test_sae_peers_load.py).
+
+Which architecture becomes which:
+- TopK, and Matryoshka on TopK codes: `topk` in both tools.
+- BatchTopK, and Matryoshka on BatchTopK codes: SAELens `jumprelu`, every latent at the learned global threshold (what
+  their inference is).
+- JumpReLU: `jumprelu`. ReLU: SAELens `standard`.
+- sparsify has top-k only: anything else is refused, with the format that takes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from experiments.sae.jumprelu import JumpReLUSAE
+from experiments.sae.matryoshka import MatryoshkaSAE
+from experiments.sae.model import SAE, BatchTopKSAE, ReLUSAE, TopKSAE
+from runner import ConfigError
+
+FORMATS = ("saelens", "sparsify")
+
+
+def architecture(sae: SAE) -> str:
+    """What the SAE's inference is, in SAELens's names: topk, jumprelu or standard."""
+    if isinstance(sae, MatryoshkaSAE):
+        return "topk" if sae.activation == "topk" else "jumprelu"
+    if isinstance(sae, TopKSAE):
+        return "topk"
+    if isinstance(sae, (BatchTopKSAE, JumpReLUSAE)):
+        return "jumprelu"
+    if isinstance(sae, ReLUSAE):
+        return "standard"
+    raise ConfigError(f"{type(sae).__name__} has no counterpart in SAELens or sparsify to export to")
+
+
+@torch.no_grad()
+def raw_unit_weights(sae: SAE) -> dict[str, torch.Tensor]:
+    """W_enc, b_enc, W_dec, b_dec (and threshold) of the same SAE on raw activations: codes divided by input_scale."""
+    s = sae.input_scale.double()
+    weights = {
+        "W_enc": sae.W_enc.double(),
+        "b_enc": sae.b_enc.double() / s,
+        "W_dec": sae.W_dec.double(),
+        "b_dec": sae.b_dec.double() / s,
+    }
+    if architecture(sae) == "jumprelu":
+        threshold = sae.threshold if isinstance(sae, JumpReLUSAE) else sae.threshold.expand(sae.n_latents)
+        weights["threshold"] = threshold.double() / s
+    return {name: tensor.float().contiguous().clone() for name, tensor in weights.items()}
+
+
+def export(sae: SAE, fmt: str, out: Path, hook: str | None = None, model: str | None = None) -> Path:
+    """Write `sae` in format `fmt` to the folder `out` (made here; refused if it holds files); returns `out`."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt}: give one of {', '.join(FORMATS)}")
+    kind = architecture(sae)
+    if fmt == "sparsify" and kind != "topk":
+        raise ConfigError(
+            f"sparsify has top-k SAEs only; this is {type(sae).__name__} ({kind} at inference): --format saelens"
+        )
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} already holds files: give an empty or new folder (nothing was written)")
+    out.mkdir(parents=True, exist_ok=True)
+    weights = raw_unit_weights(sae)
+    if fmt == "saelens":
+        save_file(weights, str(out / "sae_weights.safetensors"))
+        _write(out / "cfg.json", _saelens_cfg(sae, kind, hook, model))
+    else:
+        names = {"W_enc": "encoder.weight", "b_enc": "encoder.bias", "W_dec": "W_dec", "b_dec": "b_dec"}
+        tensors = {names[k]: (v.t().contiguous() if k == "W_enc" else v) for k, v in weights.items()}
+        save_file(tensors, str(out / "sae.safetensors"))
+        _write(out / "cfg.json", _sparsify_cfg(sae))
+    return out
+
+
+def _saelens_cfg(sae: SAE, kind: str, hook: str | None, model: str | None) -> dict[str, Any]:
+    # the residual stream after a block is what TransformerLens names blocks.N.hook_resid_post
+    hook_name = f"{hook}.hook_resid_post" if hook and hook.startswith("blocks.") and hook.count(".") == 1 else hook
+    cfg: dict[str, Any] = {
+        "d_in": sae.d_in,
+        "d_sae": sae.n_latents,
+        "dtype": "float32",
+        "device": "cpu",
+        "apply_b_dec_to_input": True,
+        "normalize_activations": "none",  # runner's input scale is folded into the weights
+        "reshape_activations": "none",
+        "metadata": {"hook_name": hook_name, "model_name": model},
+        "architecture": kind,
+    }
+    if kind == "topk":
+        cfg.update(k=sae.k, rescale_acts_by_decoder_norm=False)
+    return cfg
+
+
+def _sparsify_cfg(sae: SAE) -> dict[str, Any]:
+    return {
+        "activation": "topk",
+        "expansion_factor": max(1, sae.n_latents // sae.d_in),
+        "normalize_decoder": True,
+        "num_latents": sae.n_latents,
+        "k": sae.k,
+        "multi_topk": False,
+        "skip_connection": False,
+        "transcode": False,
+        "d_in": sae.d_in,
+    }
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

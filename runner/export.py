@@ -1,0 +1,39 @@
+"""`python -m runner.export RUN_DIR --format saelens|sparsify [--out DIR]`: a finished run's model in another tool's
+folder layout, where the model knows how to write one (`export(fmt, out, cfg)`: runner's SAEs write SAELens's and
+sparsify's, experiments/sae/export.py). DIR defaults to RUN_DIR/export-FORMAT and must be empty or new. The model is
+built from the run's own config under the same trust rules as evaluation (runner.trained.load_trained).
+Exit codes: 0, or 2 with a one-line message (a wrong folder, format, model or output)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runner import ConfigError
+from runner.trained import load_trained
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Export, print the folders written, exit 0; or print why not and exit 2."""
+    parser = argparse.ArgumentParser(prog="python -m runner.export", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="a finished run folder (or its model.safetensors)")
+    parser.add_argument("--format", required=True, help="saelens or sparsify")
+    parser.add_argument("--out", type=Path, help="the folder to write (default: RUN_DIR/export-FORMAT)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    run_dir = args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
+    try:
+        model, cfg = load_trained(args.run_dir)
+        if not hasattr(model, "export"):
+            raise ConfigError(f"{run_dir}'s model ({type(model).__name__}) has no export (runner's SAEs have)")
+        folders = model.export(args.format, args.out or run_dir / f"export-{args.format}", cfg)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for folder in folders:
+        print(f"wrote {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
