@@ -26,30 +26,23 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
-from experiments.sae.jumprelu import JumpReLUSAE
-from experiments.sae.matryoshka import MatryoshkaSAE
-from experiments.sae.model import SAE, BatchTopKSAE, ReLUSAE, TopKSAE
 from runner import ConfigError
 
 FORMATS = ("saelens", "sparsify")
 
 
-def architecture(sae: SAE) -> str:
-    """What the SAE's inference is, in SAELens's names: topk, jumprelu or standard."""
-    if isinstance(sae, MatryoshkaSAE):
-        return "topk" if sae.activation == "topk" else "jumprelu"
-    if isinstance(sae, TopKSAE):
-        return "topk"
-    if isinstance(sae, (BatchTopKSAE, JumpReLUSAE)):
-        return "jumprelu"
-    if isinstance(sae, ReLUSAE):
-        return "standard"
-    raise ConfigError(f"{type(sae).__name__} has no counterpart in SAELens or sparsify to export to")
+def architecture(sae: nn.Module) -> str:
+    """What the SAE's inference is, in SAELens's names (its class's `inference`): topk, jumprelu or standard."""
+    kind = getattr(sae, "inference", None)
+    if kind not in ("topk", "jumprelu", "standard"):
+        raise ConfigError(f"{type(sae).__name__} has no counterpart in SAELens or sparsify to export to")
+    return kind
 
 
 @torch.no_grad()
-def raw_unit_weights(sae: SAE) -> dict[str, torch.Tensor]:
+def raw_unit_weights(sae: nn.Module) -> dict[str, torch.Tensor]:
     """W_enc, b_enc, W_dec, b_dec (and threshold) of the same SAE on raw activations: codes divided by input_scale."""
     s = sae.input_scale.double()
     weights = {
@@ -58,13 +51,12 @@ def raw_unit_weights(sae: SAE) -> dict[str, torch.Tensor]:
         "W_dec": sae.W_dec.double(),
         "b_dec": sae.b_dec.double() / s,
     }
-    if architecture(sae) == "jumprelu":
-        threshold = sae.threshold if isinstance(sae, JumpReLUSAE) else sae.threshold.expand(sae.n_latents)
-        weights["threshold"] = threshold.double() / s
+    if architecture(sae) == "jumprelu":  # JumpReLU's per latent; BatchTopK's one global threshold for every latent
+        weights["threshold"] = sae.threshold.expand(sae.n_latents).double() / s
     return {name: tensor.float().contiguous().clone() for name, tensor in weights.items()}
 
 
-def export(sae: SAE, fmt: str, out: Path, hook: str | None = None, model: str | None = None) -> Path:
+def export(sae: nn.Module, fmt: str, out: Path, hook: str | None = None, model: str | None = None) -> Path:
     """Write `sae` in format `fmt` to the folder `out` (made here; refused if it holds files); returns `out`."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt}: give one of {', '.join(FORMATS)}")
@@ -88,7 +80,7 @@ def export(sae: SAE, fmt: str, out: Path, hook: str | None = None, model: str | 
     return out
 
 
-def _saelens_cfg(sae: SAE, kind: str, hook: str | None, model: str | None) -> dict[str, Any]:
+def _saelens_cfg(sae: nn.Module, kind: str, hook: str | None, model: str | None) -> dict[str, Any]:
     # the residual stream after a block is what TransformerLens names blocks.N.hook_resid_post
     hook_name = f"{hook}.hook_resid_post" if hook and hook.startswith("blocks.") and hook.count(".") == 1 else hook
     cfg: dict[str, Any] = {
@@ -107,7 +99,7 @@ def _saelens_cfg(sae: SAE, kind: str, hook: str | None, model: str | None) -> di
     return cfg
 
 
-def _sparsify_cfg(sae: SAE) -> dict[str, Any]:
+def _sparsify_cfg(sae: nn.Module) -> dict[str, Any]:
     return {
         "activation": "topk",
         "expansion_factor": max(1, sae.n_latents // sae.d_in),

@@ -70,6 +70,8 @@ class StepFunction(torch.autograd.Function):
 class JumpReLUSAE(SAE):
     """JumpReLU codes with a per-latent threshold and an L0 penalty, its coefficient warmed up linearly from 0."""
 
+    inference = "jumprelu"
+
     def __init__(
         self,
         threshold_init: float = 0.001,

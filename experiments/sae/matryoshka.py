@@ -55,6 +55,7 @@ class MatryoshkaSAE(BatchTopKSAE):
         if activation not in ("topk", "batchtopk"):
             raise ConfigError(f"model.activation={activation}: choose topk or batchtopk")
         self.activation = activation
+        self.inference = "topk" if activation == "topk" else "jumprelu"  # BatchTopK's: its global threshold
         self.prefix_ends = prefix_ends(group_sizes, self.n_latents)
 
     def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

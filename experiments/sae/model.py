@@ -350,6 +350,8 @@ class SAE(nn.Module):
 class TopKSAE(SAE):
     """Keeps the k largest pre-activations (ReLU'd) per sample; AuxK trains dead latents on the residual."""
 
+    inference = "topk"  # what its inference is in SAELens's names (experiments/sae/export.py)
+
     def __init__(
         self,
         k: int = 5,
@@ -388,6 +390,8 @@ class TopKSAE(SAE):
 class ReLUSAE(SAE):
     """ReLU codes with an L1 penalty (weighted by decoder norms), its coefficient warmed up linearly from 0."""
 
+    inference = "standard"
+
     def __init__(self, l1_coeff: float = 0.1, l1_warmup: str = "100st", **kwargs) -> None:
         super().__init__(**kwargs)
         warmup = parse_duration(l1_warmup)
@@ -416,6 +420,8 @@ class ReLUSAE(SAE):
 
 class BatchTopKSAE(SAE):
     """Keeps the k x batch largest activations across the batch; inference uses a learned global threshold."""
+
+    inference = "jumprelu"  # at inference: ReLU codes above the global threshold
 
     def __init__(
         self,
