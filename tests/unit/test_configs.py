@@ -69,7 +69,7 @@ def _host(group: str, option: str) -> str:
 
 
 # options no experiment selects, with the experiment they are for
-HOSTS = {("data", "tokens_file"): "lm", ("finetune", "lora"): "lm"}
+HOSTS = {("data", "tokens_file"): "lm", ("finetune", "lora"): "lm", ("model", "gpt2_small"): "lm"}
 
 
 def _with_digits_params() -> list:
@@ -126,6 +126,8 @@ def _unit_overrides(group: str, option: str) -> list[str]:
     # The presets' models have no Block: these options run on their Linear layers here (tests/unit/test_compile.py
     # trains a model with Blocks), and compiling traces without generating code (inductor takes seconds per graph).
     units = [f"{group}.units=[Linear]"] if option == "blocks" else []
+    if option == "gpt2_small":  # its width and heads; one block of shorter windows: the tier stays fast
+        units += ["model.n_layer=1", "model.seq_len=64"]
     return units + (["compile.backend=eager"] if group == "compile" and option != "none" else [])
 
 
