@@ -177,7 +177,8 @@ def test_sae_peers_smoke(runs: dict[str, Future]) -> None:
     (run,) = result["results"]["runner"]
     assert result["steps"] == 12 and set(result["results"]) == {"runner"}
     # the shared scorer (float64, from the saved weights) agrees with runner's own validation on the held-out file
-    assert run["score"]["fve"] == pytest.approx(run["own"]["fve"], abs=1e-5) and 0 < run["score"]["fve"] < 1
+    # (float32 there: a near-tie in the top-k may go the other way, measured 2e-5 apart after 12 steps)
+    assert run["score"]["fve"] == pytest.approx(run["own"]["fve"], abs=2e-4) and 0 < run["score"]["fve"] < 1
     assert run["score"]["l0"] == 4 and 0 <= run["score"]["unfired"] < 1
     assert run["samples_per_s"] > 0 and run["to_first_step_s"] > 0 and run["own_peak_rss_mb"] > 100
     missing = result["missing"]
