@@ -46,6 +46,7 @@ class ConsoleLogger(Logger):
         self.clock: tuple[float, int] = (0.0, 0)  # (time, step) this launch started at: the ETA's rate counts from it
         self.last_line = 0.0
         self.latest: dict[str, float] = {}  # the last value of each shown metric (train and val rows differ in step)
+        self.run_dir: str | None = None
 
     def resume(self, step: int, state: dict[str, Any]) -> None:
         """A resumed launch starts at `step`: its rate (for the ETA) counts the steps it trains."""
@@ -70,11 +71,12 @@ class ConsoleLogger(Logger):
             "global_batch",
             "total_steps",
             "max_duration",
-            "run_dir",
         ):
             if key in info:
                 table.add_row(key.replace("_", " "), _fmt(info[key]))
         self.console.print(table)
+        self.run_dir = info.get("run_dir")
+        self._print_run_dir()
         self.total = info.get("total_steps")
         self.clock = (time.monotonic(), self.clock[1])
         self.last_line = self.clock[0]
@@ -154,3 +156,10 @@ class ConsoleLogger(Logger):
         if summary.get("compile_time_s") is not None:
             table.add_row("compile time", f"{summary['compile_time_s']:.1f} s (the first step)")
         self.console.print(table)
+        self._print_run_dir()
+
+    def _print_run_dir(self) -> None:
+        # On a line of its own and never wrapped or cut (a table cell is, to the console's width: 80 columns in a
+        # pipe or a log file): it is what source.checkpoint=, resume and runner.evaluate are given.
+        if self.run_dir is not None:
+            self.console.print(f"run dir {self.run_dir}", soft_wrap=True, highlight=False, markup=False)

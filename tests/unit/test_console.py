@@ -89,3 +89,21 @@ def test_the_final_table_names_the_training_rate_and_the_whole_run_average(capsy
     out = capsys.readouterr().err
     assert "samples/s, training   900" in out and "samples/s, whole run  240" in out
     assert "MFU, training" in out and "0.410" in out and "tokens/s" not in out  # no tokens: no tokens/s rows
+
+
+def test_the_run_folder_is_printed_whole_at_the_start_and_the_end(capsys: pytest.CaptureFixture) -> None:
+    # outside a terminal the console is 80 columns wide: a table cell would cut a long path with an ellipsis
+    path = "/data/" + "a_rather_long_experiment_folder_name/" * 4 + "2026-11-26/10-31-07"
+    console = ConsoleLogger()
+    console.start({"task": "SAE", "run_dir": path})
+    console.close(
+        {
+            "stop_reason": "max_duration",
+            "progress": {"step": 1},
+            "metrics": {},
+            "wall_time_s": 1.0,
+            "samples_per_s": 1.0,
+        }
+    )
+    lines = capsys.readouterr().err.splitlines()
+    assert lines.count(f"run dir {path}") == 2 and "…" not in "".join(lines)
