@@ -46,7 +46,7 @@ def evaluate_run(
     `run_dir` may also be weights inside a run folder (its model.safetensors, a checkpoint folder): the run is the
     folder above them, as if given with weights=."""
     run_dir, weights = _run_and_weights(Path(run_dir), weights)
-    device = _device(device)
+    device = checked_device(device)
     model, cfg = load_trained(run_dir, trusted, weights=weights, callbacks=True)
     for key, value in (data_overrides or {}).items():
         if OmegaConf.select(cfg.data, key, default=KeyError) is KeyError:
@@ -116,8 +116,8 @@ def _run_and_weights(path: Path, weights: str | Path | None) -> tuple[Path, str 
     return run, path
 
 
-def _device(device: Any) -> str:
-    # A device this machine has: torch takes "cuda" without one and fails deep inside the first copy
+def checked_device(device: Any) -> str:
+    """`device` if this machine has it (torch takes "cuda" without one and fails deep inside the first copy)."""
     try:
         kind = torch.device(device).type if isinstance(device, str) else None
     except RuntimeError:
@@ -127,9 +127,9 @@ def _device(device: Any) -> str:
     index = torch.device(device).index or 0
     if kind == "cuda" and index >= torch.cuda.device_count():
         found = f"only {torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
-        raise ConfigError(f"device={device}: this machine has {found}; evaluate on it with device=cpu")
+        raise ConfigError(f"device={device}: this machine has {found}; give device=cpu")
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device={device}: this machine has no MPS (Apple GPU) device; evaluate with device=cpu")
+        raise ConfigError(f"device={device}: this machine has no MPS (Apple GPU) device; give device=cpu")
     return device
 
 

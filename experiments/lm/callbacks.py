@@ -98,13 +98,7 @@ class TextSamples(Callback):
         # Compiled blocks would recompile for every length: sampling runs eagerly
         stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
         with stance or contextlib.nullcontext(), run.precision.autocast():
-            for _ in range(self.new_tokens):
-                logits = model(tokens[:, -model.seq_len :])[:, -1].float() / self.temperature
-                if self.top_k:
-                    kth = logits.topk(min(self.top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, -math.inf)
-                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
-                tokens = torch.cat([tokens, nxt], dim=1)
+            tokens = model.generate(tokens, self.new_tokens, self.temperature, self.top_k, generator)
         model.train(was_training)
         return tokens.cpu()
 

@@ -22,9 +22,11 @@ def rotary(seq_len: int, head_dim: int, base: float = 10_000.0) -> torch.Tensor:
     return torch.stack([angles.cos(), angles.sin()]).float()
 
 
-def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of each head's dims by the position's angles; x is [B, H, T, D]."""
-    cos, sin = rope[0, : x.shape[-2]].to(x.dtype), rope[1, : x.shape[-2]].to(x.dtype)
+def apply_rotary(x: torch.Tensor, rope: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head's dims by the angles of positions start, start + 1, ...;
+    x is [B, H, T, D]."""
+    end = start + x.shape[-2]
+    cos, sin = rope[0, start:end].to(x.dtype), rope[1, start:end].to(x.dtype)
     a, b = x.chunk(2, dim=-1)
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
@@ -38,13 +40,38 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """[B, T, d_model] -> [B, T, d_model]."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """[B, T, d_model] -> [B, T, d_model]; with `cache`, x continues the positions it holds (generation)."""
         b, t, d = x.shape
+        start = 0 if cache is None else cache.length
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k = apply_rotary(q, rope, start), apply_rotary(k, rope, start)
+        if cache is not None:
+            if start and t > 1:
+                raise ValueError("a KV cache takes a prompt at its start, then one token at a time")
+            k, v = cache.append(k, v)
+        # one new token attends to every cached one: no mask
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class LayerCache:
+    """One attention layer's keys and values of the positions generated so far, in buffers of the model's window."""
+
+    def __init__(self, window: int) -> None:
+        self.window, self.length = window, 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new positions' keys and values [B, H, T, D]; all of them so far."""
+        if self.k is None:
+            shape = (*k.shape[:2], self.window, k.shape[-1])
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        end = self.length + k.shape[2]
+        self.k[:, :, self.length : end], self.v[:, :, self.length : end] = k, v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class SwiGLU(nn.Module):
@@ -71,9 +98,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(d_model)
         self.mlp = SwiGLU(d_model, mlp_hidden)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         """[B, T, d_model] -> [B, T, d_model]."""
-        x = x + self.attn(self.attn_norm(x), rope)
+        x = x + self.attn(self.attn_norm(x), rope, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -128,14 +155,48 @@ class GPT(nn.Module):
                 scale = 1 / math.sqrt(2 * n_layer) if name.endswith(("attn.out.weight", "mlp.down.weight")) else 1
                 nn.init.normal_(p, std=std * scale)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> logits [B, T, vocab_size]."""
-        if idx.shape[1] > self.seq_len:
+    def forward(self, idx: torch.Tensor, cache: list[LayerCache] | None = None) -> torch.Tensor:
+        """Token ids [B, T] -> logits [B, T, vocab_size]; with `cache` (one LayerCache per block), the ids continue
+        the positions it holds."""
+        if idx.shape[1] + (cache[0].length if cache else 0) > self.seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than model.seq_len={self.seq_len}")
         x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x, self.rope)
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.rope) if cache is None else block(x, self.rope, cache[i])
         return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """`tokens` [B, T] continued by `new_tokens` sampled ones (top-k, temperature): [B, T + new_tokens].
+
+        With `use_cache`, each new token costs one position's forward (keys and values of the earlier ones are kept)
+        while the sequence fits the window; past it the window slides, every position moves, and each token costs
+        the window's forward, as without the cache. The tokens are the same either way (tests)."""
+        cache: list[LayerCache] | None = None
+        for _ in range(new_tokens):
+            if use_cache and tokens.shape[1] <= self.seq_len:
+                if cache is None:  # the prompt, all at once
+                    cache = [LayerCache(self.seq_len) for _ in self.blocks]
+                    logits = self(tokens, cache)[:, -1]
+                else:
+                    logits = self(tokens[:, -1:], cache)[:, -1]
+            else:
+                logits = self(tokens[:, -self.seq_len :])[:, -1]
+            logits = logits.float() / temperature
+            if top_k:
+                kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = batch["tokens"]

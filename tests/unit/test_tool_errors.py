@@ -27,7 +27,7 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["device=cuda"], "device=cuda: this machine has no CUDA device; evaluate on it with device=cpu"),
+        (["device=cuda"], "device=cuda: this machine has no CUDA device; give device=cpu"),
         (["device=cuda:1"], "device=cuda:1: this machine has no CUDA device"),
         (["device=tpu"], "device=tpu: give device=cpu, device=cuda \\(or cuda:N\\) or device=mps"),
         (["device=mps"], "device=mps: this machine has no MPS"),
