@@ -6,6 +6,7 @@ Options are discovered from the YAML files under conf/, so a newly added file is
 from __future__ import annotations
 
 import math
+import re
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -396,3 +397,13 @@ def test_your_own_model_under_a_preset_trains(compose_cfg: Callable[..., DictCon
     assert set(cfg.model) == {"_target_", "in_features", "hidden", "num_classes"}
     run = fit(build(cfg))
     assert run.progress.step == 3
+
+
+def test_the_readme_s_config_groups_table_names_every_option() -> None:
+    # the table a user reads to learn what each group offers: an option added without a word there is missed
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.*)$", (CONF_DIR.parents[1] / "README.md").read_text(), re.MULTILINE))
+    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"):
+        options = sorted(p.stem for p in group.glob("*.yaml"))
+        assert group.name in rows, f"README has no row for the config group {group.name} ({options})"
+        missing = [o for o in options if f"`{o}`" not in rows[group.name]]
+        assert not missing, f"README's {group.name} row does not name {missing}"
