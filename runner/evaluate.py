@@ -133,6 +133,16 @@ def checked_device(device: Any) -> str:
     return device
 
 
+def read_value(key: str, value: str) -> Any:
+    """The value of a command-line KEY=VALUE as Hydra reads it (64 -> int, [a,b] -> list), or why it cannot be."""
+    try:
+        return yaml.safe_load(value) if value else value
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        quoted = f"'{key}=\"{value}\"'"
+        raise ConfigError(f"{key}={value}: cannot read the value {value!r} ({problem}); quote text: {quoted}") from None
+
+
 def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     if not argv or "=" in argv[0] or argv[0] in ("-h", "--help"):
         raise ConfigError(USAGE)
@@ -142,12 +152,7 @@ def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         key, sep, value = arg.partition("=")
         if not sep:
             raise ConfigError(f"{arg!r} is not KEY=VALUE; {USAGE}")
-        try:
-            parsed = yaml.safe_load(value) if value else value  # 64 -> int, [a,b] -> list, as Hydra reads them
-        except yaml.YAMLError as error:
-            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-            quoted = f"'{key}=\"{value}\"'"
-            raise ConfigError(f"{arg}: cannot read the value {value!r} ({problem}); quote text: {quoted}") from None
+        parsed = read_value(key, value)
         if key.startswith("data."):
             data[key.removeprefix("data.")] = parsed
         elif key in ("split", "weights", "device", "trusted_targets"):

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from runner import ConfigError
-from runner.evaluate import checked_device
+from runner.evaluate import checked_device, read_value
 from runner.trained import load_trained
 
 DEFAULTS: dict[str, Any] = {
@@ -44,7 +43,7 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
         key, sep, value = arg.partition("=")
         if not sep or key not in DEFAULTS:
             raise ConfigError(f"{arg!r}: give KEY=VALUE with KEY one of {', '.join(DEFAULTS)}")
-        options[key] = value if key in ("prompt", "device", "weights") else yaml.safe_load(value)
+        options[key] = value if key in ("prompt", "device", "weights") else read_value(key, value)
     for key in WHOLE:
         if isinstance(options[key], bool) or not isinstance(options[key], int) or options[key] < (key != "seed"):
             raise ConfigError(f"{key}={options[key]!r}: give a whole number{' >= 1' if key != 'seed' else ''}")

@@ -60,6 +60,7 @@ def test_the_command_prints_seeded_samples_and_refuses_bad_arguments(
         ("top_k=0", "top_k=0: give a whole number >= 1"),
         ("prompt_ids=[300]", "below vocab_size 256"),
         ("colour=red", "'colour=red': give KEY=VALUE"),
+        ("prompt_ids=[1,", "prompt_ids=[1,: cannot read the value"),
         ("device=cuda:7", "device=cuda:7: this machine has"),
     ]:
         assert main([str(lm_run), bad]) == 2, bad
