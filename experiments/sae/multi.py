@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.model import SAE
+from experiments.sae.base import SAE
 from runner import ConfigError
 
 

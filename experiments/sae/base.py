@@ -1,0 +1,318 @@
+"""The recipe every SAE of experiments/sae shares (SAE): what a variant adds is its activation and its loss terms.
+
+The recipe (each piece an option): inputs scaled so that E||x|| = sqrt(d), with the scale kept as a buffer so that
+reconstructions come back in the original units; decoder rows (one direction per latent, `W_dec` [n_latents, d]) kept at
+unit norm after every optimizer step, with the gradient component parallel to each row removed before the step; the
+encoder initialised as the decoder's transpose (with `encoder_init=fit`, scaled to best reconstruct the first batch;
+with a number, columns of that norm); the decoder bias initialised to the geometric median of the first training batch.
+Dead latents are those that have not fired within `dead_window` (optimizer steps or samples).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from experiments.sae.sparse import Pre, SparsePre
+from runner import ConfigError, check_whole
+from runner.progress import parse_duration
+
+
+def geometric_median(points: torch.Tensor, iterations: int = 100, tol: float = 1e-6) -> torch.Tensor:
+    """Weiszfeld's algorithm: the point minimising the sum of Euclidean distances to `points` [N, d]."""
+    median = points.mean(0)
+    for _ in range(iterations):
+        weights = 1.0 / torch.linalg.vector_norm(points - median, dim=1).clamp_min(1e-8)
+        new = (weights[:, None] * points).sum(0) / weights.sum()
+        if torch.linalg.vector_norm(new - median) <= tol * torch.linalg.vector_norm(median).clamp_min(1e-8):
+            return new
+        median = new
+    return median
+
+
+class SAE(nn.Module):
+    """Base class: encoder, decoder, recipe and dead-latent tracking. Subclasses choose the activation and the loss."""
+
+    def __init__(
+        self,
+        d_in: int | None = 256,  # null in the configs: the data's width fills it (runner.build.decided_by_data)
+        n_latents: int = 1024,
+        dead_window: str = "200st",
+        normalize_input: bool = True,
+        unit_norm_decoder: bool = True,
+        tied_init: bool = True,
+        geometric_median_init: bool = True,
+        sparse_decode: bool = True,
+        b_enc_init: float = 0.0,
+        encoder_init: str | float = "unit",
+    ) -> None:
+        super().__init__()
+        if isinstance(d_in, bool) or not isinstance(d_in, int) or d_in < 1:
+            raise ConfigError(
+                f"model.d_in={d_in}: the SAE's input width is unknown (its data gives none). Several hooked modules "
+                "(source.module=[...]) need model=sae_multi, which makes an SAE for each"
+            )
+        check_whole(n_latents, "model.n_latents")
+        if not abs(b_enc_init) <= torch.finfo(torch.float32).max:  # a float32 parameter (a NaN fails too)
+            raise ConfigError(f"model.b_enc_init must be a finite number, got {b_enc_init}: e.g. model.b_enc_init=0.0")
+        norm = encoder_init if isinstance(encoder_init, (int, float)) and not isinstance(encoder_init, bool) else None
+        if encoder_init not in ("unit", "fit") and not (norm is not None and 0 < norm < float("inf")):
+            raise ConfigError(
+                f"model.encoder_init={encoder_init!r}: give unit, fit or the encoder columns' starting norm (e.g. 0.5)"
+            )
+        self.d_in, self.n_latents, self.encoder_init = d_in, n_latents, encoder_init
+        self.normalize_input, self.unit_norm_decoder = normalize_input, unit_norm_decoder
+        self.geometric_median_init, self.sparse_decode = geometric_median_init, sparse_decode
+        window = parse_duration(dead_window)
+        if window.unit not in ("st", "sa", "tok"):
+            raise ConfigError(f"model.dead_window={dead_window}: give it in optimizer steps (st) or samples (sa)")
+        self.dead_unit, self.dead_window = ("st" if window.unit == "st" else "sa"), window.value
+        W_dec = F.normalize(torch.randn(n_latents, d_in), dim=1)
+        self.W_dec = nn.Parameter(W_dec)
+        W_enc = W_dec.t() if tied_init else F.normalize(torch.randn(d_in, n_latents), dim=0)
+        # contiguous: a fused optimizer walks a parameter, its gradient and its state as flat memory; a transposed
+        # W_enc beside the row-major state a checkpoint restores would mix up its entries (torch 2.13, CPU and CUDA)
+        self.W_enc = nn.Parameter((W_enc * (norm or 1.0)).contiguous())
+        self.b_enc = nn.Parameter(torch.full((n_latents,), float(b_enc_init)))  # < 0: ReLU codes start sparse
+        self.b_dec = nn.Parameter(torch.zeros(d_in))
+        self.register_buffer("input_scale", torch.ones(()))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        # Per latent: steps (or samples) since it last fired, and the running counters that measure it.
+        self.register_buffer("since_fired", torch.zeros(n_latents))
+        self.register_buffer("fired", torch.zeros(n_latents, dtype=torch.bool))  # within the current step
+        # Dead latents as of the last optimizer step, kept on the device: AuxK reads them with no host read.
+        self.register_buffer("dead", torch.zeros(n_latents, dtype=torch.bool), persistent=False)
+        self._init_checked = False  # the host's copy of `initialized` once read: it never turns false again
+        self.auxk_active = False  # CUDA: whether AuxK runs, from the last log row (logged)
+        self.sparse_backward = False  # TopK-style subclasses may turn it on: their codes pick from pre-activations
+        if unit_norm_decoder:
+            self.W_dec.register_hook(self._remove_parallel_grad)
+
+    # ---- recipe ---------------------------------------------------------------------------------------------
+    def _remove_parallel_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        # Linear in grad, so it is exact under accumulation and loss scaling: applying it per micro-batch equals
+        # applying it to the summed gradient.
+        w = self.W_dec.detach()
+        return grad - (grad * w).sum(1, keepdim=True) * w
+
+    @torch.no_grad()
+    def initialize_from(self, x: torch.Tensor) -> None:
+        """Data-dependent init from a sample of raw inputs: the input scale and the decoder bias. Under several
+        processes, from every rank's sample (in rank order: the global batch, as one process would see it)."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # once per run: the ranks' first batches, whatever their sizes, through pickling
+            samples: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(samples, x.detach().cpu())
+            x = torch.cat(samples).to(x.device)
+        if self.normalize_input:
+            self.input_scale.fill_(self.d_in**0.5 / torch.linalg.vector_norm(x.float(), dim=1).mean().clamp_min(1e-8))
+        if self.geometric_median_init:
+            self.b_dec.copy_(geometric_median(x.float() * self.input_scale))
+        if self.encoder_init == "fit":
+            self._fit_encoder_scale(x.float() * self.input_scale)
+        self.initialized.fill_(True)
+
+    @torch.no_grad()
+    def _fit_encoder_scale(self, xn: torch.Tensor) -> None:
+        # Unit-norm encoder columns start the codes, hence the reconstruction, several times too large: on a GPT's
+        # residual stream (128 -> 2048, k 32) Adam then spends the run shrinking them (held-out FVE 0.946; sparsify's
+        # nn.Linear init, columns of norm ~0.58, gave 0.970). Scaled by the least-squares factor that best
+        # reconstructs the first batch instead: 0.974, for any width and k. With b_enc = 0, top-k codes pick the same
+        # latents at any scale and scale with it, so the reconstruction is linear in the factor.
+        kept = {name: buffer.clone() for name, buffer in self.named_buffers()}  # BatchTopK's threshold: untouched
+        recon = self.decode(*self.activate(self.pre_activations(xn))) - self.b_dec
+        fit = (recon * (xn - self.b_dec)).sum() / recon.pow(2).sum().clamp_min(1e-12)
+        self.W_enc.mul_(torch.where(fit > 0, fit, 1.0))
+        for name, buffer in self.named_buffers():
+            buffer.copy_(kept[name])
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """Renormalise decoder rows and advance the dead-latent clock (called by the loop after each step)."""
+        if self.unit_norm_decoder:
+            self.W_dec.div_(torch.linalg.vector_norm(self.W_dec, dim=1, keepdim=True).clamp_min(1e-8))
+        if self.dead_unit == "st":
+            self.since_fired.add_(1).masked_fill_(self.fired, 0)
+            self.fired.zero_()
+        self.dead.copy_(self.dead_mask())
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Load weights and buffers, then the dead latents they imply (the next AuxK step uses them)."""
+        result = super().load_state_dict(*args, **kwargs)
+        with torch.no_grad():
+            self.dead.copy_(self.dead_mask())
+        self._init_checked = False  # a checkpoint saved before the first step holds initialized=False
+        return result
+
+    def logged(self, metrics: dict[str, float], prefix: str = "") -> None:
+        """Told the run's last logged row (runner's loop does, after each row): on CUDA AuxK runs while that row saw
+        dead latents, and no step reads the device to decide it (on the CPU each step counts them: no wait there).
+        `prefix`: this SAE's metric prefix in a family (model=sae_multi)."""
+        self.auxk_active = metrics.get(f"train/{prefix}dead_fraction", 0.0) > 0
+
+    @property
+    def n_dead(self) -> int:
+        """How many latents AuxK treats as dead this step (a host read: for tests and reports, not the step)."""
+        return int(self.dead.sum())
+
+    def _track(self, codes_fired: torch.Tensor, batch: int) -> None:
+        # codes_fired: [n_latents] bool, latents that fired anywhere in this micro-batch
+        rows: int | torch.Tensor = batch
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Every rank's rows: a latent fired if it fired on any rank, and the window counts all ranks' rows (one
+            # small all-reduce queued on the device). Otherwise DDP, which broadcasts buffers from rank 0 at each
+            # forward, would leave rank 0's data alone deciding which latents are dead.
+            both = torch.cat([codes_fired.float(), codes_fired.new_full((1,), batch, dtype=torch.float32)])
+            torch.distributed.all_reduce(both)
+            codes_fired, rows = both[:-1] > 0, both[-1]
+        if self.dead_unit == "st":
+            self.fired |= codes_fired
+        else:
+            self.since_fired.add_(rows).masked_fill_(codes_fired, 0)
+
+    def dead_mask(self) -> torch.Tensor:
+        """Latents that have not fired within dead_window."""
+        return self.since_fired >= self.dead_window
+
+    def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
+        """Write this SAE in another tool's folder layout (experiments/sae/export.py) for runner.export; `cfg` is
+        the run's config (its hook point and source name the export's metadata). The folders written."""
+        from experiments.sae.export import export
+
+        source = cfg.get("source") or {}
+        module = source.get("module") if isinstance(source.get("module"), str) else None
+        return [export(self, fmt, out, module, source.get("checkpoint"))]
+
+    def latent_slices(self, latents: torch.Tensor) -> dict[nn.Parameter, tuple[Any, ...]]:
+        """Where `latents` live in the parameters: what resampling re-initialises, with its optimizer state."""
+        return {self.W_dec: (latents,), self.W_enc: (slice(None), latents), self.b_enc: (latents,)}
+
+    @torch.no_grad()
+    def restart_latents(self, latents: torch.Tensor) -> None:
+        """Resampled `latents` start afresh: no encoder bias, not dead (their weights are the resampler's)."""
+        self.b_enc[latents] = 0.0
+        self.since_fired[latents] = 0
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """Encoder pre-activations of normalised inputs."""
+        # addmm: the bias added inside the product, not in a second pass over the [B, n_latents] result
+        return torch.addmm(self.b_enc, x - self.b_dec, self.W_enc)
+
+    def activate(self, pre: Pre) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values [B, k], indices [B, k]) of the active latents per row, or (dense codes [B, n], None)."""
+        raise NotImplementedError
+
+    def decode(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        """Reconstruction (normalised units) from active values [B, k] at `indices`, or dense codes (indices None)."""
+        if indices is None:
+            return values @ self.W_dec + self.b_dec
+        if self.sparse_decode:
+            # Sums k decoder rows per sample instead of a dense [B, n] x [n, d] product (k << n).
+            # the codes in the decoder's precision: under bf16 autocast they come from a bf16 product, and
+            # embedding_bag (which autocast leaves alone) takes one dtype
+            codes = values.to(self.W_dec.dtype)
+            return F.embedding_bag(indices, self.W_dec, per_sample_weights=codes, mode="sum") + self.b_dec
+        return self._dense(values, indices) @ self.W_dec + self.b_dec
+
+    def _dense(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        if indices is None:
+            return values
+        dense = torch.zeros(values.shape[0], self.n_latents, dtype=values.dtype, device=values.device)
+        return dense.scatter(1, indices, values)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense latent codes [B, n_latents] of raw inputs."""
+        return self._dense(*self.activate(self.pre_activations(x * self.input_scale)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Reconstruction of raw inputs, in their original units."""
+        values, indices = self.activate(self.pre_activations(x * self.input_scale))
+        return self.decode(values, indices) / self.input_scale
+
+    def aux_loss(
+        self, x: torch.Tensor, pre: Pre, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Extra loss terms, named '*_term' (added to the loss), and their metrics, from the normalised inputs, the
+        pre-activations, the codes (as `activate` gives them) and the reconstruction; none by default."""
+        return {}
+
+    def _step(self, batch: torch.Tensor | tuple[torch.Tensor, ...], train: bool) -> dict[str, torch.Tensor]:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if train and not self._init_checked:  # `initialized` is read once, not every step (a GPU sync)
+            if not self.initialized:
+                self.initialize_from(x)
+            self._init_checked = True
+        xn = x.float() * self.input_scale
+        # sparse_backward (TopK-style codes): gradients reach only the latents the codes and AuxK pick (sparse.py)
+        pre = SparsePre(xn, self) if self.sparse_backward else self.pre_activations(xn)
+        values, indices = self.activate(pre)
+        recon = self.decode(values, indices)
+        sse = (recon - xn).pow(2).sum(1).mean()
+        sst = (xn - xn.mean(0)).pow(2).sum(1).mean()
+        out = {
+            "recon_loss": sse / sst,
+            "fve": 1 - sse / sst,
+            "nmse": sse / xn.pow(2).sum(1).mean(),
+            "mse": sse / self.d_in / self.input_scale**2,  # per element, in the original units
+            "l0": (values > 0).sum(1).float().mean(),
+        }
+        if train:
+            fired = values.detach() > 0
+            if indices is None:
+                self._track(fired.any(0), x.shape[0])
+            else:  # no host sync: scatter the per-row hits into a per-latent count
+                hits = torch.zeros(self.n_latents, device=x.device).index_add_(
+                    0, indices.flatten(), fired.flatten().float()
+                )
+                self._track(hits > 0, x.shape[0])
+            out.update(self.aux_loss(xn, pre, values, indices, recon))
+        out["loss"] = out["recon_loss"] + sum(out.pop(k) for k in [k for k in out if k.endswith("_term")])
+        out["dead_fraction"] = self.dead_mask().float().mean()
+        return out
+
+    def training_step(self, batch) -> dict[str, torch.Tensor]:
+        """Normalised reconstruction loss plus the variant's auxiliary terms, and metrics."""
+        return self._step(batch, train=True)
+
+    def validation_step(self, batch) -> dict[str, torch.Tensor]:
+        """Per-sample statistics in float64 that runner averages over the whole validation split (every rank's
+        shard): the squared error, the inputs' first and second moments, L0; validation_summary makes the metrics."""
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        xn = x.float() * self.input_scale
+        values, indices = self.activate(self.pre_activations(xn))
+        xn, recon = xn.double(), self.decode(values, indices).double()
+        fired = values > 0
+        rate = fired.double().mean(0) if indices is None else self._dense(fired.double(), indices).mean(0)
+        return {
+            "sse": (recon - xn).pow(2).sum(1).mean(),
+            "x_mean": xn.mean(0),  # [d]
+            "x_sq": xn.pow(2).sum(1).mean(),
+            "l0": (values > 0).sum(1).double().mean(),
+            "dead_fraction": self.dead_mask().double().mean(),
+            "firing_rate": rate,  # [n_latents]: the split's mean is each latent's firing rate over all its inputs
+        }
+
+    def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The split's metrics from validation_step's means: FVE = 1 - SSE/SST with SST about the per-dimension mean
+        of the whole split (not about zero, and not a mean of per-batch ratios), NMSE against E||x||^2, MSE per
+        element in the inputs' own units, and the fraction of latents that never fired on the split."""
+        sse, sst = means["sse"], means["x_sq"] - means["x_mean"].pow(2).sum()
+        # a subclass's own validation outputs pass through as their means
+        own = ("sse", "x_mean", "x_sq", "l0", "dead_fraction", "firing_rate")
+        others = {k: v for k, v in means.items() if k not in own}
+        return {
+            **others,
+            "loss": sse / sst,
+            "recon_loss": sse / sst,
+            "fve": 1 - sse / sst,
+            "nmse": sse / means["x_sq"],
+            "mse": sse / self.d_in / self.input_scale.double() ** 2,
+            "l0": means["l0"],
+            "dead_fraction": means["dead_fraction"],
+            # latents that fired on none of the split's inputs (tokens, for a language model's activations)
+            "unfired_fraction": (means["firing_rate"] == 0).double().mean(),
+        }
