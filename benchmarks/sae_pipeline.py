@@ -96,7 +96,7 @@ def hand_contender(cfg, source: Path, layer: int, steps: int, device: str) -> di
     optimizer = torch.optim.Adam(sae.parameters(), lr=cfg.optimizer.lr, fused=True)
     progress = TrainingProgress(f"{steps}st", batch_size=batch, batches_per_epoch=steps)
     schedule = wsd(optimizer, progress, warmup=cfg.scheduler.warmup, decay=cfg.scheduler.decay).scheduler
-    autocast = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.precision.get("dtype") == "bfloat16")  # precision
+    autocast = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.precision.get("dtype") == "bfloat16")
     ring, order, pos = fill(capacity), torch.randperm(capacity, generator=generator).to(dev), 0
     start = 0.0
     for step in range(1, steps + 1):
