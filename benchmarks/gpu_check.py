@@ -82,7 +82,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         *("--heldout", "8192", "--steps", "60", "--seeds", "0", "1", "--threads", "8", "--dir", str(out / "peers")),
     ]
     plan = [
-        ("gpu tests", 0.25, [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider"]),
+        ("gpu tests", 0.35, [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider"]),
         # Lightning only where it is installed (the device machines have torch alone)
         ("overhead", 0.10, script("overhead", "overhead", "--reps", str(reps), "--sizes", "tiny", "mlp", *contenders)),
         ("startup", 0.05, script("startup", "startup", "--reps", str(reps))),

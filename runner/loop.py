@@ -34,6 +34,9 @@ def fit(run: Run) -> Run:
     for cb in run.callbacks:
         cb.on_fit_start(run)
     _tell_task(run)  # a resumed run's last logged row, as the uninterrupted run had it at this step
+    if run.device.type == "cuda":
+        # sys/peak_memory_mb is this run's (from its weights on): a sweep's jobs share one process, one after another
+        torch.cuda.reset_peak_memory_stats(run.device)
     run.state.meter.start()
     run.task.train()
     sampler, window = getattr(run.train_loader, "batch_sampler", None), _Window()

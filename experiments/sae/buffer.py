@@ -68,8 +68,12 @@ class ActivationBuffer:
         return torch.cat(parts)
 
     def _shuffle(self) -> None:
-        # drawn on the host (the same order on any device), copied once: slicing it then reads nothing back
-        self.order, self.pos = torch.randperm(self.capacity, generator=self.generator).to(self.device), 0
+        # drawn on the host (the same order on any device), copied once: slicing it then reads nothing back. From
+        # pinned memory the copy does not wait for the GPU's queued steps.
+        order = torch.randperm(self.capacity, generator=self.generator)
+        if self.device.type == "cuda":
+            order = order.pin_memory()
+        self.order, self.pos = order.to(self.device, non_blocking=True), 0
 
     def take(self, n: int) -> torch.Tensor:
         """The next `n` activations."""
