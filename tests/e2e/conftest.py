@@ -13,6 +13,15 @@ from helpers import WORKERS, module_runs, run_in_background
 E2E = Path(__file__).resolve().parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # each pytest-xdist worker would start every module's runs: twice the work, and the cores are full already
+        raise pytest.UsageError(
+            "tests/e2e runs in one process (its runs go on in the background, on every core): run `pytest -n auto "
+            "tests/unit` and `pytest tests/e2e`"
+        )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if E2E in item.path.parents:

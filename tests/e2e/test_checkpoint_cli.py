@@ -1,18 +1,23 @@
 """Checkpoints of the real CLI under fire: SIGKILL in the middle of a save, SIGTERM (a preemption) and resume=auto,
-each equal in the end to a run that was never interrupted. The slowdowns are test callbacks (tests/_tasks.py)."""
+each equal in the end to a run that was never interrupted; a disk that fills up in the middle of a save. The
+slowdowns are test callbacks (tests/_tasks.py)."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_same_weights, cli, metric_rows, ok, popen, summary, wait_for, with_run_dir
+from helpers import assert_same_weights, child_env, cli, metric_rows, ok, popen, summary, wait_for, with_run_dir
 
-from runner.ckpt.files import checkpoints
+from runner.ckpt.files import checkpoints, load_checkpoint
+from runner.train import train
 
 # digits with a checkpoint every 10 steps
 ARGS = [
@@ -114,3 +119,66 @@ def test_sigterm_or_ctrl_c_checkpoints_the_step_and_resumes(
     assert list((run_dir / ".hydra").glob("resume-*/overrides.yaml"))
     assert_same_weights(run_dir, reference)
     assert metric_rows(run_dir) == metric_rows(reference)
+
+
+# digits with a checkpoint every 4 steps
+DISK_DIGITS = (
+    "+experiment=digits",
+    "trainer.max_duration=12st",
+    "trainer.val_interval=4st",
+    "trainer.log_interval=1st",
+    "checkpoint.interval=4st",
+    "logger=jsonl",
+)
+# Once the writes of step 8's checkpoint begin, every write through runner.rundir fails as on a full disk.
+DISK_FULL = """
+import errno, sys
+import runner.rundir as rundir
+
+full = []
+
+class Full:
+    def __init__(self, path, mode):
+        self.file = open(path, mode)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.file.close()
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+def opener(path, mode="r", *args, **kwargs):
+    if "w" in mode and (full or "step-00000008" in str(path)):
+        full.append(path)
+        return Full(path, mode)
+    return open(path, mode, *args, **kwargs)
+
+rundir.open = opener
+from runner.__main__ import cli
+sys.argv = ["runner", *sys.argv[1:]]
+cli()
+"""
+
+
+def test_a_full_disk_during_a_checkpoint_stops_cleanly_and_resumes(compose_cfg: Callable, tmp_path: Path) -> None:
+    script = tmp_path / "full.py"
+    script.write_text(textwrap.dedent(DISK_FULL))
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, str(script), *DISK_DIGITS, "threads=1", f"hydra.run.dir={run_dir}"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
+    assert "Error executing job" not in done.stderr, done.stderr  # summary.json's own failed write said as a warning
+    assert "disk full" in errors[0] and "step-00000008" in errors[0] and "resume=auto" in errors[0]
+    leftovers = [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".tmp-")]
+    assert leftovers == []
+    (kept,) = checkpoints(run_dir / "checkpoints")
+    assert kept.name == "step-00000004" and load_checkpoint(kept)
+    resumed = train(compose_cfg(*DISK_DIGITS, "resume=auto", run_dir=run_dir))  # space freed: on from step 4
+    assert resumed.progress.step == 12

@@ -374,11 +374,21 @@ LEAK_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def keys_alone() -> dict[str, set[str]]:
+    """The keys of each `group=option` composed without a preset, composed once per module (a composition takes
+    ~90 ms; each option is checked under several presets)."""
+    return {}
+
+
 @pytest.mark.parametrize(("experiment", "group", "option"), LEAK_CASES)
 def test_another_option_under_a_preset_gets_only_its_own_keys(
-    experiment: str, group: str, option: str, compose_cfg: Callable[..., DictConfig]
+    experiment: str, group: str, option: str, compose_cfg: Callable[..., DictConfig], keys_alone: dict
 ) -> None:
-    alone = set(compose_cfg(f"{group}={option}").get(group) or {})
+    choice = f"{group}={option}"
+    if choice not in keys_alone:
+        keys_alone[choice] = set(compose_cfg(choice).get(group) or {})
+    alone = keys_alone[choice]
     under_preset = set(compose_cfg(f"+experiment={experiment}", f"{group}={option}").get(group) or {})
     if group == "callbacks":  # a preset may tune a callback it selects; choosing others leaves that tuning unused
         under_preset = {name for name in under_preset if name in alone}

@@ -770,7 +770,8 @@ def test_a_run_that_resamples_dead_latents_resumes_exactly(compose_cfg, tmp_path
     # starts anew)
     overrides = [
         *("+experiment=sae", "model=sae_relu", "model.n_latents=2048", "model.l1_coeff=20.0", "model.l1_warmup=0st"),
-        *("model.dead_window=2st", "data.splits.n_train=4096", "data.batch_size=128", "trainer.max_duration=24st"),
+        *("model.dead_window=2st", "data.splits.n_train=4096", "data.splits.n_val=512", "data.batch_size=128"),
+        "trainer.max_duration=24st",
         *("trainer.val_interval=12st", "trainer.log_interval=4st", "callbacks=[sae_resample]", "logger=jsonl"),
         *("callbacks.sae_resample.every=3st", "callbacks.sae_resample.until=1.0dur"),
         "callbacks.sae_resample.samples=256",
