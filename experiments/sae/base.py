@@ -186,6 +186,12 @@ class SAE(nn.Module):
         module = source.get("module") if isinstance(source.get("module"), str) else None
         return [export(self, fmt, out, module, source.get("checkpoint"))]
 
+    def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
+        """Write this SAE's feature pages to `out` for runner.features (experiments/sae/dashboard.py); the pages."""
+        from experiments.sae.dashboard import write
+
+        return write(self, cfg, run_dir, out, **options)
+
     def latent_slices(self, latents: torch.Tensor) -> dict[nn.Parameter, tuple[Any, ...]]:
         """Where `latents` live in the parameters: what resampling re-initialises, with its optimizer state."""
         return {self.W_dec: (latents,), self.W_enc: (slice(None), latents), self.b_enc: (latents,)}

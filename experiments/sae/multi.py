@@ -117,6 +117,12 @@ class MultiSAE(nn.Module):
         """Each SAE in its own folder under `out` (SAE.export), named as its weights file is."""
         return [folder for name, sae in self.saes.items() for folder in sae.export(fmt, out / name, cfg)]
 
+    def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
+        """Every SAE's feature pages in the folder of its name under `out` (SAE.features), and a page linking them."""
+        from experiments.sae.dashboard import write
+
+        return write(self, cfg, run_dir, out, **options)
+
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each SAE the last logged row, under its own prefix (SAE.logged)."""
         for name, sae in self.saes.items():

@@ -1,0 +1,171 @@
+"""What each latent of a trained SAE learned, in one streaming pass (`python -m runner.features`, runner/features.py).
+
+The pass encodes held-out rows chunk by chunk and keeps, per latent, only fixed-size state: how often it fires, the
+sum and max of its activations, a histogram of their log10 (HIST_BINS bins from 1e-3), its `top` strongest rows, and
+`samples` rows from each half-decade of activation (as sae_vis shows examples across a latent's range). No
+[rows x latents] matrix is ever held: each chunk's firing (row, latent, value) triples are merged into the per-latent
+tops by one sort. Which rows a half-decade keeps is decided by a hash of (row, latent), so the same rows in the same
+order give the same pages. Then, from the weights alone: the tokens each decoder direction promotes and suppresses
+through the source model's final norm and unembedding (the logit lens), and each latent's nearest latents by decoder
+cosine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+HIST_LOW, HIST_PER_DECADE, HIST_BINS = -3.0, 8, 48  # log10 bins from 1e-3 to 1e3
+GROUP = 4  # histogram bins per sampled interval: half a decade
+
+
+def top_per_group(groups: torch.Tensor, values: torch.Tensor, k: int, *payload: torch.Tensor) -> list[torch.Tensor]:
+    """The entries with the k largest values of each group (ties: the earlier entry), as [groups, values, *payload]
+    sorted by group, then by value descending."""
+    by_value = torch.argsort(values, descending=True, stable=True)
+    order = by_value[torch.argsort(groups[by_value], stable=True)]
+    sorted_groups = groups[order]
+    rank = torch.arange(len(order)) - torch.searchsorted(sorted_groups, sorted_groups)
+    kept = order[rank < k]
+    return [groups[kept], values[kept], *(p[kept] for p in payload)]
+
+
+def _mix(rows: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    # a deterministic pseudo-random priority in [0, 2^31) for each (row, latent): which rows an interval samples
+    h = (rows * 0x9E3779B1 + latents * 0x85EBCA77 + 0x165667B1) & 0x7FFFFFFF
+    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & 0x7FFFFFFF
+    return (h ^ (h >> 13)) & 0x7FFFFFFF
+
+
+@dataclass
+class LatentStats:
+    """Per-latent statistics over a stream of codes, updated with `add`, read with `result`."""
+
+    n_latents: int
+    top: int = 16
+    samples: int = 2
+    rows: int = 0  # rows seen
+    count: torch.Tensor = field(init=False)
+    total: torch.Tensor = field(init=False)
+    peak: torch.Tensor = field(init=False)
+    hist: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.n_latents
+        self.count, self.total = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64)
+        self.peak, self.hist = torch.zeros(n), torch.zeros(n, HIST_BINS, dtype=torch.long)
+        empty = torch.zeros(0, dtype=torch.long)
+        self._top = [empty, torch.zeros(0), empty]  # latent, value, row
+        self._samples = [empty, torch.zeros(0, dtype=torch.long), empty, torch.zeros(0)]  # key, priority, row, value
+
+    def add(self, values: torch.Tensor, indices: torch.Tensor | None, first_row: int) -> None:
+        """One chunk of codes, as an SAE's `activate` gives them: values [B, k] at `indices` [B, k], or dense
+        [B, n_latents] (indices None); its rows are first_row, first_row + 1, ... of the stream."""
+        values = values.detach().float().cpu()
+        if indices is None:
+            row, latent = values.nonzero(as_tuple=True)
+            value = values[row, latent]
+        else:
+            fired = values > 0
+            row = torch.arange(len(values)).unsqueeze(1).expand_as(values)[fired]
+            latent, value = indices.cpu()[fired], values[fired]
+        row = row + first_row
+        self.rows = max(self.rows, first_row + len(values))
+        n = self.n_latents
+        self.count += torch.bincount(latent, minlength=n)
+        self.total += torch.bincount(latent, weights=value.double(), minlength=n)
+        self.peak.scatter_reduce_(0, latent, value, "amax")
+        bins = ((value.log10() - HIST_LOW) * HIST_PER_DECADE).floor().long().clamp(0, HIST_BINS - 1)
+        self.hist += torch.bincount(latent * HIST_BINS + bins, minlength=n * HIST_BINS).view(n, HIST_BINS)
+        self._top = self._merged(self._top, latent, value, row, self.top, n)
+        key, priority = latent * (HIST_BINS // GROUP) + bins // GROUP, _mix(row, latent)
+        merged = self._merged(self._samples, key, priority, row, self.samples, n * (HIST_BINS // GROUP), value)
+        self._samples = merged
+
+    @staticmethod
+    def _merged(
+        kept: list[torch.Tensor],
+        group: torch.Tensor,
+        value: torch.Tensor,
+        row: torch.Tensor,
+        k: int,
+        groups: int,
+        *extra: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        # Only the new entries that beat their group's k-th kept value can enter: after the first chunks, few do.
+        full = torch.bincount(kept[0], minlength=groups) >= k
+        floor = torch.full((groups,), float("-inf"), dtype=torch.float64)
+        floor.scatter_reduce_(0, kept[0], kept[1].double(), "amin", include_self=False)
+        floor[~full] = float("-inf")
+        enter = value.double() > floor[group]
+        merged = [torch.cat([old, new[enter]]) for old, new in zip(kept, (group, value, row, *extra), strict=False)]
+        return top_per_group(merged[0], merged[1], k, *merged[2:])
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """density (fraction of rows it fires on), mean (over its firings) and max activation, hist [n, HIST_BINS],
+        top_rows / top_values [n, top] (-1 / 0 where it fired on fewer rows), and sample_rows / sample_values
+        [n, intervals, samples] (-1 / 0 where empty), intervals from the lowest activations up."""
+        n, intervals = self.n_latents, HIST_BINS // GROUP
+        top_rows, top_values = self._table(self._top[0], self._top[2], self._top[1], n, self.top)
+        key, _, row, value = self._samples
+        sample_rows, sample_values = self._table(key, row, value, n * intervals, self.samples)
+        return {
+            "density": self.count.double() / max(self.rows, 1),
+            "mean": self.total / self.count.clamp_min(1),
+            "max": self.peak,
+            "hist": self.hist,
+            "top_rows": top_rows,
+            "top_values": top_values,
+            "sample_rows": sample_rows.view(n, intervals, self.samples),
+            "sample_values": sample_values.view(n, intervals, self.samples),
+        }
+
+    @staticmethod
+    def _table(group: torch.Tensor, row: torch.Tensor, value: torch.Tensor, groups: int, k: int) -> tuple:
+        # entries sorted by group then value descending -> [groups, k] tables of rows and values
+        rank = torch.arange(len(group)) - torch.searchsorted(group, group)
+        rows, values = torch.full((groups, k), -1, dtype=torch.long), torch.zeros(groups, k)
+        rows[group, rank], values[group, rank] = row, value.float()
+        return rows, values
+
+
+@torch.no_grad()
+def logit_lens(W_dec: torch.Tensor, unembed: torch.Tensor, gain: torch.Tensor | None, k: int = 8) -> dict:
+    """Per latent, the k output tokens its decoder direction promotes most and suppresses most: W_dec (x the final
+    norm's gain) @ unembed^T, in chunks of latents. Returns promoted / suppressed token ids and their logits, [n, k]."""
+    direction = W_dec.float() * (gain.float() if gain is not None else 1.0)
+    out: dict[str, list[torch.Tensor]] = {
+        "promoted": [],
+        "promoted_logits": [],
+        "suppressed": [],
+        "suppressed_logits": [],
+    }
+    for chunk in direction.split(1024):
+        logits = chunk @ unembed.float().t()
+        up, down = logits.topk(k, dim=1), logits.topk(k, dim=1, largest=False)
+        out["promoted"].append(up.indices), out["promoted_logits"].append(up.values)
+        out["suppressed"].append(down.indices), out["suppressed_logits"].append(down.values)
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+@torch.no_grad()
+def nearest(W_dec: torch.Tensor, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each latent's k nearest other latents by decoder cosine: (indices [n, k], cosines [n, k])."""
+    unit = F.normalize(W_dec.float(), dim=1)
+    indices, cosines = [], []
+    for start in range(0, len(unit), 1024):
+        cos = unit[start : start + 1024] @ unit.t()
+        rows = torch.arange(len(cos))
+        cos[rows, rows + start] = float("-inf")  # not itself
+        best = cos.topk(min(k, len(unit) - 1), dim=1)
+        indices.append(best.indices), cosines.append(best.values)
+    return torch.cat(indices), torch.cat(cosines)
+
+
+@torch.no_grad()
+def best_matches(W_dec: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each latent's best-matching ground-truth feature (synthetic data) and their cosine: (indices, cosines)."""
+    cos = F.normalize(W_dec.float(), dim=1) @ F.normalize(features.float().to(W_dec.device), dim=1).t()
+    best = cos.max(dim=1)
+    return best.indices, best.values

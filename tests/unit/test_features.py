@@ -1,0 +1,169 @@
+"""python -m runner.features: per-latent statistics in one streaming pass (equal to brute force over the whole matrix),
+the pages' data for an SAE on a GPT's residual stream (contexts are the text around the firing position) and on the
+synthetic preset (best-matching true features), determinism, and refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import finished_run
+
+from experiments.sae.dashboard import BEFORE, CHUNK
+from experiments.sae.features import LatentStats, logit_lens, nearest, top_per_group
+from experiments.sae.hooked import SourceModel
+from runner.features import main
+from runner.trained import load_trained
+
+
+def _data(path: Path) -> dict:
+    # a data file's payload: `FEATURES.index({...});`
+    return json.loads(re.fullmatch(r"FEATURES\.\w+\((.*)\);\n", path.read_text(), re.DOTALL).group(1))
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-codes", "topk-codes"])
+def test_streaming_statistics_equal_brute_force_over_the_whole_matrix(sparse: bool) -> None:
+    torch.manual_seed(0)
+    codes = torch.relu(torch.randn(1000, 40) - 1.2)
+    if sparse:  # the k largest per row, as a TopK SAE's activate gives them
+        values, indices = codes.topk(3, dim=1)
+        codes = torch.zeros_like(codes).scatter(1, indices, values)
+    stats = LatentStats(40, top=6, samples=2)
+    for start in range(0, 1000, 64):
+        rows = slice(start, start + 64)
+        stats.add(*((values[rows], indices[rows]) if sparse else (codes[rows], None)), first_row=start)
+    r = stats.result()
+    fired = codes > 0
+    torch.testing.assert_close(r["density"], fired.double().mean(0))
+    torch.testing.assert_close(r["max"], codes.max(0).values)
+    torch.testing.assert_close(r["mean"], codes.double().sum(0) / fired.sum(0).clamp_min(1))
+    assert torch.equal(r["hist"].sum(1), fired.sum(0))
+    top = codes.t().topk(6, dim=1)
+    has = top.values > 0  # a latent that fired on fewer rows keeps fewer (-1 / 0 after them)
+    assert torch.equal(r["top_values"], top.values * has)
+    assert torch.equal(r["top_rows"][has], top.indices[has]) and (r["top_rows"][~has] == -1).all()
+    # each sampled example is a row where its latent fired, with its value, in the interval it is filed under
+    rows, values = r["sample_rows"], r["sample_values"]
+    for latent, interval, slot in (rows >= 0).nonzero().tolist():
+        row, value = rows[latent, interval, slot], values[latent, interval, slot]
+        # (the first interval also holds what is below 1e-3, the last what is above 1e3)
+        low, high = (10 ** (-3 + interval / 2) if interval else 0), 10 ** (-3 + (interval + 1) / 2)
+        assert codes[row, latent] == value and low <= value < (high if interval < 11 else float("inf"))
+
+
+def test_top_per_group_keeps_the_largest_of_each_group_with_their_payload() -> None:
+    groups = torch.tensor([2, 0, 2, 0, 2, 1])
+    values = torch.tensor([5.0, 1.0, 7.0, 3.0, 6.0, 4.0])
+    kept = top_per_group(groups, values, 2, torch.arange(6))
+    assert [t.tolist() for t in kept] == [[0, 0, 1, 2, 2], [3.0, 1.0, 4.0, 7.0, 6.0], [3, 1, 5, 2, 4]]
+
+
+def test_the_logit_lens_and_neighbours_come_from_the_weights() -> None:
+    W_dec = torch.eye(4)[[0, 1, 3]]  # latents along dimensions 0, 1 and 3
+    unembed = torch.tensor([[1.0, 0, 0, 0], [0, 2.0, 0, 0], [-1.0, 0, 0, 0], [0, 0, 0, 1.0]])  # 4 tokens
+    lens = logit_lens(W_dec, unembed, gain=torch.tensor([1.0, 0.5, 1.0, 1.0]), k=1)
+    assert lens["promoted"].flatten().tolist() == [0, 1, 3] and lens["suppressed"][0].item() == 2
+    assert lens["promoted_logits"][1].item() == 1.0  # token 1's 2 x the gain's 0.5
+    near, cos = nearest(torch.tensor([[1.0, 0], [0.9, 0.1], [0, 1.0]]), k=1)
+    assert near.flatten().tolist() == [1, 0, 1] and cos[0].item() == pytest.approx(0.9939, abs=1e-4)
+
+
+SAE_LM = ["source.layer=1", "model.n_latents=64", "model.k=4", "data.batch_size=64", "data.buffer_size=512"]
+SAE_LM += ["data.samples_per_epoch=1024", "trainer.max_duration=8st", "logger=none", "checkpoint=none"]
+
+
+@pytest.fixture(scope="module")
+def sae_lm_run(lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished SAE on the tiny GPT's residual stream after block 1."""
+    directory = tmp_path_factory.mktemp("sae_lm")
+    finished_run(directory, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *SAE_LM)
+    return directory
+
+
+def test_an_sae_on_a_gpt_gets_pages_whose_contexts_are_the_text_around_its_strongest_activations(
+    sae_lm_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # 400 positions: the held-out windows alone (16 of 32 tokens, the first position skipped)
+    assert main([str(sae_lm_run), "tokens=400", "top=4", f"out={tmp_path / 'a'}"]) == 0
+    assert f"wrote {tmp_path / 'a' / 'index.html'}" in capsys.readouterr().out
+    index = _data(tmp_path / "a" / "data" / "index.js")
+    assert index["n_latents"] == 64 and index["texts"] and len(index["vocab"]) == 256 and index["lens_tied"]
+    assert index["rows"] == 16 * 31 and index["splits"] == {"val": 16}
+    assert (tmp_path / "a" / "index.html").read_text() == (Path("experiments/sae/pages/index.html")).read_text()
+    chunk = _data(tmp_path / "a" / "data" / "latents-0000.js")["latents"]
+    assert len(chunk) == min(64, CHUNK)
+    # brute force: every code of the same rows (the source's validation windows first, in order)
+    sae, cfg = load_trained(sae_lm_run)
+    source = SourceModel(cfg.data.checkpoint, cfg.data.module, skip_positions=cfg.data.skip_positions)
+    windows, acts = [], []
+    for batch in source.data.val_loader():
+        windows.append(batch["tokens"][:, :-1])
+        acts.append(source.activations(batch))
+    windows, codes = torch.cat(windows), sae.encode(torch.cat(acts))
+    per_window = windows.shape[1] - source.skip
+    checked = 0
+    for latent, data in chunk.items():
+        best = data["contexts"][0] if data["contexts"] else None
+        if best is None:
+            assert codes[:, int(latent)].max() == 0
+            continue
+        row = int(codes[:, int(latent)].argmax())
+        window, position = divmod(row, per_window)
+        position += source.skip
+        assert best["value"] == pytest.approx(codes[row, int(latent)].item(), abs=1e-4)
+        start = max(0, position - BEFORE)
+        assert best["ids"][: best["at"] + 1] == windows[window, start : position + 1].tolist() and best["at"] <= BEFORE
+        checked += 1
+    assert checked >= 32
+    assert all(len(p := d["promoted"]) == 8 and p[0][1] >= p[-1][1] for d in chunk.values())
+    # the same command gives the same pages
+    assert main([str(sae_lm_run), "tokens=400", "top=4", f"out={tmp_path / 'b'}"]) == 0
+    for name in ("index.js", "latents-0000.js"):
+        a, b = _data(tmp_path / "a" / "data" / name), _data(tmp_path / "b" / "data" / name)
+        a.pop("seconds", None), b.pop("seconds", None)
+        assert a == b, name
+    # more text than the held-out windows hold: the training windows follow
+    assert main([str(sae_lm_run), "tokens=3000", f"out={tmp_path / 'c'}"]) == 0
+    more = _data(tmp_path / "c" / "data" / "index.js")
+    assert more["splits"]["val"] == 16 and more["splits"]["train"] > 0 and more["rows"] >= 3000
+
+
+def test_an_sae_on_synthetic_data_shows_each_latent_s_best_true_feature(compose_cfg: Callable, tmp_path: Path) -> None:
+    run = tmp_path / "sae"
+    overrides = ["+experiment=sae", "model.n_latents=32", "data.splits.n_train=4096", "data.splits.n_val=512"]
+    overrides += ["data.splits.d=16", "data.splits.n_features=16", "trainer.max_duration=30st", "logger=none"]
+    run.mkdir()
+    finished_run(run, *overrides, "checkpoint=none")
+    assert main([str(run), "tokens=512", f"out={tmp_path / 'pages'}"]) == 0
+    index = _data(tmp_path / "pages" / "data" / "index.js")
+    assert not index["texts"] and index["vocab"] is None and index["rows"] == 512 and len(index["truth"]) == 32
+    chunk = _data(tmp_path / "pages" / "data" / "latents-0000.js")["latents"]
+    assert all(0 <= d["truth"][0] < 16 and -1 <= d["truth"][1] <= 1 for d in chunk.values())
+    assert all("row" in c and "ids" not in c for d in chunk.values() for c in d["contexts"])
+    assert all("promoted" not in d for d in chunk.values())  # no source model, no logit lens
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "usage: python -m runner.features RUN_DIR"),
+        (["tokens=0"], "tokens=0: give a whole number >= 1"),
+        (["tokens=lots"], "tokens='lots': give a whole number >= 1"),
+        (["depth=3"], "'depth=3': give KEY=VALUE with KEY one of tokens, out, top, device, port"),
+        (["device=cuda:7"], "device=cuda:7: this machine has"),
+    ],
+)
+def test_bad_arguments_are_refused_with_exit_2(
+    sae_lm_run: Path, args: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main([str(sae_lm_run), *args] if args else []) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_run_that_is_not_an_sae_is_refused(lm_run: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([str(lm_run)]) == 2
+    assert "has no feature pages (runner's SAEs have)" in capsys.readouterr().err
