@@ -143,6 +143,18 @@ def read_value(key: str, value: str) -> Any:
         raise ConfigError(f"{key}={value}: cannot read the value {value!r} ({problem}); quote text: {quoted}") from None
 
 
+def read_options(args: list[str], defaults: dict[str, Any], texts: tuple[str, ...], usage: str) -> dict[str, Any]:
+    """`defaults` updated from a tool's KEY=VALUE arguments (`texts`: keys kept as text, the others read as Hydra
+    reads values); an unknown key or a bare word is a ConfigError that lists the keys, and `usage`'s tail."""
+    options = dict(defaults)
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in defaults:
+            raise ConfigError(f"{arg!r}: give KEY=VALUE with KEY one of {', '.join(defaults)}{usage}")
+        options[key] = value if key in texts else read_value(key, value)
+    return options
+
+
 def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     if not argv or "=" in argv[0] or argv[0] in ("-h", "--help"):
         raise ConfigError(USAGE)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import ConfigError
-from runner.evaluate import checked_device, read_value
+from runner.evaluate import checked_device, read_options
 from runner.trained import load_trained
 
 DEFAULTS: dict[str, Any] = {"tokens": 1_000_000, "out": None, "top": 16, "device": "cpu", "port": 8000}
@@ -27,12 +27,7 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
     argv = [a for a in argv if a != "--serve"]
     if not argv or "=" in argv[0] or argv[0].startswith("-"):
         raise ConfigError(USAGE)
-    options = dict(DEFAULTS)
-    for arg in argv[1:]:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in DEFAULTS:
-            raise ConfigError(f"{arg!r}: give KEY=VALUE with KEY one of {', '.join(DEFAULTS)}, or --serve")
-        options[key] = value if key in ("out", "device") else read_value(key, value)
+    options = read_options(argv[1:], DEFAULTS, ("out", "device"), ", or --serve")
     for key in ("tokens", "top", "port"):
         value = options[key]
         if isinstance(value, str):  # YAML reads 2e6 as text (it wants 2.0e+6)

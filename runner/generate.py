@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from runner import ConfigError
-from runner.evaluate import checked_device, read_value
+from runner.evaluate import checked_device, read_options
 from runner.trained import load_trained
 
 DEFAULTS: dict[str, Any] = {
@@ -38,12 +38,7 @@ USAGE = "usage: python -m runner.generate RUN_DIR [prompt=TEXT] [max_new_tokens=
 def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
     if not argv or "=" in argv[0] or argv[0] in ("-h", "--help"):
         raise ConfigError(USAGE)
-    options = dict(DEFAULTS)
-    for arg in argv[1:]:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in DEFAULTS:
-            raise ConfigError(f"{arg!r}: give KEY=VALUE with KEY one of {', '.join(DEFAULTS)}")
-        options[key] = value if key in ("prompt", "device", "weights") else read_value(key, value)
+    options = read_options(argv[1:], DEFAULTS, ("prompt", "device", "weights"), "")
     for key in WHOLE:
         if isinstance(options[key], bool) or not isinstance(options[key], int) or options[key] < (key != "seed"):
             raise ConfigError(f"{key}={options[key]!r}: give a whole number{' >= 1' if key != 'seed' else ''}")

@@ -73,6 +73,15 @@ LAUNCHER_TINY = [
     "data.batch_size=16",
     "distributed=ddp",
 ]
+# Digits for 12 steps with a checkpoint, a validation every 4 and a log row every step (data loss, full disks)
+DIGITS_12 = (
+    "+experiment=digits",
+    "trainer.max_duration=12st",
+    "trainer.val_interval=4st",
+    "trainer.log_interval=1st",
+    "checkpoint.interval=4st",
+    "logger=jsonl",
+)
 # A GPT small enough to train in seconds on one stdlib package (5 files, ~50 kB): a source for the SAE experiments
 TINY_LM = [
     "+experiment=lm",

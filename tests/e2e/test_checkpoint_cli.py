@@ -14,7 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_same_weights, child_env, cli, metric_rows, ok, popen, summary, wait_for, with_run_dir
+from helpers import (
+    DIGITS_12,
+    assert_same_weights,
+    child_env,
+    cli,
+    metric_rows,
+    ok,
+    popen,
+    summary,
+    wait_for,
+    with_run_dir,
+)
 
 from runner.ckpt.files import checkpoints, load_checkpoint
 from runner.train import train
@@ -121,15 +132,6 @@ def test_sigterm_or_ctrl_c_checkpoints_the_step_and_resumes(
     assert metric_rows(run_dir) == metric_rows(reference)
 
 
-# digits with a checkpoint every 4 steps
-DISK_DIGITS = (
-    "+experiment=digits",
-    "trainer.max_duration=12st",
-    "trainer.val_interval=4st",
-    "trainer.log_interval=1st",
-    "checkpoint.interval=4st",
-    "logger=jsonl",
-)
 # Once the writes of step 8's checkpoint begin, every write through runner.rundir fails as on a full disk.
 DISK_FULL = """
 import errno, sys
@@ -165,7 +167,7 @@ def test_a_full_disk_during_a_checkpoint_stops_cleanly_and_resumes(compose_cfg: 
     script.write_text(textwrap.dedent(DISK_FULL))
     run_dir = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, str(script), *DISK_DIGITS, "threads=1", f"hydra.run.dir={run_dir}"],
+        [sys.executable, str(script), *DIGITS_12, "threads=1", f"hydra.run.dir={run_dir}"],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -180,5 +182,5 @@ def test_a_full_disk_during_a_checkpoint_stops_cleanly_and_resumes(compose_cfg: 
     assert leftovers == []
     (kept,) = checkpoints(run_dir / "checkpoints")
     assert kept.name == "step-00000004" and load_checkpoint(kept)
-    resumed = train(compose_cfg(*DISK_DIGITS, "resume=auto", run_dir=run_dir))  # space freed: on from step 4
+    resumed = train(compose_cfg(*DIGITS_12, "resume=auto", run_dir=run_dir))  # space freed: on from step 4
     assert resumed.progress.step == 12

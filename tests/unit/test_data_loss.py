@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import StopAt
+from helpers import DIGITS_12, StopAt
 
 from runner import ConfigError
 from runner.ckpt import callback as ckpt_callback
@@ -21,14 +21,7 @@ from runner.ckpt.weights import load_weights, read_weights, save_weights
 from runner.rundir import METRICS, MODEL, read_jsonl
 from runner.train import train
 
-DIGITS = (
-    "+experiment=digits",
-    "trainer.max_duration=12st",
-    "trainer.val_interval=4st",
-    "trainer.log_interval=1st",
-    "checkpoint.interval=4st",
-    "logger=jsonl",
-)
+DIGITS = DIGITS_12
 
 
 def _train(compose_cfg: Callable, run_dir: Path, *overrides: str, stop_at: int | None = None):
