@@ -230,14 +230,17 @@ class SAE(nn.Module):
         dense = torch.zeros(values.shape[0], self.n_latents, dtype=values.dtype, device=values.device)
         return dense.scatter(1, indices, values)
 
+    def codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The codes of raw inputs as `activate` gives them: (values [B, k], indices [B, k]) or (dense, None)."""
+        return self.activate(self.pre_activations(x * self.input_scale))
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Dense latent codes [B, n_latents] of raw inputs."""
-        return self._dense(*self.activate(self.pre_activations(x * self.input_scale)))
+        return self._dense(*self.codes(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Reconstruction of raw inputs, in their original units."""
-        values, indices = self.activate(self.pre_activations(x * self.input_scale))
-        return self.decode(values, indices) / self.input_scale
+        return self.decode(*self.codes(x)) / self.input_scale
 
     def aux_loss(
         self, x: torch.Tensor, pre: Pre, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor

@@ -15,6 +15,7 @@ textContent: a corpus holding `<script>` shows it as text.
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import shutil
@@ -39,6 +40,7 @@ from experiments.sae.features import (
 )
 from experiments.sae.multi import MultiSAE, members
 from runner import ConfigError
+from runner.rundir import SUMMARY, read_json
 from runner.trained import TRUSTED_TARGETS
 
 PAGES = Path(__file__).resolve().parent / "pages"
@@ -105,12 +107,14 @@ class _Text:
         per_window = self.windows[0].shape[1] - self.source.skip
         window, position = divmod(row, per_window)
         position += self.source.skip
-        tokens = self._all[window]
+        tokens = self.all_windows[window]
         start = max(0, position - BEFORE)
         return {"ids": tokens[start : position + AFTER + 1].tolist(), "at": position - start}
 
-    def finish(self) -> None:
-        self._all = torch.cat(self.windows)
+    @functools.cached_property
+    def all_windows(self) -> torch.Tensor:
+        """Every window read, [windows, T] (asked once the pass is over)."""
+        return torch.cat(self.windows)
 
 
 class _Rows:
@@ -132,9 +136,6 @@ class _Rows:
             seen += len(x)
             self.splits["val"] = seen
             yield x.float()
-
-    def finish(self) -> None:
-        """Nothing to gather: the rows have no text."""
 
 
 def write(
@@ -160,13 +161,11 @@ def write(
         for acts in inputs.batches():
             for chunk in acts.to(device_).split(batch_rows):
                 for prefix, sae in family:
-                    x = task._rows(chunk, prefix.rstrip("/")) if isinstance(task, MultiSAE) else chunk
-                    values, indices = sae.activate(sae.pre_activations(x * sae.input_scale))
-                    stats[prefix].add(values, indices, first)
+                    x = task.rows_of(chunk, prefix.rstrip("/")) if isinstance(task, MultiSAE) else chunk
+                    stats[prefix].add(*sae.codes(x), first)
                 first += len(chunk)
-    inputs.finish()
     seconds = time.perf_counter() - started
-    summary, written = _summary(run_dir), []
+    summary, written = (read_json(run_dir / SUMMARY) or {}).get("metrics", {}), []
     for prefix, sae in family:
         metrics = {name: summary.get(f"val/{prefix}{name}") for name in ("fve", "l0", "dead_fraction")}
         title = f"{type(sae).__name__} {prefix.rstrip('/')}".strip()
@@ -183,11 +182,6 @@ def write(
         _family_index(out, [p.rstrip("/") for p, _ in family])
         written.insert(0, out / "index.html")
     return written
-
-
-def _summary(run_dir: Path) -> dict[str, float]:
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()).get("metrics", {}) if path.is_file() else {}
 
 
 def _weights_views(sae: nn.Module, inputs: Any) -> dict[str, Any]:

@@ -95,8 +95,8 @@ class MultiSAE(nn.Module):
             start += width
         self.saes = nn.ModuleDict(built)
 
-    def _rows(self, batch: Any, name: str) -> Any:
-        # the batch as SAE `name` reads it: its module's columns (every column with one hooked module)
+    def rows_of(self, batch: Any, name: str) -> Any:
+        """The batch as SAE `name` reads it: its module's columns (every column with one hooked module)."""
         if name not in self.columns:
             return batch
         start, end = self.columns[name]
@@ -133,7 +133,7 @@ class MultiSAE(nn.Module):
         out: dict[str, torch.Tensor] = {}
         losses = []
         for name, sae in self.saes.items():
-            step = sae.training_step(self._rows(batch, name))
+            step = sae.training_step(self.rows_of(batch, name))
             losses.append(step["loss"])
             out.update({f"{name}/{key}": value for key, value in step.items()})
         out["loss"] = torch.stack(losses).sum()
@@ -144,7 +144,7 @@ class MultiSAE(nn.Module):
         return {
             f"{name}/{k}": v
             for name, sae in self.saes.items()
-            for k, v in sae.validation_step(self._rows(batch, name)).items()
+            for k, v in sae.validation_step(self.rows_of(batch, name)).items()
         }
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

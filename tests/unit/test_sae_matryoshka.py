@@ -57,7 +57,7 @@ def test_each_prefix_decodes_only_its_latents_and_the_full_one_is_the_ordinary_d
     codes = sae.encode(x)
     assert codes.shape == (16, 12) and (codes >= 0).all()
     assert int((codes != 0).sum()) == 3 * 16  # k per sample (topk) or k x batch (batchtopk)
-    values, indices = sae.activate(sae.pre_activations(x * sae.input_scale))  # each row's picks, or dense codes
+    values, indices = sae.codes(x)  # each row's picks, or dense codes
     assert (indices is None) == (activation == "batchtopk") and torch.equal(sae._dense(values, indices), codes)
     recons = sae.prefix_decodes(values, indices)
     assert recons.shape == (3, 16, 8)
