@@ -179,13 +179,15 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to `device`, without blocking when the memory is pinned."""
-    return _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+    """Move every tensor in a (nested) batch to `device` without blocking. To a GPU, host tensors go from page-locked
+    memory: one in pageable memory is pinned first (a copy from there waits for the GPU's queued work)."""
+    if device.type != "cuda":
+        return _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+    return _map_tensors(batch, lambda t: (t.pin_memory() if _pageable(t) else t).to(device, non_blocking=True))
 
 
-def pinned(batch: Any) -> Any:
-    """The (nested) batch with every tensor in page-locked memory, from where a copy to a GPU does not wait for it."""
-    return _map_tensors(batch, lambda t: t if t.is_pinned() else t.pin_memory())
+def _pageable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not t.is_pinned()
 
 
 def device_batches(loader: Iterable, device: torch.device) -> Iterator[Any]:

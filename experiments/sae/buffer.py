@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from runner.data import to_device
+
 
 def source_inputs(loader: Any, epoch: int = 0, consumed: int = 0) -> Iterator[tuple[int, int, Any]]:
     """A source model's training inputs in its loader's order, epoch after epoch from (`epoch`, `consumed` batches)
@@ -68,12 +70,8 @@ class ActivationBuffer:
         return torch.cat(parts)
 
     def _shuffle(self) -> None:
-        # drawn on the host (the same order on any device), copied once: slicing it then reads nothing back. From
-        # pinned memory the copy does not wait for the GPU's queued steps.
-        order = torch.randperm(self.capacity, generator=self.generator)
-        if self.device.type == "cuda":
-            order = order.pin_memory()
-        self.order, self.pos = order.to(self.device, non_blocking=True), 0
+        # drawn on the host (the same order on any device), copied once: slicing it then reads nothing back
+        self.order, self.pos = to_device(torch.randperm(self.capacity, generator=self.generator), self.device), 0
 
     def take(self, n: int) -> torch.Tensor:
         """The next `n` activations."""

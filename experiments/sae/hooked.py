@@ -16,7 +16,7 @@ from experiments.sae.cache import SHARD_ROWS, cached, identity
 from experiments.sae.multi import combined, hook_name, members
 from runner import ConfigError, check_whole
 from runner.build import build_data
-from runner.data import DataModule, TensorData, batch_size_of, pinned, to_device
+from runner.data import DataModule, TensorData, batch_size_of, to_device
 from runner.run import Callback
 from runner.trained import TRUSTED_TARGETS, load_trained
 
@@ -122,8 +122,7 @@ class SourceModel:
         with contextlib.ExitStack() as hooks, contextlib.suppress(_Captured):
             for name in self.names:
                 hooks.enter_context(self._hook(name, grab(name)))
-            # pinned: a copy from pageable memory would wait for the GPU's queued work (the SAE's steps)
-            self.model.validation_step(to_device(pinned(batch) if self.device.type == "cuda" else batch, self.device))
+            self.model.validation_step(to_device(batch, self.device))
         self.widths = {name: captured[name].shape[-1] for name in self.names}
         return captured[self.name] if len(self.names) == 1 else torch.cat([captured[n] for n in self.names], dim=-1)
 
