@@ -58,7 +58,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from experiments.sae import cache
-    from experiments.sae.hooked import SourceModel
+    from experiments.sae.source import SourceModel
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         make_source(Path(tmp) / "source", args.device, f"model.n_layer={args.n_layer}")

@@ -10,7 +10,6 @@ Dead latents are those that have not fired within `dead_window` (optimizer steps
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -189,8 +188,9 @@ class SAE(nn.Module):
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """Write this SAE's feature pages to `out` for runner.features (experiments/sae/dashboard.py); the pages."""
-        # by name, when called: the dashboard reads sources (experiments.sae.hooked), which import this module
-        return importlib.import_module("experiments.sae.dashboard").write(self, cfg, run_dir, out, **options)
+        from experiments.sae.dashboard import write
+
+        return write([("", self)], cfg, run_dir, out, **options)
 
     def latent_slices(self, latents: torch.Tensor) -> dict[nn.Parameter, tuple[Any, ...]]:
         """Where `latents` live in the parameters: what resampling re-initialises, with its optimizer state."""

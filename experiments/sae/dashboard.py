@@ -1,26 +1,16 @@
-"""Feature dashboards of a trained SAE run: one pass of features.LatentStats over held-out inputs, written as static
-pages (`python -m runner.features RUN_DIR`).
+"""Feature dashboards of a trained SAE run (`python -m runner.features RUN_DIR`): one pass of features.LatentStats
+over its inputs, then what the weights say, written by experiments/sae/pages.py.
 
 Inputs: for an SAE on a language model (data=activations_hooked), the source run's text, its validation windows first
 and then its training windows until `tokens` positions are seen, with each row's window and position kept so that the
 pages show the text around it; for activations from a file or the synthetic preset, the SAE's validation rows (no
-text; on the synthetic preset each latent shows its best-matching true feature).
-
-The folder (one per SAE of a family, under its name): index.html and app.js (copied from pages/; no network, no
-CDN), data/index.js (the run's metrics, the latents' table, the density histogram) and data/latents-NNNN.js (CHUNK
-latents each: contexts, intervals, histogram, logit lens, neighbours), loaded as scripts so that the pages work from
-disk (browsers refuse fetch() of file:// URLs). Corpus text only ever reaches the page as token ids rendered with
-textContent: a corpus holding `<script>` shows it as text.
-"""
+text; on the synthetic preset each latent shows its best-matching true feature)."""
 
 from __future__ import annotations
 
 import functools
-import html
-import json
-import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +19,17 @@ from omegaconf import DictConfig
 from torch import nn
 
 from experiments.sae.features import (
-    GROUP,
-    HIST_BINS,
-    HIST_LOW,
-    HIST_PER_DECADE,
     LatentStats,
     best_matches,
     logit_lens,
     nearest,
 )
-from experiments.sae.multi import MultiSAE, members
+from experiments.sae.pages import family_index, write_pages
+from experiments.sae.source import SourceModel
 from runner import ConfigError
 from runner.rundir import SUMMARY, read_json
 from runner.trained import TRUSTED_TARGETS
 
-PAGES = Path(__file__).resolve().parent / "pages"
-CHUNK = 256  # latents per data file
 BEFORE, AFTER = 24, 6  # tokens of text shown before and after a firing one
 
 
@@ -87,9 +72,9 @@ def _unembedding(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, b
 class _Text:
     """The source model of a hooked run and the text it reads: rows of activations with their windows."""
 
-    def __init__(self, cfg: DictConfig, device: torch.device, tokens: int) -> None:
-        from experiments.sae.hooked import SourceModel  # noqa: PLC0415 - only SAEs on a language model need it
+    texts = True
 
+    def __init__(self, cfg: DictConfig, device: torch.device, tokens: int) -> None:
         data = cfg.data
         trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
         self.source = SourceModel(data.checkpoint, data.module, device, trusted, int(data.get("skip_positions", 0)))
@@ -120,6 +105,8 @@ class _Text:
 class _Rows:
     """The validation rows of an SAE run on activations (a file, the synthetic preset): no text."""
 
+    texts = False
+
     def __init__(self, cfg: DictConfig, rows: int) -> None:
         from runner.build import build_data  # noqa: PLC0415 - runner's, not needed by text runs
 
@@ -139,7 +126,7 @@ class _Rows:
 
 
 def write(
-    task: nn.Module,
+    family: list[tuple[str, nn.Module]],
     cfg: DictConfig,
     run_dir: Path,
     out: Path,
@@ -147,21 +134,23 @@ def write(
     top: int = 16,
     device: str = "cpu",
     batch_rows: int = 4096,
+    rows_of: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
 ) -> list[Path]:
-    """Look at every SAE of `task` (a run of `cfg` in `run_dir`) over `tokens` rows and write its pages under `out`
-    (one folder per SAE of a family); returns the index pages written."""
+    """Look at each SAE of `family` ((metric prefix, SAE) pairs of a run of `cfg` in `run_dir`; a MultiSAE's give
+    `rows_of`, the columns each reads) over `tokens` rows and write its pages under `out` (one folder per SAE of a
+    family); returns the index pages written."""
     started, device_ = time.perf_counter(), torch.device(device)
     hooked = str(cfg.data.get("_target_", "")).endswith("HookedData")
     inputs: _Text | _Rows = _Text(cfg, device_, tokens) if hooked else _Rows(cfg, tokens)
-    family = members(task)
-    task.to(device_)
+    for _, sae in family:
+        sae.to(device_)
     stats = {prefix: LatentStats(sae.n_latents, top=top) for prefix, sae in family}
     first = 0
     with torch.no_grad():
         for acts in inputs.batches():
             for chunk in acts.to(device_).split(batch_rows):
                 for prefix, sae in family:
-                    x = task.rows_of(chunk, prefix.rstrip("/")) if isinstance(task, MultiSAE) else chunk
+                    x = rows_of(chunk, prefix.rstrip("/")) if rows_of else chunk
                     stats[prefix].add(*sae.codes(x), first)
                 first += len(chunk)
     seconds = time.perf_counter() - started
@@ -177,9 +166,9 @@ def write(
             "metrics": metrics,
         }
         views = _weights_views(sae, inputs)
-        written.append(_pages(out / prefix.rstrip("/"), sae, stats[prefix].result(), inputs, views, head))
+        written.append(write_pages(out / prefix.rstrip("/"), sae, stats[prefix].result(), inputs, views, head))
     if len(family) > 1:
-        _family_index(out, [p.rstrip("/") for p, _ in family])
+        family_index(out, [p.rstrip("/") for p, _ in family])
         written.insert(0, out / "index.html")
     return written
 
@@ -198,108 +187,3 @@ def _weights_views(sae: nn.Module, inputs: Any) -> dict[str, Any]:
         if truth is not None:
             views["truth"] = best_matches(W_dec, truth.cpu())
     return views
-
-
-def _script(path: Path, call: str, payload: Any) -> None:
-    # a data file the pages load with a <script> tag (fetch() is refused from file://); ensure_ascii: no character
-    # of the corpus reaches the file unescaped
-    path.write_text(f"{call}({json.dumps(payload, ensure_ascii=True, separators=(',', ':'))});\n")
-
-
-def _rounded(t: torch.Tensor, digits: int = 4) -> list:
-    return [round(v, digits) for v in t.tolist()]
-
-
-def _items(inputs: Any, rows: list[int], values: list[float]) -> list[dict[str, Any]]:
-    # the kept rows (-1: none) as the page shows them: the text around each, or its row number; and the activation
-    return [
-        {**(inputs.context(row) if isinstance(inputs, _Text) else {"row": row}), "value": round(value, 4)}
-        for row, value in zip(rows, values, strict=True)
-        if row >= 0
-    ]
-
-
-def _intervals(inputs: Any, r: dict[str, torch.Tensor], i: int) -> list[dict[str, Any]]:
-    # latent i's sampled examples by interval of activation, the strongest first
-    out = []
-    for interval in reversed(range(r["sample_rows"].shape[1])):
-        items = _items(inputs, r["sample_rows"][i, interval].tolist(), r["sample_values"][i, interval].tolist())
-        if items:
-            # the first interval also holds what is below 1e-3, the last what is above 1e3
-            low = 10 ** (HIST_LOW + interval * GROUP / HIST_PER_DECADE) if interval else 0.0
-            high = 10 ** (HIST_LOW + (interval + 1) * GROUP / HIST_PER_DECADE)
-            out.append({"low": float(f"{low:.3g}"), "high": float(f"{high:.3g}"), "items": items})
-    return out
-
-
-def _latent(inputs: Any, r: dict[str, torch.Tensor], views: dict[str, Any], i: int) -> dict[str, Any]:
-    # everything latent i's own view shows
-    latent = {
-        "contexts": _items(inputs, r["top_rows"][i].tolist(), r["top_values"][i].tolist()),
-        "intervals": _intervals(inputs, r, i),
-        "hist": r["hist"][i].tolist(),
-        "near": views["near"][i].tolist(),
-        "near_cos": _rounded(views["near_cos"][i], 3),
-    }
-    if (lens := views["lens"]) is not None:
-        for side in ("promoted", "suppressed"):
-            pairs = zip(lens[side][i].tolist(), _rounded(lens[f"{side}_logits"][i], 3), strict=True)
-            latent[side] = [list(pair) for pair in pairs]
-    if views["truth"] is not None:
-        latent["truth"] = [int(views["truth"][0][i]), round(float(views["truth"][1][i]), 4)]
-    return latent
-
-
-def _top_tokens(latent: dict[str, Any]) -> list[int]:
-    # the tokens its strongest contexts fire on, the most frequent first (three at most)
-    firing = [c["ids"][c["at"]] for c in latent["contexts"] if "ids" in c]
-    return sorted(set(firing), key=lambda t: (-firing.count(t), t))[:3]
-
-
-def _pages(
-    folder: Path, sae: nn.Module, r: dict[str, torch.Tensor], inputs: Any, views: dict[str, Any], head: dict[str, Any]
-) -> Path:
-    # the folder's static files, its index data and its latents' data files
-    (folder / "data").mkdir(parents=True, exist_ok=True)
-    for old in (folder / "data").glob("latents-*.js"):
-        old.unlink()  # a smaller SAE written over a bigger one leaves no stale chunk
-    for name in ("index.html", "app.js"):
-        shutil.copyfile(PAGES / name, folder / name)
-    n, top_tokens = sae.n_latents, []
-    for start in range(0, n, CHUNK):
-        chunk = {i: _latent(inputs, r, views, i) for i in range(start, min(n, start + CHUNK))}
-        top_tokens += [_top_tokens(latent) for latent in chunk.values()]
-        _script(
-            folder / "data" / f"latents-{start // CHUNK:04d}.js", "FEATURES.chunk", {"start": start, "latents": chunk}
-        )
-    density = r["density"]
-    fired = density[density > 0].log10().float()
-    counts = torch.histc(fired, bins=42, min=-7, max=0) if len(fired) else torch.zeros(42)
-    index = {
-        **head,
-        "n_latents": n,
-        "never_fired": int((density == 0).sum()),
-        "vocab": inputs.vocab,
-        "texts": isinstance(inputs, _Text),
-        "chunk": CHUNK,
-        "hist": {"low": HIST_LOW, "per_decade": HIST_PER_DECADE, "bins": HIST_BINS},
-        "log_density_hist": {"low": -7, "high": 0, "counts": counts.long().tolist()},
-        "density": [float(f"{v:.3g}") for v in density.tolist()],
-        "mean": _rounded(r["mean"]),
-        "max": _rounded(r["max"]),
-        "top_tokens": top_tokens,
-        "lens_tied": views.get("tied"),
-        "truth": None if views["truth"] is None else _rounded(views["truth"][1]),
-    }
-    _script(folder / "data" / "index.js", "FEATURES.index", index)
-    return folder / "index.html"
-
-
-def _family_index(out: Path, names: list[str]) -> None:
-    # a family's folder: one link per SAE (its pages are in the folder of its name)
-    links = "\n".join(f'<li><a href="{html.escape(n)}/index.html">{html.escape(n)}</a></li>' for n in names)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "index.html").write_text(
-        "<!doctype html>\n<meta charset=utf-8>\n<title>SAE family</title>\n<h1>SAEs of this run</h1>\n"
-        f"<ul>\n{links}\n</ul>\n"
-    )

@@ -10,7 +10,6 @@ works whatever the family. The run writes one weights file per SAE, `model.<name
 
 from __future__ import annotations
 
-import importlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -120,8 +119,9 @@ class MultiSAE(nn.Module):
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """Every SAE's feature pages in the folder of its name under `out` (SAE.features), and a page linking them."""
-        # by name, when called: the dashboard reads sources (experiments.sae.hooked), which import this module
-        return importlib.import_module("experiments.sae.dashboard").write(self, cfg, run_dir, out, **options)
+        from experiments.sae.dashboard import write
+
+        return write(members(self), cfg, run_dir, out, rows_of=self.rows_of, **options)
 
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each SAE the last logged row, under its own prefix (SAE.logged)."""

@@ -13,9 +13,10 @@ import pytest
 import torch
 from helpers import finished_run
 
-from experiments.sae.dashboard import BEFORE, CHUNK
+from experiments.sae.dashboard import BEFORE
 from experiments.sae.features import LatentStats, logit_lens, nearest, top_per_group
-from experiments.sae.hooked import SourceModel
+from experiments.sae.pages import CHUNK
+from experiments.sae.source import SourceModel
 from runner.features import main
 from runner.trained import load_trained
 
@@ -93,7 +94,7 @@ def test_an_sae_on_a_gpt_gets_pages_whose_contexts_are_the_text_around_its_stron
     index = _data(tmp_path / "a" / "data" / "index.js")
     assert index["n_latents"] == 64 and index["texts"] and len(index["vocab"]) == 256 and index["lens_tied"]
     assert index["rows"] == 16 * 31 and index["splits"] == {"val": 16}
-    assert (tmp_path / "a" / "index.html").read_text() == (Path("experiments/sae/pages/index.html")).read_text()
+    assert (tmp_path / "a" / "index.html").read_text() == (Path("experiments/sae/static/index.html")).read_text()
     chunk = _data(tmp_path / "a" / "data" / "latents-0000.js")["latents"]
     assert len(chunk) == min(64, CHUNK)
     # brute force: every code of the same rows (the source's validation windows first, in order)
@@ -167,3 +168,26 @@ def test_bad_arguments_are_refused_with_exit_2(
 def test_a_run_that_is_not_an_sae_is_refused(lm_run: Path, capsys: pytest.CaptureFixture) -> None:
     assert main([str(lm_run)]) == 2
     assert "has no feature pages (runner's SAEs have)" in capsys.readouterr().err
+
+
+def test_a_family_on_two_hook_points_gets_a_folder_per_sae_each_reading_its_module(
+    lm_run: Path, tmp_path: Path
+) -> None:
+    family = ["+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.module=[blocks.0,blocks.1]"]
+    family += ["model=sae_multi", "model.ks=[4,8]", "model.base.n_latents=32"]
+    family += [o for o in SAE_LM if not o.startswith(("model.", "source."))]
+    run = tmp_path / "family"
+    run.mkdir()
+    finished_run(run, *family)
+    assert main([str(run), "tokens=400", f"out={tmp_path / 'pages'}"]) == 0
+    names = ["blocks_0_k4", "blocks_0_k8", "blocks_1_k4", "blocks_1_k8"]
+    assert re.findall(r'href="(\w+)/index.html"', (tmp_path / "pages" / "index.html").read_text()) == names
+    task, cfg = load_trained(run)
+    source = SourceModel(cfg.data.checkpoint, list(cfg.data.module), skip_positions=cfg.data.skip_positions)
+    acts = torch.cat([source.activations(batch) for batch in source.data.val_loader()])
+    for name in names:
+        index = _data(tmp_path / "pages" / name / "data" / "index.js")
+        assert index["title"] == f"TopKSAE {name}" and index["n_latents"] == 32 and index["rows"] == 16 * 31
+        # its density is that of its own SAE on its own module's columns (32 of the 64)
+        codes = task.saes[name].encode(task.rows_of(acts, name))
+        assert index["density"] == [float(f"{v:.3g}") for v in (codes > 0).double().mean(0).tolist()]  # as shown

@@ -11,7 +11,7 @@ import torch
 from helpers import TINY_LM, StopAt, assert_resume_is_exact, finished_run
 
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
-from experiments.sae.hooked import SourceModel
+from experiments.sae.source import SourceModel
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt import state as ckpt_state

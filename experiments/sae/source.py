@@ -1,0 +1,163 @@
+"""A frozen model trained by runner, read through forward hooks on named modules (SourceModel): its activations for an
+input batch, and its validation loss with a module's output replaced (what splicing an SAE in costs)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from runner import ConfigError
+from runner.build import build_data
+from runner.data import DataModule, batch_size_of, to_device
+from runner.trained import TRUSTED_TARGETS, load_trained
+
+# What compare() puts in a module's place: nothing (the clean model), a function of the first hooked module's output,
+# or (module name, function).
+Replacement = Callable[[torch.Tensor], torch.Tensor] | tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None
+
+
+class _Captured(Exception):
+    """Raised by the capturing hook: what follows the hooked module is not needed."""
+
+
+def hook_points(module: str | Sequence[str]) -> list[str]:
+    """The hooked modules' names: one (`source.module=blocks.2`) or several (`source.module=[blocks.1,blocks.3]`)."""
+    names = [module] if isinstance(module, str) else [str(name) for name in module]
+    if not names or len(set(names)) != len(names):
+        raise ConfigError(f"source.module={names}: name one module, or several different ones")
+    return names
+
+
+class SourceModel:
+    """A frozen runner-trained model, the data it was trained on, and forward hooks on one or several of its modules.
+
+    A module whose output is a sequence [B, T, d] (a transformer block: the residual stream after it) gives one
+    activation per position from `skip_positions` on: the first position's stream (the first token, attended to by
+    everything) is an outlier the field leaves out of training and of splicing. Several modules give their
+    activations of the same positions side by side, [rows, d_1 + d_2 + ...], in the order named (`widths`)."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        module: str | Sequence[str],
+        device: torch.device | str = "cpu",
+        trusted_targets: Sequence[str] = TRUSTED_TARGETS,
+        skip_positions: int = 0,
+    ) -> None:
+        if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
+            raise ConfigError(
+                f"source.skip_positions={skip_positions!r}: give how many first positions to leave out, >= 0"
+            )
+        self.model, cfg = load_trained(checkpoint, trusted_targets)
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        modules = dict(self.model.named_modules())
+        self.names = hook_points(module)
+        for name in self.names:
+            if name not in modules:
+                names = ", ".join(n for n in modules if n)
+                raise ConfigError(f"source.module={name!r} is not a module of {type(self.model).__name__}: {names}")
+        self.modules, self.skip = {name: modules[name] for name in self.names}, skip_positions
+        self.name = self.names[0]  # the module that splicing replaces unless told another
+        self.widths: dict[str, int] = {}  # each module's width, known from the first activations
+        self.data: DataModule = build_data(cfg)
+
+    def _kept(self, out: torch.Tensor) -> torch.Tensor:
+        if out.ndim == 3 and self.skip >= out.shape[1]:
+            raise ConfigError(
+                f"source.skip_positions={self.skip} leaves none of the {out.shape[1]} positions of the source's "
+                f"windows: give fewer (the field leaves out 1, the first)"
+            )
+        if out.ndim == 3:
+            return out[:, self.skip :]
+        if self.skip:
+            raise ConfigError(
+                f"source.skip_positions={self.skip}, but {self.name} outputs {list(out.shape)}, not sequences "
+                "[batch, positions, d]: set source.skip_positions=0"
+            )
+        return out
+
+    def _spliced(self, out: torch.Tensor, replace: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        kept = self._kept(out)
+        new = replace(kept.flatten(0, -2)).view_as(kept)
+        return torch.cat([out[:, : self.skip], new], dim=1) if out.ndim == 3 and self.skip else new
+
+    @contextlib.contextmanager
+    def _hook(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+        handle = self.modules[name].register_forward_hook(lambda _m, _i, out: fn(out))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def to(self, device: torch.device) -> SourceModel:
+        """Move the frozen model to `device`, where its inputs then go."""
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        return self
+
+    @torch.no_grad()
+    def activations(self, batch: Any) -> torch.Tensor:
+        """The modules' outputs for one input batch, as [rows, d] (several: side by side); the model's forward stops
+        once the last of them ran (the blocks after it, the head and the loss are never computed)."""
+        captured: dict[str, torch.Tensor] = {}
+
+        def grab(name: str) -> Callable[[torch.Tensor], None]:
+            def hook(out: torch.Tensor) -> None:
+                captured[name] = self._kept(out.detach()).flatten(0, -2)
+                if len(captured) == len(self.names):
+                    raise _Captured
+
+            return hook
+
+        with contextlib.ExitStack() as hooks, contextlib.suppress(_Captured):
+            for name in self.names:
+                hooks.enter_context(self._hook(name, grab(name)))
+            self.model.validation_step(to_device(batch, self.device))
+        self.widths = {name: captured[name].shape[-1] for name in self.names}
+        return captured[self.name] if len(self.names) == 1 else torch.cat([captured[n] for n in self.names], dim=-1)
+
+    @torch.no_grad()
+    def compare(self, replacements: dict[str, Replacement]) -> dict[str, dict]:
+        """Over the validation split, for each named replacement of a module's output (None: the clean model; a
+        function: of the first hooked module's; (module, function): of that module's): the model's mean validation
+        loss ("ce") and, when the model's output is logits, the KL divergence of its next-token distribution from the
+        clean model's ("kl", nats per token, over the same tokens as the loss)."""
+        sums = {name: torch.zeros(2, dtype=torch.float64) for name in replacements}
+        count, has_logits = 0, True
+        for batch in self.data.val_loader():
+            batch = to_device(batch, self.device)
+            size = batch_size_of(batch)
+            clean = self._run(batch, None)
+            for name, replace in replacements.items():
+                loss, logits = clean if replace is None else self._run(batch, replace)
+                has_logits = has_logits and logits is not None
+                kl = _kl(clean[1], logits) if has_logits else torch.zeros((), dtype=torch.float64)
+                sums[name] += torch.stack([loss.double().cpu(), kl.cpu()]) * size
+            count += size
+        means = {name: (total / count).tolist() for name, total in sums.items()}
+        return {name: {"ce": ce, **({"kl": kl} if has_logits else {})} for name, (ce, kl) in means.items()}
+
+    def _run(self, batch: Any, replace: Replacement) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The loss of one batch with the module's output replaced, and the model's own output (logits) when it is a
+        # tensor: the root module's forward hook sees what validation_step computed its loss from.
+        outputs: list[Any] = []
+        name, fn = replace if isinstance(replace, tuple) else (self.name, replace)
+        root = self.model.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+        try:
+            with self._hook(name, (lambda out: self._spliced(out, fn)) if fn else (lambda out: None)):
+                loss = self.model.validation_step(batch)["loss"]
+        finally:
+            root.remove()
+        logits = outputs[-1] if outputs and torch.is_tensor(outputs[-1]) and outputs[-1].is_floating_point() else None
+        return loss, logits
+
+
+def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(clean || other) of the distributions given by logits [..., vocab], averaged over positions, in float64."""
+    p = clean.double().log_softmax(-1)
+    q = other.double().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1).mean()
