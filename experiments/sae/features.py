@@ -11,8 +11,6 @@ cosine."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
@@ -38,21 +36,13 @@ def _mix(rows: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
     return (h ^ (h >> 13)) & 0x7FFFFFFF
 
 
-@dataclass
 class LatentStats:
-    """Per-latent statistics over a stream of codes, updated with `add`, read with `result`."""
+    """Per-latent statistics over a stream of codes, updated with `add`, read with `result`: the `top` strongest rows
+    of each latent, and `samples` rows from each interval of its activation."""
 
-    n_latents: int
-    top: int = 16
-    samples: int = 2
-    rows: int = 0  # rows seen
-    count: torch.Tensor = field(init=False)
-    total: torch.Tensor = field(init=False)
-    peak: torch.Tensor = field(init=False)
-    hist: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        n = self.n_latents
+    def __init__(self, n_latents: int, top: int = 16, samples: int = 2) -> None:
+        n, self.n_latents, self.top, self.samples = n_latents, n_latents, top, samples
+        self.rows = 0  # rows seen
         self.count, self.total = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64)
         self.peak, self.hist = torch.zeros(n), torch.zeros(n, HIST_BINS, dtype=torch.long)
         empty = torch.zeros(0, dtype=torch.long)
@@ -60,7 +50,7 @@ class LatentStats:
         self._samples = [empty, torch.zeros(0, dtype=torch.long), empty, torch.zeros(0)]  # key, priority, row, value
 
     def add(self, values: torch.Tensor, indices: torch.Tensor | None, first_row: int) -> None:
-        """One chunk of codes, as an SAE's `activate` gives them: values [B, k] at `indices` [B, k], or dense
+        """One chunk of codes, as an SAE's `codes` gives them: values [B, k] at `indices` [B, k], or dense
         [B, n_latents] (indices None); its rows are first_row, first_row + 1, ... of the stream."""
         values = values.detach().float().cpu()
         if indices is None:
