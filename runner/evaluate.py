@@ -14,6 +14,7 @@ Exit codes as `python -m runner`: 0, or 2 with a one-line message for a wrong ar
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -133,8 +134,14 @@ def checked_device(device: Any) -> str:
     return device
 
 
+_EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
 def read_value(key: str, value: str) -> Any:
-    """The value of a command-line KEY=VALUE as Hydra reads it (64 -> int, [a,b] -> list), or why it cannot be."""
+    """The value of a command-line KEY=VALUE as Hydra reads it (64 -> int, 2e6 -> float, [a,b] -> list), or why it
+    cannot be."""
+    if _EXPONENT.fullmatch(value):  # YAML 1.1 reads 2e6 as text (it wants 2.0e+6); Hydra, as a number
+        return float(value)
     try:
         return yaml.safe_load(value) if value else value
     except yaml.YAMLError as error:

@@ -30,11 +30,6 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
     options = read_options(argv[1:], DEFAULTS, ("out", "device"), ", or --serve")
     for key in ("tokens", "top", "port"):
         value = options[key]
-        if isinstance(value, str):  # YAML reads 2e6 as text (it wants 2.0e+6)
-            try:
-                value = float(value)
-            except ValueError:
-                pass
         if isinstance(value, float) and value.is_integer():
             value = options[key] = int(value)  # tokens=2e6
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -121,8 +121,8 @@ def test_an_sae_on_a_gpt_gets_pages_whose_contexts_are_the_text_around_its_stron
         checked += 1
     assert checked >= 32
     assert all(len(p := d["promoted"]) == 8 and p[0][1] >= p[-1][1] for d in chunk.values())
-    # the same command gives the same pages
-    assert main([str(sae_lm_run), "tokens=400", "top=4", f"out={tmp_path / 'b'}"]) == 0
+    # the same command gives the same pages (400 written as Hydra reads 4e2: a number)
+    assert main([str(sae_lm_run), "tokens=4e2", "top=4", f"out={tmp_path / 'b'}"]) == 0
     for name in ("index.js", "latents-0000.js"):
         a, b = _data(tmp_path / "a" / "data" / name), _data(tmp_path / "b" / "data" / name)
         a.pop("seconds", None), b.pop("seconds", None)
