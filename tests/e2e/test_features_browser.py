@@ -1,22 +1,26 @@
-"""The feature pages in a real browser (headless Chromium, Debian's `chromium`; skipped where it is missing): the index
-renders its table of latents and one latent its contexts, with no console error, from disk; and a corpus that holds
-`<script>` and `</div>` shows them as text."""
+"""The feature pages in a real browser (headless Chromium, Debian's `chromium`; those tests are skipped where it is
+missing): the index renders its table of latents and one latent its contexts, with no console error, from disk; a
+corpus that holds `<script>` and `</div>` shows them as text; and `--serve` serves the pages until Ctrl-C."""
 
 from __future__ import annotations
 
 import html
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import finished_run
+from helpers import finished_run, popen
 
 from runner.features import main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
+browser = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
 HOSTILE = '<script>alert("owned")</script> </div><img src=x onerror=alert(1)> '
 
 
@@ -34,8 +38,8 @@ def _browser(url: str, *args: str) -> tuple[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def pages(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Feature pages of an SAE on a tiny GPT trained on text full of markup."""
+def sae_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished SAE on a tiny GPT trained on text full of markup."""
     root = tmp_path_factory.mktemp("features")
     for i in range(4):  # every other file held out
         (root / f"page{i}.txt").write_text((HOSTILE + f"plain text number {i}, more words\n") * 60)
@@ -66,10 +70,17 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "trainer.max_duration=20st",
         "checkpoint=none",
     )
-    assert main([str(sae), "tokens=2000", f"out={root / 'pages'}"]) == 0
-    return root / "pages"
+    return sae
 
 
+@pytest.fixture(scope="module")
+def pages(sae_run: Path) -> Path:
+    """Its feature pages."""
+    assert main([str(sae_run), "tokens=2000", f"out={sae_run.parent / 'pages'}"]) == 0
+    return sae_run.parent / "pages"
+
+
+@browser
 def test_the_index_and_a_latent_render_from_disk_with_no_console_error(pages: Path, tmp_path: Path) -> None:
     index, console = _browser((pages / "index.html").as_uri())
     assert console == [], console
@@ -84,6 +95,7 @@ def test_the_index_and_a_latent_render_from_disk_with_no_console_error(pages: Pa
     assert 'class="tok fire"' in view
 
 
+@browser
 def test_markup_in_the_corpus_is_shown_as_text(pages: Path) -> None:
     shown = ""
     index, _ = _browser((pages / "index.html").as_uri())
@@ -94,3 +106,28 @@ def test_markup_in_the_corpus_is_shown_as_text(pages: Path) -> None:
         shown += html.unescape(re.sub(r"<[^>]+>", "", view))  # the page's text, as a reader sees it
     # (a context is 31 tokens: the markup comes in pieces)
     assert "<script>" in shown and "</div><img" in shown
+
+
+def test_serve_serves_the_pages_on_localhost_until_ctrl_c(sae_run: Path, tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "served"
+    proc = popen(
+        "-m", "runner.features", str(sae_run), "tokens=500", f"out={out}", "--serve", f"port={port}", cwd=tmp_path
+    )
+    try:
+        deadline, page = time.monotonic() + 120, None
+        while page is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/index.html", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.5)
+        assert page == (out / "index.html").read_text()
+        data = urllib.request.urlopen(f"http://127.0.0.1:{port}/data/index.js", timeout=5).read().decode()
+        assert data == (out / "data" / "index.js").read_text() and data.startswith("FEATURES.index(")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert f"serving {out} at http://127.0.0.1:{port}/" in err
