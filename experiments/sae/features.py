@@ -2,20 +2,28 @@
 
 The pass encodes held-out rows chunk by chunk and keeps, per latent, only fixed-size state: how often it fires, the
 sum and max of its activations, a histogram of their log10 (HIST_BINS bins from 1e-3), its `top` strongest rows, and
-`samples` rows from each half-decade of activation (as sae_vis shows examples across a latent's range). No
-[rows x latents] matrix is ever held: each chunk's firing (row, latent, value) triples are merged into the per-latent
-tops by one sort. Which rows a half-decade keeps is decided by a hash of (row, latent), so the same rows in the same
-order give the same pages. Then, from the weights alone: the tokens each decoder direction promotes and suppresses
-through the source model's final norm and unembedding (the logit lens), and each latent's nearest latents by decoder
-cosine."""
+`samples` rows from each bin of that histogram. No [rows x latents] matrix is ever held: each chunk's firing (row,
+latent, value) triples are merged into the per-latent tops by one sort. At the end the histogram says which bins make
+up each fifth of a latent's activations, and each quantile shows `samples` of its bins' rows (sae_vis shows examples
+across a latent's range alike). Which rows a bin keeps is decided by a hash of (row, latent), so the same rows in the
+same order give the same pages. Then, from the weights alone: the tokens each decoder direction promotes and
+suppresses through the source model's final norm and unembedding (the logit lens), and each latent's nearest latents
+by decoder cosine."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-HIST_LOW, HIST_PER_DECADE, HIST_BINS = -3.0, 8, 48  # log10 bins from 1e-3 to 1e3
-GROUP = 4  # histogram bins per sampled interval: half a decade
+HIST_LOW, HIST_PER_DECADE, HIST_BINS = -3.0, 8, 48  # log10 bins from 1e-3 to 1e3 (the first and last open-ended)
+QUANTILES = 5  # the examples' intervals: fifths of each latent's activations
+
+
+def bin_edges() -> torch.Tensor:
+    """The histogram's bin edges [HIST_BINS + 1], the first 0 and the last inf (they hold what is beyond 1e-3, 1e3)."""
+    edges = 10 ** (HIST_LOW + torch.arange(HIST_BINS + 1, dtype=torch.float64) / HIST_PER_DECADE)
+    edges[0], edges[-1] = 0.0, float("inf")
+    return edges
 
 
 def top_per_group(groups: torch.Tensor, values: torch.Tensor, k: int, *payload: torch.Tensor) -> list[torch.Tensor]:
@@ -38,9 +46,9 @@ def _mix(rows: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
 
 class LatentStats:
     """Per-latent statistics over a stream of codes, updated with `add`, read with `result`: the `top` strongest rows
-    of each latent, and `samples` rows from each interval of its activation."""
+    of each latent, and `samples` rows from each quantile of its activations."""
 
-    def __init__(self, n_latents: int, top: int = 16, samples: int = 2) -> None:
+    def __init__(self, n_latents: int, top: int = 16, samples: int = 3) -> None:
         n, self.n_latents, self.top, self.samples = n_latents, n_latents, top, samples
         self.rows = 0  # rows seen
         self.count, self.total = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64)
@@ -69,9 +77,8 @@ class LatentStats:
         bins = ((value.log10() - HIST_LOW) * HIST_PER_DECADE).floor().long().clamp(0, HIST_BINS - 1)
         self.hist += torch.bincount(latent * HIST_BINS + bins, minlength=n * HIST_BINS).view(n, HIST_BINS)
         self._top = self._merged(self._top, latent, value, row, self.top, n)
-        key, priority = latent * (HIST_BINS // GROUP) + bins // GROUP, _mix(row, latent)
-        merged = self._merged(self._samples, key, priority, row, self.samples, n * (HIST_BINS // GROUP), value)
-        self._samples = merged
+        key, priority = latent * HIST_BINS + bins, _mix(row, latent)
+        self._samples = self._merged(self._samples, key, priority, row, self.samples, n * HIST_BINS, value)
 
     @staticmethod
     def _merged(
@@ -94,12 +101,21 @@ class LatentStats:
 
     def result(self) -> dict[str, torch.Tensor]:
         """density (fraction of rows it fires on), mean (over its firings) and max activation, hist [n, HIST_BINS],
-        top_rows / top_values [n, top] (-1 / 0 where it fired on fewer rows), and sample_rows / sample_values
-        [n, intervals, samples] (-1 / 0 where empty), intervals from the lowest activations up."""
-        n, intervals = self.n_latents, HIST_BINS // GROUP
+        top_rows / top_values [n, top] (-1 / 0 where it fired on fewer rows), and per quantile of its activations
+        (the lowest fifth first) sample_rows / sample_values [n, QUANTILES, samples] (-1 / 0 where empty) and the
+        range of the bins that make it up, sample_low / sample_high [n, QUANTILES] (0 / 0 where empty)."""
+        n = self.n_latents
         top_rows, top_values = self._table(self._top[0], self._top[2], self._top[1], n, self.top)
-        key, _, row, value = self._samples
-        sample_rows, sample_values = self._table(key, row, value, n * intervals, self.samples)
+        quantile = self._quantiles()  # [n, HIST_BINS]
+        key, priority, row, value = self._samples
+        latent, kept_bin = key // HIST_BINS, key % HIST_BINS
+        picked = top_per_group(latent * QUANTILES + quantile[latent, kept_bin], priority, self.samples, row, value)
+        sample_rows, sample_values = self._table(picked[0], picked[2], picked[3], n * QUANTILES, self.samples)
+        edges, filled = bin_edges(), self.hist > 0
+        low = torch.full((n, QUANTILES), float("inf"), dtype=torch.float64)
+        high = torch.zeros(n, QUANTILES, dtype=torch.float64)
+        low.scatter_reduce_(1, quantile, torch.where(filled, edges[:-1], float("inf")).expand(n, -1), "amin")
+        high.scatter_reduce_(1, quantile, torch.where(filled, edges[1:], 0.0).expand(n, -1), "amax")
         return {
             "density": self.count.double() / max(self.rows, 1),
             "mean": self.total / self.count.clamp_min(1),
@@ -107,9 +123,17 @@ class LatentStats:
             "hist": self.hist,
             "top_rows": top_rows,
             "top_values": top_values,
-            "sample_rows": sample_rows.view(n, intervals, self.samples),
-            "sample_values": sample_values.view(n, intervals, self.samples),
+            "sample_rows": sample_rows.view(n, QUANTILES, self.samples),
+            "sample_values": sample_values.view(n, QUANTILES, self.samples),
+            "sample_low": low.nan_to_num(posinf=0.0).float(),
+            "sample_high": torch.minimum(high, self.peak.double().unsqueeze(1)).float(),  # the top bin is open
         }
+
+    def _quantiles(self) -> torch.Tensor:
+        # each latent's bins -> the quantile of its activations each falls in (by the middle of the bin's share)
+        cumulative = self.hist.cumsum(1).double()
+        middle = (cumulative - self.hist / 2) / cumulative[:, -1:].clamp_min(1)
+        return (middle * QUANTILES).long().clamp(0, QUANTILES - 1)
 
     @staticmethod
     def _table(group: torch.Tensor, row: torch.Tensor, value: torch.Tensor, groups: int, k: int) -> tuple:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.features import GROUP, HIST_BINS, HIST_LOW, HIST_PER_DECADE
+from experiments.sae.features import HIST_BINS, HIST_LOW, HIST_PER_DECADE, QUANTILES
 
 STATIC = Path(__file__).resolve().parent / "static"
 CHUNK = 256  # latents per data file
@@ -42,15 +42,13 @@ def _items(inputs: Any, rows: list[int], values: list[float]) -> list[dict[str, 
 
 
 def _intervals(inputs: Any, r: dict[str, torch.Tensor], i: int) -> list[dict[str, Any]]:
-    # latent i's sampled examples by interval of activation, the strongest first
+    # latent i's examples by quantile of its activations, the strongest fifth first, with the range of its bins
     out = []
-    for interval in reversed(range(r["sample_rows"].shape[1])):
-        items = _items(inputs, r["sample_rows"][i, interval].tolist(), r["sample_values"][i, interval].tolist())
+    for q in reversed(range(r["sample_rows"].shape[1])):
+        items = _items(inputs, r["sample_rows"][i, q].tolist(), r["sample_values"][i, q].tolist())
         if items:
-            # the first interval also holds what is below 1e-3, the last what is above 1e3
-            low = 10 ** (HIST_LOW + interval * GROUP / HIST_PER_DECADE) if interval else 0.0
-            high = 10 ** (HIST_LOW + (interval + 1) * GROUP / HIST_PER_DECADE)
-            out.append({"low": float(f"{low:.3g}"), "high": float(f"{high:.3g}"), "items": items})
+            low, high = float(r["sample_low"][i, q]), float(r["sample_high"][i, q])
+            out.append({"quantile": q, "low": float(f"{low:.3g}"), "high": float(f"{high:.3g}"), "items": items})
     return out
 
 
@@ -107,6 +105,7 @@ def write_pages(
         "texts": inputs.texts,
         "chunk": CHUNK,
         "hist": {"low": HIST_LOW, "per_decade": HIST_PER_DECADE, "bins": HIST_BINS},
+        "quantiles": QUANTILES,
         "log_density_hist": {"low": -7, "high": 0, "counts": counts.long().tolist()},
         "density": [float(f"{v:.3g}") for v in density.tolist()],
         "mean": _rounded(r["mean"]),

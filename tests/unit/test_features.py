@@ -14,7 +14,7 @@ import torch
 from helpers import finished_run
 
 from experiments.sae.dashboard import BEFORE
-from experiments.sae.features import LatentStats, logit_lens, nearest, top_per_group
+from experiments.sae.features import QUANTILES, LatentStats, bin_edges, logit_lens, nearest, top_per_group
 from experiments.sae.pages import CHUNK
 from experiments.sae.source import SourceModel
 from runner.features import main
@@ -47,13 +47,18 @@ def test_streaming_statistics_equal_brute_force_over_the_whole_matrix(sparse: bo
     has = top.values > 0  # a latent that fired on fewer rows keeps fewer (-1 / 0 after them)
     assert torch.equal(r["top_values"], top.values * has)
     assert torch.equal(r["top_rows"][has], top.indices[has]) and (r["top_rows"][~has] == -1).all()
-    # each sampled example is a row where its latent fired, with its value, in the interval it is filed under
-    rows, values = r["sample_rows"], r["sample_values"]
-    for latent, interval, slot in (rows >= 0).nonzero().tolist():
-        row, value = rows[latent, interval, slot], values[latent, interval, slot]
-        # (the first interval also holds what is below 1e-3, the last what is above 1e3)
-        low, high = (10 ** (-3 + interval / 2) if interval else 0), 10 ** (-3 + (interval + 1) / 2)
-        assert codes[row, latent] == value and low <= value < (high if interval < 11 else float("inf"))
+    # each sampled example is a row where its latent fired, with its value, inside its quantile's range, and in a bin
+    # whose share of the latent's activations (brute force: the fraction below and up to the bin) meets that quantile
+    rows, values, edges = r["sample_rows"], r["sample_values"], bin_edges()
+    assert (rows >= 0).sum(2).gt(0).sum(1).max() == QUANTILES  # latents that fire often show every quantile
+    for latent, q, slot in (rows >= 0).nonzero().tolist():
+        row, value = rows[latent, q, slot], values[latent, q, slot]
+        assert codes[row, latent] == value
+        assert r["sample_low"][latent, q] <= value <= r["sample_high"][latent, q]
+        b = int(torch.searchsorted(edges, torch.tensor(float(value), dtype=torch.float64), right=True)) - 1
+        fired_values = codes[:, latent][fired[:, latent]].double()
+        below, upto = ((fired_values < edges[b]).double().mean(), (fired_values < edges[b + 1]).double().mean())
+        assert below <= (q + 1) / QUANTILES and upto >= q / QUANTILES, (latent, q, below, upto)
 
 
 def test_top_per_group_keeps_the_largest_of_each_group_with_their_payload() -> None:

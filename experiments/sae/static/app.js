@@ -160,7 +160,8 @@ const FEATURES = (() => {
       parts.push(el("h3", {}, index.texts ? "strongest contexts" : "strongest rows"),
         el("div", { id: "contexts" }, ...latent.contexts.map((c) => context(c, peak))));
       for (const interval of latent.intervals) {
-        parts.push(el("h3", {}, `examples with activation ${interval.low} to ${interval.high}`),
+        const fifth = `${(100 * interval.quantile) / index.quantiles}-${(100 * (interval.quantile + 1)) / index.quantiles}%`;
+        parts.push(el("h3", {}, `examples from the ${fifth} quantile of its activations (${interval.low} to ${interval.high})`),
           ...interval.items.map((c) => context(c, peak)));
       }
       const cols = el("div", { class: "cols" });
