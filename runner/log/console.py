@@ -61,6 +61,7 @@ class ConsoleLogger(Logger):
         for key in (
             "task",
             "parameters",
+            "trainable_parameters",
             "device",
             "precision",
             "world_size",

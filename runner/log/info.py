@@ -51,6 +51,7 @@ def run_info(run: Run, cfg: DictConfig, sweep: SweepJob | None = None) -> dict[s
     return {
         "task": type(run.task).__name__,
         "parameters": sum(q.numel() for q in run.task.parameters()),
+        "trainable_parameters": sum(q.numel() for q in run.task.parameters() if q.requires_grad),  # LoRA: adapters
         "device": str(run.device),
         "precision": run.precision.name,
         "world_size": run.world_size,

@@ -17,6 +17,8 @@ from runner.build import build
 from runner.ckpt.files import ADAPTER, ADAPTERS_ONLY
 from runner.ckpt.weights import read_weights
 from runner.finetune import MERGED, merge
+from runner.log.console import ConsoleLogger
+from runner.log.info import run_info
 from runner.trained import load_trained
 
 pytest.importorskip("peft")
@@ -51,10 +53,17 @@ def test_only_the_adapters_train_and_the_base_weights_stay_those_of_init_from(lo
     assert any(p.abs().sum() > 0 for n, p in task.named_parameters() if f"{ADAPTER}B" in n)  # B starts at zero
 
 
-def test_the_optimizer_holds_only_the_adapters(base: Path, compose_cfg: Callable) -> None:
-    run = build(compose_cfg(*SHORT, f"init_from={base}", "finetune=lora"))
+def test_the_optimizer_holds_only_the_adapters(base: Path, compose_cfg: Callable, capsys) -> None:
+    cfg = compose_cfg(*SHORT, f"init_from={base}", "finetune=lora")
+    run = build(cfg)
     held = {id(p) for group in run.optimizer.param_groups for p in group["params"]}
     assert held == {id(p) for n, p in run.task.named_parameters() if ADAPTER in n}
+    # the startup table says how few of the parameters train, as LoRA users expect
+    adapters = sum(p.numel() for n, p in run.task.named_parameters() if ADAPTER in n)
+    info = run_info(run, cfg)
+    assert info["trainable_parameters"] == adapters < info["parameters"]
+    ConsoleLogger().start(info)
+    assert f"trainable parameters      {adapters}" in capsys.readouterr().err
 
 
 def test_model_safetensors_holds_only_the_adapters_and_says_so(lora_run) -> None:
