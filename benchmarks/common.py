@@ -67,7 +67,7 @@ def bench_run(
     model: nn.Module, optimizer: Any, loader: Any, progress: Any, schedule: Any, log_interval: str, device: str = "cpu"
 ) -> Any:
     """A runner Run on `device` without validation, for benchmarks that call fit() or a save directly."""
-    from runner.dist.strategies import Single
+    from runner.distributed.strategies import Single
     from runner.precision import FP32
     from runner.run import Run, Settings, State
 

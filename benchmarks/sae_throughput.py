@@ -43,7 +43,7 @@ from experiments.sae.data import SyntheticData, synthetic_splits  # noqa: E402
 from experiments.sae.matryoshka import MatryoshkaSAE  # noqa: E402
 from experiments.sae.model import BatchTopKSAE, TopKSAE  # noqa: E402
 from runner.data import DataModule, TensorData, to_device  # noqa: E402
-from runner.dist.strategies import Single  # noqa: E402
+from runner.distributed.strategies import Single  # noqa: E402
 from runner.loop import fit  # noqa: E402
 from runner.meter import peak_flops  # noqa: E402
 from runner.precision import FP32, Autocast  # noqa: E402

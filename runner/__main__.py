@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner import ConfigError, resolvers
-from runner.dist.env import (
+from runner.distributed.env import (
     QUIET_RANK,
     environment,
     exit_without_teardown,

@@ -138,7 +138,7 @@ class Precision(Protocol):
 
 
 class Strategy(Protocol):
-    """Where the processes run and how they agree (runner.dist): one process, DDP or FSDP."""
+    """Where the processes run and how they agree (runner.distributed): one process, DDP or FSDP."""
 
     rank: int
     world_size: int

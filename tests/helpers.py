@@ -31,7 +31,7 @@ from omegaconf import DictConfig, open_dict
 from torch import nn
 
 from runner.data import DataModule, TensorData
-from runner.dist.strategies import Single
+from runner.distributed.strategies import Single
 from runner.precision import FP32
 from runner.progress import TrainingProgress
 from runner.run import Callback, Run, Settings, State

@@ -25,7 +25,7 @@ def export_rank() -> int:
     """This task's place in its submitit job (SLURM or local) as torch.distributed's variables; its rank.
 
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (the job's first host) and MASTER_PORT (unless set:
-    derived from the job id, so two jobs on one node do not meet on one port), which runner.dist.env reads.
+    derived from the job id, so two jobs on one node do not meet on one port), which runner.distributed.env reads.
     CUDA_VISIBLE_DEVICES stays: runner takes cuda:LOCAL_RANK itself.
     """
     import submitit
@@ -44,7 +44,7 @@ class _TasksAreRanks:
     def __call__(self, sweep_overrides: list[str], *args: Any, **kwargs: Any) -> JobReturn:
         """One task of a job: export its rank for torch.distributed, then run the job as rank 0 or a quiet rank."""
         from runner import resolvers
-        from runner.dist.env import QUIET_RANK
+        from runner.distributed.env import QUIET_RANK
 
         resolvers.register()  # the config's resolvers (runner_now, runner_hydra_subdir) in this process
         overrides = [*sweep_overrides, f"hydra.sweep.dir={escape_special_characters(self.sweep_dir)}"]
@@ -55,7 +55,7 @@ class _TasksAreRanks:
     def checkpoint(self, sweep_overrides: list[str], *args: Any, **kwargs: Any) -> Any:
         """Requeued by submitit after a timeout or preemption (max_num_timeout > 0): resume the job's newest checkpoint
         instead of starting over in its folder."""
-        from runner.dist.env import with_resume_auto
+        from runner.distributed.env import with_resume_auto
 
         return super().checkpoint(with_resume_auto(list(sweep_overrides)), *args, **kwargs)
 

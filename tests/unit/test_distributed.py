@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.dist.env import _first_host, environment
+from runner.distributed.env import _first_host, environment
 
 
 def test_environment_detection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ from helpers import needs_submitit
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 
-from runner.dist.env import environment
+from runner.distributed.env import environment
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -216,7 +216,7 @@ def test_tensorboard_logger_closes_before_it_starts(tmp_path: Path) -> None:
 
 
 def test_only_rank_0_gets_the_loggers(compose_cfg: Callable, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from runner.dist.strategies import Single
+    from runner.distributed.strategies import Single
 
     monkeypatch.setattr(Single, "is_main", False)  # as another rank of the job builds it
     run = build(compose_cfg(*TINY, "logger=[default,tensorboard,mlflow]"))

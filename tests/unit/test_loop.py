@@ -14,7 +14,7 @@ from runner import ConfigError
 from runner.callbacks.early_stopping import EarlyStopping
 from runner.callbacks.ema import EMA
 from runner.data import DataModule, TensorData
-from runner.dist.strategies import Single
+from runner.distributed.strategies import Single
 from runner.loop import check_monitors, fit
 from runner.run import Callback, Run
 from runner.schedulers import plateau

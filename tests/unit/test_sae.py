@@ -728,7 +728,7 @@ def test_resampling_points_dead_latents_at_badly_reconstructed_inputs() -> None:
 
     from experiments.sae.callbacks import ResampleDead
     from runner.data import DataModule, TensorData
-    from runner.dist.strategies import Single
+    from runner.distributed.strategies import Single
     from runner.progress import TrainingProgress
 
     torch.manual_seed(0)

@@ -229,7 +229,7 @@ def test_resampling_sets_a_dead_latent_s_threshold_back_and_forgets_its_optimize
 
     from experiments.sae.callbacks import ResampleDead
     from runner.data import DataModule, TensorData
-    from runner.dist.strategies import Single
+    from runner.distributed.strategies import Single
     from runner.progress import TrainingProgress
 
     sae, x = _tiny(threshold_init=0.01, dead_window="5st"), torch.randn(256, 8)

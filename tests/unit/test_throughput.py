@@ -10,7 +10,7 @@ import torch
 from _tasks import TinyLM, token_splits
 
 from runner.data import DataModule
-from runner.dist.strategies import Single
+from runner.distributed.strategies import Single
 from runner.loop import fit
 from runner.meter import Meter, peak_flops
 from runner.precision import FP32

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from runner import ConfigError
-from runner.dist.strategies import DDP
+from runner.distributed.strategies import DDP
 
 
 class FSDP(DDP):

@@ -1,4 +1,4 @@
-"""How the processes train together: `Single`, `DDP` (and `FSDP`, runner/dist/fsdp.py) share one interface
+"""How the processes train together: `Single`, `DDP` (and `FSDP`, runner/distributed/fsdp.py) share one interface
 (runner.run.Strategy: wrapping, gradient sync, norms, full state dicts, the few collectives the loop and checkpoints
 need), so the loop has no distributed branches."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.dist.env import environment, init_process_group, pick_device
+from runner.distributed.env import environment, init_process_group, pick_device
 
 
 class Single:
