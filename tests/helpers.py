@@ -610,3 +610,72 @@ def same_history(run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         for key, value in row.items():
             if key != "step":
                 assert run["history"][row["step"]][key] == value, (row["step"], key)
+
+
+# ---- transformers sources (experiments.sae.pretrained) ------------------------------------------------------------
+# Three architectures' shapes, tiny and random, hooked by the names their models give their blocks.
+HF_ARCHS = {"gpt2": "transformer.h", "llama": "model.layers", "gpt_neox": "gpt_neox.layers"}
+HF_TEXT = [
+    "def add(a, b):\n    return a + b\n\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nprint(os.getcwd())\nvalue = [x for x in range(3)]\n",
+]
+
+
+def tiny_hf_model(folder: Path, arch: str) -> Path:
+    """A 2-block causal LM of `arch` (gpt2, llama, gpt_neox) with a byte-level BPE tokenizer, both trained briefly on
+    HF_TEXT, written by save_pretrained into `folder`: what a user's own model folder holds, with no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast
+
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    if arch != "llama":  # GPT-2 and Pythia: one <|endoftext|> is BOS, EOS (and Pythia's PAD)
+        specials = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    special = sorted(set(specials.values()))
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special, initial_alphabet=alphabet)
+    bpe.train_from_iterator(HF_TEXT * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, **specials)
+    vocab = len(tokenizer)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    shape = {"vocab_size": vocab, "num_attention_heads": 2, "num_hidden_layers": 2, "hidden_size": 32}
+    config = {
+        "gpt2": lambda: GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=vocab, **ids),
+        "llama": lambda: LlamaConfig(
+            **shape,
+            intermediate_size=64,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            pad_token_id=tokenizer.pad_token_id,
+            **ids,
+        ),
+        "gpt_neox": lambda: GPTNeoXConfig(**shape, intermediate_size=64, max_position_embeddings=64, **ids),
+    }[arch]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    # 60 steps on the text: a model whose loss the residual stream matters to (ablating it must cost something)
+    ids = torch.tensor(tokenizer("".join(HF_TEXT * 3))["input_ids"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        starts = torch.randint(0, len(ids) - 17, (8,))
+        batch = torch.stack([ids[s : s + 17] for s in starts.tolist()])
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def hf_text(folder: Path, copies: int = 6) -> list[str]:
+    """`copies` x HF_TEXT as text files in `folder` (every 2nd one validation text with val_every=2): their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(copies * len(HF_TEXT)):
+        (folder / f"{i:03d}.py").write_text(HF_TEXT[i % len(HF_TEXT)] * (1 + i % 3))
+        paths.append(str(folder / f"{i:03d}.py"))
+    return paths

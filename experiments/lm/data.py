@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +19,14 @@ from torch.utils.data import Dataset
 from experiments.lm.corpus import (
     corpus_files,
     held_out_files,
+    no_val_split,
     read_text,
     stdlib_sources,  # noqa: F401 - where it was: experiments.lm.data.stdlib_sources
 )
 from runner import ConfigError, check_whole
 from runner.data import DataModule, load_npy
 
-_FORMAT = 1  # of the cache's files: a change makes new keys, never reads an old layout
+_FORMAT = 2  # of the cache's files: a change makes new keys, never reads an old layout (2: held_out_files' rule)
 
 
 class Windows(Dataset):
@@ -105,26 +107,35 @@ def encode_corpus(files: list[Path], val_every: int, cache_dir: str | None = Non
         held_out = held_out_files(len(texts), val_every)
         val = [t for t, held in zip(texts, held_out, strict=True) if held]
         train = [t for t, held in zip(texts, held_out, strict=True) if not held]
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ConfigError(
-                f"data.cache_dir: cannot make the cache folder {folder.parent} ({error.strerror}): name a folder you "
-                "can write, or data.cache_dir=null (~/.cache/runner/text_bytes)"
-            ) from None
-        # Written aside and renamed into place: a killed or concurrent encoding (every rank of a torchrun job) never
-        # leaves a half-written cache that a later run would trust.
-        scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".encoding-"))
-        (scratch / "train.u8").write_bytes(b"\0".join(train))
-        (scratch / "val.u8").write_bytes(b"\0".join(val))
-        meta = {"sha256": key, "files": len(files), "bytes": sum(map(len, texts)), "val_files": len(val)}
-        (scratch / "meta.json").write_text(json.dumps(meta))
-        try:
-            scratch.rename(folder)
-        except OSError:  # another process finished first: its copy is the same bytes
-            shutil.rmtree(scratch, ignore_errors=True)
+
+        def fill(scratch: Path) -> None:
+            (scratch / "train.u8").write_bytes(b"\0".join(train))
+            (scratch / "val.u8").write_bytes(b"\0".join(val))
+            meta = {"sha256": key, "files": len(files), "bytes": sum(map(len, texts)), "val_files": len(val)}
+            (scratch / "meta.json").write_text(json.dumps(meta))
+
+        write_once(folder, fill, "data.cache_dir")
     meta = json.loads((folder / "meta.json").read_text())
     return folder, {**meta, "cache": str(folder)}
+
+
+def write_once(folder: Path, fill: Callable[[Path], None], option: str) -> None:
+    """Make `folder` (a cache named by its content) by `fill`ing a scratch folder beside it and renaming it into place:
+    a killed or concurrent writer (every rank of a torchrun job) never leaves a half-written cache that a later run
+    would trust. `option` names the setting that chose where, for the error when it cannot be written."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(
+            f"{option}: cannot make the cache folder {folder.parent} ({error.strerror}): name a folder you can write, "
+            f"or {option}=null (~/.cache/runner)"
+        ) from None
+    scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".encoding-"))
+    fill(scratch)
+    try:
+        scratch.rename(folder)
+    except OSError:  # another process finished first: its copy is the same content
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _mapped(path: Path) -> np.ndarray:
@@ -155,6 +166,7 @@ class TextBytes(TokenData):
         super().__init__(train, val, seq_len, val_windows, **loader)
         self.info = {"corpus": {**corpus, "train_bytes": len(train), "val_bytes": 0 if val is None else len(val)}}
         self.bytes_per_token = bytes_per_token  # read by the model's config (val/bits_per_byte)
+        self.no_val_split = no_val_split(len(files), val_every)  # for the error when a monitor needs validation
 
 
 # ---- data=tokens_file -----------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ SHARD_ROWS = 65536
 WAIT_S = 600.0  # a waiting rank gives up when the writer shows no progress for this long
 DTYPES = ("float32", "float16")
 # what the activations were made from: a cache that differs in any of these is refused
-IDENTITY = ("weights_sha256", "module", "skip_positions", "dtype", "d")
+IDENTITY = ("weights_sha256", "module", "skip_positions", "dtype", "d", "inputs")
 
 
 class Shards(Dataset):
@@ -59,16 +59,25 @@ class Shards(Dataset):
         return (torch.from_numpy(np.concatenate(parts)).float(),)
 
 
-def identity(checkpoint: str, module: str, skip_positions: int, dtype: str, d: int) -> dict[str, Any]:
-    """What a cache of these activations is made from (the source's weights by their sha256, not their path)."""
+def identity(
+    checkpoint: str,
+    module: str,
+    skip_positions: int,
+    dtype: str,
+    d: int,
+    weights: list[Path] | None = None,
+    inputs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a cache of these activations is made from: the source's weights by their sha256, not their path (a run
+    folder's model.safetensors, or the `weights` files of a transformers source, with the text it read: `inputs`)."""
     if dtype not in DTYPES:
         raise ConfigError(f"data.cache_dtype={dtype!r}: use one of {list(DTYPES)}")
     path = Path(checkpoint)
-    weights = path / MODEL if path.is_dir() else path
     digest = hashlib.sha256()
-    with open(weights, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
+    for file in weights or [path / MODEL if path.is_dir() else path]:
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
     return {
         "source": str(path.resolve()),
         "weights_sha256": digest.hexdigest(),
@@ -76,6 +85,7 @@ def identity(checkpoint: str, module: str, skip_positions: int, dtype: str, d: i
         "skip_positions": skip_positions,
         "dtype": dtype,
         "d": d,
+        "inputs": inputs,
     }
 
 

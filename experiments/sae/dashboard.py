@@ -33,8 +33,9 @@ from runner.trained import TRUSTED_TARGETS
 BEFORE, AFTER = 24, 6  # tokens of text shown before and after a firing one
 
 
-def _windows(source: Any, tokens: int) -> Iterator[tuple[torch.Tensor, Any, str]]:
-    # the source's held-out windows, then its training windows: (the window tokens, the batch, its split)
+def _windows(source: Any, tokens: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, Any, str]]:
+    # the source's held-out windows, then its training windows: (the window tokens, the positions that give rows
+    # (source.positions), the batch, its split)
     seen = 0
     for split, loader in (("val", source.data.val_loader()), ("train", source.data.train_loader())):
         for batch in loader or ():
@@ -43,8 +44,9 @@ def _windows(source: Any, tokens: int) -> Iterator[tuple[torch.Tensor, Any, str]
             windows = batch["tokens"] if isinstance(batch, dict) and "tokens" in batch else None
             if windows is None:
                 raise ConfigError("the source's batches carry no 'tokens': only token windows have text to show")
-            seen += windows.shape[0] * (windows.shape[1] - 1 - source.skip)
-            yield windows, batch, split
+            positions = source.positions(batch, windows.shape[1] - 1)
+            seen += len(positions)
+            yield windows, positions, batch, split
 
 
 def _byte_vocab() -> list[str]:
@@ -77,21 +79,25 @@ class _Text:
     def __init__(self, cfg: DictConfig, device: torch.device, tokens: int) -> None:
         data = cfg.data
         trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
-        self.source = SourceModel(data.checkpoint, data.module, device, trusted, int(data.get("skip_positions", 0)))
-        self.tokens, self.windows, self.splits = tokens, [], {}
-        self.vocab = _byte_vocab() if getattr(self.source.model, "vocab_size", None) == 256 else None
+        skip, inputs = int(data.get("skip_positions", 0)), data.get("inputs")
+        self.source = SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs)
+        self.tokens, self.windows, self.positions, self.splits, self.read = tokens, [], [], {}, 0
+        if self.source.pretrained is not None:
+            self.vocab = self.source.pretrained.vocab()
+        else:
+            self.vocab = _byte_vocab() if getattr(self.source.model, "vocab_size", None) == 256 else None
 
     def batches(self) -> Iterator[torch.Tensor]:
-        for windows, batch, split in _windows(self.source, self.tokens):
+        for windows, positions, batch, split in _windows(self.source, self.tokens):
+            self.positions.append(positions + self.read)
+            self.read += windows[:, :-1].numel()
             self.windows.append(windows[:, :-1].to(torch.int32))
             self.splits[split] = self.splits.get(split, 0) + len(windows)
             yield self.source.activations(batch).float()
 
     def context(self, row: int) -> dict[str, Any]:
         """The tokens around `row`'s position, and where in them it is."""
-        per_window = self.windows[0].shape[1] - self.source.skip
-        window, position = divmod(row, per_window)
-        position += self.source.skip
+        window, position = divmod(int(self.all_positions[row]), self.windows[0].shape[1])
         tokens = self.all_windows[window]
         start = max(0, position - BEFORE)
         return {"ids": tokens[start : position + AFTER + 1].tolist(), "at": position - start}
@@ -100,6 +106,11 @@ class _Text:
     def all_windows(self) -> torch.Tensor:
         """Every window read, [windows, T] (asked once the pass is over)."""
         return torch.cat(self.windows)
+
+    @functools.cached_property
+    def all_positions(self) -> torch.Tensor:
+        """Each row's place in all_windows, flat (window x T + position)."""
+        return torch.cat(self.positions)
 
 
 class _Rows:
@@ -178,7 +189,9 @@ def _weights_views(sae: nn.Module, inputs: Any) -> dict[str, Any]:
     W_dec = sae.W_dec.detach().cpu()
     near, cos = nearest(W_dec)
     views: dict[str, Any] = {"near": near, "near_cos": cos, "lens": None, "truth": None}
-    if isinstance(inputs, _Text) and (found := _unembedding(inputs.source.model)) is not None:
+    hf = inputs.source.pretrained if isinstance(inputs, _Text) else None
+    found = hf.unembedding() if hf else _unembedding(inputs.source.model) if isinstance(inputs, _Text) else None
+    if found is not None:
         unembed, gain, tied = found
         views["lens"] = logit_lens(W_dec, unembed.cpu(), None if gain is None else gain.detach().cpu())
         views["tied"] = tied

@@ -20,7 +20,8 @@ from runner.trained import TRUSTED_TARGETS
 
 
 class HookedData(DataModule):
-    """Train on live activations of `module` in the model of run `checkpoint`; validate on its validation inputs.
+    """Train on live activations of `module` in the model of run `checkpoint` (or of a transformers model reading
+    `inputs`: experiments.sae.pretrained); validate on its validation inputs.
 
     With `cache` (a folder: experiments.sae.cache), the training activations are the first `cache_rows` (default
     samples_per_epoch) of the source's stream, written there once and read back memory-mapped, in the sampler's
@@ -39,6 +40,7 @@ class HookedData(DataModule):
         cache_rows: int | None = None,
         cache_dtype: str = "float32",
         cache_shard_rows: int = SHARD_ROWS,
+        inputs: dict | None = None,
         **loader,
     ) -> None:
         if cache_rows is not None:
@@ -51,7 +53,7 @@ class HookedData(DataModule):
                 f"data.buffer_size={buffer_size} must hold at least two batches "
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
             )
-        source = SourceModel(checkpoint, module, trusted_targets=trusted_targets, skip_positions=skip_positions)
+        source = SourceModel(checkpoint, module, "cpu", trusted_targets, skip_positions, inputs)
         if source.data.val_loader() is None:
             raise ConfigError(
                 f"the source run {checkpoint} has no validation split, which the SAE validates (and splices) on: "
@@ -69,7 +71,9 @@ class HookedData(DataModule):
             train = HookedActivations(ActivationBuffer(source, buffer_size, loader.get("seed", 0)), samples_per_epoch)
         else:
             hooked = source.names[0] if not several else source.names
-            key = identity(checkpoint, hooked, skip_positions, cache_dtype, val.shape[1])
+            hf = source.pretrained  # a transformers source: its weight files and the text it read name the cache too
+            weights, facts = (hf.weight_files(), hf.inputs) if hf else (None, None)
+            key = identity(checkpoint, hooked, skip_positions, cache_dtype, val.shape[1], weights, facts)
             train = cached(cache, source, key, cache_rows or samples_per_epoch, cache_shard_rows)
             loader["shuffle"] = True  # the cache holds the rows in the source's order; the sampler shuffles them
         super().__init__({"train": train, "val": TensorData(val)}, **loader)
@@ -104,9 +108,10 @@ class SpliceEval(Callback):
         module: str | Sequence[str],
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
+        inputs: dict | None = None,
     ) -> None:
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
-        self.skip = skip_positions
+        self.skip, self.inputs = skip_positions, inputs
         self.source: SourceModel | None = None
         self.ablated: dict[str, dict] = {}
         self.provides = tuple(
@@ -127,7 +132,9 @@ class SpliceEval(Callback):
     def on_validation_end(self, run, metrics: dict[str, float]) -> None:
         """Add the clean, ablated and spliced losses, the KL divergences and the fractions of loss recovered."""
         if self.source is None:
-            self.source = SourceModel(self.checkpoint, self.module, run.device, self.trusted_targets, self.skip)
+            self.source = SourceModel(
+                self.checkpoint, self.module, run.device, self.trusted_targets, self.skip, self.inputs
+            )
             acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
             means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
             ablations: dict[str, Replacement] = {"clean": None}

@@ -1,5 +1,6 @@
-"""A frozen model trained by runner, read through forward hooks on named modules (SourceModel): its activations for an
-input batch, and its validation loss with a module's output replaced (what splicing an SAE in costs)."""
+"""A frozen model, read through forward hooks on named modules (SourceModel): its activations for an input batch, and
+its validation loss with a module's output replaced (what splicing an SAE in costs). The model is one trained by
+runner (a run folder: its own data) or a transformers causal LM (experiments.sae.pretrained: text it is given)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from experiments.sae import pretrained
 from runner import ConfigError
 from runner.build import build_data
 from runner.data import DataModule, batch_size_of, to_device
@@ -32,12 +34,13 @@ def hook_points(module: str | Sequence[str]) -> list[str]:
 
 
 class SourceModel:
-    """A frozen runner-trained model, the data it was trained on, and forward hooks on one or several of its modules.
+    """A frozen model, the data it reads, and forward hooks on one or several of its modules.
 
     A module whose output is a sequence [B, T, d] (a transformer block: the residual stream after it) gives one
     activation per position from `skip_positions` on: the first position's stream (the first token, attended to by
-    everything) is an outlier the field leaves out of training and of splicing. Several modules give their
-    activations of the same positions side by side, [rows, d_1 + d_2 + ...], in the order named (`widths`)."""
+    everything) is an outlier the field leaves out of training and of splicing. A transformers source also leaves out
+    its tokenizer's special tokens wherever they are (`mask`). Several modules give their activations of the same
+    positions side by side, [rows, d_1 + d_2 + ...], in the order named (`widths`)."""
 
     def __init__(
         self,
@@ -46,12 +49,24 @@ class SourceModel:
         device: torch.device | str = "cpu",
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
+        inputs: dict[str, Any] | None = None,
     ) -> None:
         if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
             raise ConfigError(
                 f"source.skip_positions={skip_positions!r}: give how many first positions to leave out, >= 0"
             )
-        self.model, cfg = load_trained(checkpoint, trusted_targets)
+        self.pretrained: pretrained.Pretrained | None = None
+        if pretrained.is_pretrained(checkpoint):
+            self.pretrained = pretrained.load(str(checkpoint), inputs)
+            self.model, self.data = self.pretrained.model, self.pretrained.data
+        elif inputs:
+            raise ConfigError(
+                f"source.inputs is the text a transformers model reads; {checkpoint} is a runner run, which reads its "
+                "own data: leave source.inputs out"
+            )
+        else:
+            self.model, cfg = load_trained(checkpoint, trusted_targets)
+            self.data: DataModule = build_data(cfg)
         self.device = torch.device(device)
         self.model.to(self.device)
         modules = dict(self.model.named_modules())
@@ -63,9 +78,27 @@ class SourceModel:
         self.modules, self.skip = {name: modules[name] for name in self.names}, skip_positions
         self.name = self.names[0]  # the module that splicing replaces unless told another
         self.widths: dict[str, int] = {}  # each module's width, known from the first activations
-        self.data: DataModule = build_data(cfg)
 
-    def _kept(self, out: torch.Tensor) -> torch.Tensor:
+    def mask(self, batch: Any) -> torch.Tensor | None:
+        """[B, T]: which positions of a batch give rows (a transformers source); None: all from skip_positions on."""
+        return None if self.pretrained is None else self.pretrained.mask(batch, self.skip)
+
+    def positions(self, batch: Any, width: int) -> torch.Tensor:
+        """The flat indices (window x `width` + position) of the positions that give an input batch's rows, in order."""
+        mask = self.mask(batch)
+        if mask is None:
+            windows = batch["tokens"].shape[0]
+            return (torch.arange(windows)[:, None] * width + torch.arange(self.skip, width)).flatten()
+        return mask.flatten().nonzero().squeeze(1).cpu()
+
+    def _kept(self, out: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:
+            if out.shape[:2] != mask.shape:
+                raise ConfigError(
+                    f"{self.name} outputs {list(out.shape)}, not the stream of the source's {list(mask.shape)} "
+                    "positions [windows, positions, d]: hook a block (source.module)"
+                )
+            return out[mask]
         if out.ndim == 3 and self.skip >= out.shape[1]:
             raise ConfigError(
                 f"source.skip_positions={self.skip} leaves none of the {out.shape[1]} positions of the source's "
@@ -80,14 +113,26 @@ class SourceModel:
             )
         return out
 
-    def _spliced(self, out: torch.Tensor, replace: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _spliced(
+        self, out: torch.Tensor, replace: Callable[[torch.Tensor], torch.Tensor], mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if mask is not None:  # masked positions keep the model's own stream
+            new = out.clone()
+            new[mask] = replace(self._kept(out, mask)).to(out.dtype)
+            return new
         kept = self._kept(out)
         new = replace(kept.flatten(0, -2)).view_as(kept)
         return torch.cat([out[:, : self.skip], new], dim=1) if out.ndim == 3 and self.skip else new
 
     @contextlib.contextmanager
     def _hook(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
-        handle = self.modules[name].register_forward_hook(lambda _m, _i, out: fn(out))
+        def hook(_module: torch.nn.Module, _inputs: Any, out: Any) -> Any:
+            if isinstance(out, tuple):  # (hidden states, cache...) of older transformers blocks
+                new = fn(out[0])
+                return None if new is None else (new, *out[1:])
+            return fn(out)
+
+        handle = self.modules[name].register_forward_hook(hook)
         try:
             yield
         finally:
@@ -104,10 +149,12 @@ class SourceModel:
         """The modules' outputs for one input batch, as [rows, d] (several: side by side); the model's forward stops
         once the last of them ran (the blocks after it, the head and the loss are never computed)."""
         captured: dict[str, torch.Tensor] = {}
+        batch = to_device(batch, self.device)
+        mask = self.mask(batch)
 
         def grab(name: str) -> Callable[[torch.Tensor], None]:
             def hook(out: torch.Tensor) -> None:
-                captured[name] = self._kept(out.detach()).flatten(0, -2)
+                captured[name] = self._kept(out.detach(), mask).flatten(0, -2)
                 if len(captured) == len(self.names):
                     raise _Captured
 
@@ -116,7 +163,7 @@ class SourceModel:
         with contextlib.ExitStack() as hooks, contextlib.suppress(_Captured):
             for name in self.names:
                 hooks.enter_context(self._hook(name, grab(name)))
-            self.model.validation_step(to_device(batch, self.device))
+            self._loss(batch)
         self.widths = {name: captured[name].shape[-1] for name in self.names}
         return captured[self.name] if len(self.names) == 1 else torch.cat([captured[n] for n in self.names], dim=-1)
 
@@ -142,14 +189,21 @@ class SourceModel:
         return {name: {"ce": ce, **({"kl": kl} if has_logits else {})} for name, (ce, kl) in means.items()}
 
     def _run(self, batch: Any, replace: Replacement) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The loss of one batch with the module's output replaced, and the model's own output (logits) when it is a
-        # tensor: the root module's forward hook sees what validation_step computed its loss from.
-        outputs: list[Any] = []
+        # The loss of one batch with the module's output replaced, and the model's logits
         name, fn = replace if isinstance(replace, tuple) else (self.name, replace)
+        mask = self.mask(batch)
+        with self._hook(name, (lambda out: self._spliced(out, fn, mask)) if fn else (lambda out: None)):
+            return self._loss(batch)
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The model's validation loss of a batch and its output (logits) when that is a tensor: for a runner task,
+        # the root module's forward hook sees what validation_step computed its loss from.
+        if self.pretrained is not None:
+            return self.pretrained.loss(batch)
+        outputs: list[Any] = []
         root = self.model.register_forward_hook(lambda _m, _i, out: outputs.append(out))
         try:
-            with self._hook(name, (lambda out: self._spliced(out, fn)) if fn else (lambda out: None)):
-                loss = self.model.validation_step(batch)["loss"]
+            loss = self.model.validation_step(batch)["loss"]
         finally:
             root.remove()
         logits = outputs[-1] if outputs and torch.is_tensor(outputs[-1]) and outputs[-1].is_floating_point() else None

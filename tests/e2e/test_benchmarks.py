@@ -27,6 +27,8 @@ SMOKE = {
     # a one-block source, a ring of 2048 positions refilled every 8 steps of 128
     "sae_multi": ["--n-layer", "1", "--cycles", "1", "--reps", "1", "data.buffer_size=2048", "data.batch_size=128"],
     # a one-block source; 5,000 rows in shards of 2,048
+    # a 2-block GPT-2 of width 64 (GPT-2's vocabulary) as a transformers source
+    "sae_hf": ["--n-layer", "2", "--n-embd", "64", "--layer", "1", "--windows", "8", "--batch", "4", "--context", "16"],
     "sae_cache": ["--rows", "5000", "--shard-rows", "2048", "--n-layer", "1", "--layer", "0"],
     # a 4-step one-block GPT on one stdlib package, then each variant on 2,048 of its activations
     "sae_init": [
@@ -149,6 +151,14 @@ def test_sae_multi_smoke(runs: dict[str, Future]) -> None:
     assert result["one_s"] > 0 and result["four_s"] > 0
     assert result["ratio"] == result["four_s"] / result["one_s"]  # one repetition: its ratio is the medians'
     assert 0 < result["source_share_of_one"] < 1
+
+
+def test_sae_hf_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_hf"].result()
+    assert all(rate > 0 for rate in result["positions_per_s"].values()) and result["ratio"] > 0, result
+    # what a GPU holds: the source's float32 weights (GPT-2's vocabulary x 64, tied) and the 1,024-latent SAE's
+    assert result["gpu_memory_mb"]["source_weights"] > 50257 * 64 * 4 / 1e6
+    assert result["gpu_memory_mb"]["sae_weights_grads_adam"] == round(4 * 2 * 64 * 1024 * 4 / 1e6)
 
 
 def test_sae_cache_smoke(runs: dict[str, Future]) -> None:

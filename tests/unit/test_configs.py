@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CONF_DIR, compose_job
+from helpers import CONF_DIR, compose_job, hf_text, tiny_hf_model
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -100,7 +100,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (lm / ".hydra").mkdir(parents=True, exist_ok=True)
     save_weights(build(cfg).task, lm / "model.safetensors")
     OmegaConf.save(cfg, lm / ".hydra" / "config.yaml")
-    return {"acts": str(acts), "source": str(source), "tokens": str(tokens), "lm": str(lm)}
+    hf = tiny_hf_model(root / "hf", "gpt2")  # a transformers model folder, for sae_hf
+    text = hf_text(root / "hf_text", copies=2)
+    return {"acts": str(acts), "source": str(source), "tokens": str(tokens), "lm": str(lm), "hf": str(hf), "text": text}
 
 
 def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str]:
@@ -114,6 +116,11 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
         overrides.append(f"source.checkpoint={inputs['source']}")
     if host == "sae_lm":
         overrides += [f"source.checkpoint={inputs['lm']}", "data.buffer_size=4096"]
+    if host == "sae_hf":
+        text = f"source.inputs.paths=[{','.join(inputs['text'])}]"
+        overrides += [f"source.checkpoint={inputs['hf']}", "source.module=transformer.h.1", text]
+        overrides += ["source.inputs.val_every=2", "source.inputs.context=16"]
+        overrides += ["data.batch_size=64", "data.buffer_size=512"]
     if (group, option) == ("finetune", "lora"):  # adapters on the tiny GPT of inputs["lm"]
         overrides += [f"init_from={inputs['lm']}", *(f"model.{k}" for k in ("n_layer=3", "d_model=32", "n_head=2"))]
     return overrides + _unit_overrides(group, option)

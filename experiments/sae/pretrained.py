@@ -1,0 +1,243 @@
+"""A transformers causal LM as an SAE's source: `source.checkpoint` names a folder written by `save_pretrained` (or
+`hf:NAME`, a hub name, where there is network or a hub cache). Its modules are hooked by the names the model gives
+them (`transformer.h.8`, `model.layers.6`, `gpt_neox.layers.6`); it reads text tokenized with its own tokenizer
+(`source.inputs`), in windows that start with its BOS token, and its special tokens (BOS, EOS, PAD...) are masked out
+of the SAE's rows and left as they are when the SAE is spliced in.
+
+Weights load from .safetensors only and never with the model's own code (trust_remote_code stays off): a folder
+from elsewhere cannot run anything."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from experiments.lm.corpus import corpus_files, held_out_files, read_text
+from experiments.lm.data import Windows, load_tokens, write_once
+from runner import ConfigError, check_whole, require
+from runner.data import DataModule
+from runner.rundir import CONFIG
+
+HUB = "hf:"
+_FORMAT = 1  # of the token cache's files: a change makes new keys, never reads an old layout
+# What source.inputs may hold, with the defaults a transformers source reads with.
+INPUTS: dict[str, Any] = {
+    "paths": None,  # text files or globs; null: the Python standard library's sources (~12 MB, no download)
+    "tokens": None,  # or a flat file of the tokenizer's ids (.npy, or .bin of `dtype`), instead of text
+    "dtype": "uint32",  # of a .bin tokens file
+    "context": 128,  # tokens per window, BOS included
+    "prepend_bos": True,  # each window starts with the tokenizer's BOS (where it has one), as the model was trained
+    "batch_size": 32,  # windows per forward of the source
+    "val_every": 20,  # text: every n-th file held out for validation
+    "val_fraction": 0.05,  # a tokens file: its last fraction held out
+    "val_windows": 256,  # validation windows (spread evenly over the held-out tokens)
+    "torch_dtype": "float32",  # the source's weights: bfloat16 halves a large model on a GPU
+    "cache_dir": None,  # where tokenized text is kept (null: ~/.cache/runner/tokens), named by its content
+    "seed": 0,
+}
+
+
+def is_pretrained(checkpoint: str | Path) -> bool:
+    """Whether `checkpoint` names a transformers model: hf:NAME, or a folder with a config.json that runner did not
+    write (a run folder has .hydra/config.yaml)."""
+    path = Path(str(checkpoint))
+    if str(checkpoint).startswith(HUB):
+        return True
+    return path.is_dir() and (path / "config.json").is_file() and not (path / CONFIG).is_file()
+
+
+@dataclass
+class Pretrained:
+    """A loaded transformers source: its frozen model, its text as windows, and what its rows leave out."""
+
+    model: nn.Module
+    tokenizer: Any
+    data: DataModule
+    special: torch.Tensor  # token ids whose positions are masked out
+    folder: Path  # where its files are (a hub model's cache snapshot)
+    inputs: dict[str, Any]  # what it reads, for a cache's identity
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean next-token loss of a batch of windows, and the logits it came from."""
+        tokens = batch["tokens"]
+        logits = self.model(input_ids=tokens[:, :-1]).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()), logits
+
+    def mask(self, batch: dict[str, torch.Tensor], skip: int) -> torch.Tensor:
+        """[windows, positions]: True where a position gives a row (not a special token, nor among the first `skip`)."""
+        inputs = batch["tokens"][:, :-1]
+        keep = ~torch.isin(inputs, self.special.to(inputs.device))
+        keep[:, :skip] = False
+        return keep
+
+    def weight_files(self) -> list[Path]:
+        """The files its weights came from."""
+        return sorted(self.folder.glob("*.safetensors"))
+
+    def vocab(self) -> list[str]:
+        """Each token id's text, for the feature pages."""
+        size = max(len(self.tokenizer), int(self.model.get_output_embeddings().weight.shape[0]))
+        return [self.tokenizer.decode([i]) if i < len(self.tokenizer) else "" for i in range(size)]
+
+    def unembedding(self) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """(unembedding [vocab, d], the final norm's gain, tied to the embedding), for the logit lens."""
+        head = self.model.get_output_embeddings().weight
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        norm = next((getattr(base, n) for n in ("ln_f", "norm", "final_layer_norm") if hasattr(base, n)), None)
+        tied = head is self.model.get_input_embeddings().weight
+        return head.detach(), getattr(norm, "weight", None), tied
+
+
+def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
+    """The transformers model named by `checkpoint`, frozen, with its tokenizer and the windows of `inputs`."""
+    require("transformers", "hf", f"source.checkpoint={checkpoint} (a transformers model)")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - an optional extra
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    unknown = sorted(set(inputs or {}) - set(INPUTS))
+    if unknown:
+        raise ConfigError(f"source.inputs: unknown key(s) {unknown}; known: {sorted(INPUTS)}")
+    options = {**INPUTS, **(inputs or {})}
+    name = str(checkpoint)[len(HUB) :] if str(checkpoint).startswith(HUB) else str(checkpoint)
+    what = f"source.checkpoint={checkpoint}"
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"{what}: transformers cannot read its config ({_first_line(error)}). Name a folder written by "
+            "save_pretrained, or hf:NAME for a hub model (that needs network or the hub's cache); models that need "
+            "their own code (trust_remote_code) are refused"
+        ) from None
+    dtype = getattr(torch, str(options["torch_dtype"]), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"source.inputs.torch_dtype={options['torch_dtype']!r}: float32, bfloat16 or float16")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per load of a model's tensors says nothing to an SAE's user
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, use_safetensors=True, dtype=dtype)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"{what}: no causal LM with .safetensors weights loads from it ({_first_line(error)}). runner never "
+            "unpickles weights (pytorch_model.bin): convert them once with "
+            "model.save_pretrained(folder, safe_serialization=True)"
+        ) from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    tokenizer.model_max_length = 1 << 62  # whole files are tokenized at once, then cut into windows
+    folder = Path(name) if Path(name).is_dir() else Path(_hub_file(name)).parent
+    data, facts = _windows(tokenizer, options, int(config.vocab_size))
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    return Pretrained(model, tokenizer, data, special, folder, facts)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _hub_file(name: str) -> str:
+    from transformers.utils import cached_file  # noqa: PLC0415
+
+    return cached_file(name, "config.json")
+
+
+class BosWindows(Windows):
+    """Windows of `context` tokens whose first is `bos`, then `context` consecutive tokens of the array (the inputs and
+    their next tokens: `context + 1` in all); without a BOS, plain windows."""
+
+    def __init__(self, tokens: np.ndarray, context: int, bos: int | None, limit: int | None = None) -> None:
+        super().__init__(tokens, context - 1 if bos is not None else context, limit)
+        self.bos = bos
+
+    def __getitems__(self, indices: list[int]) -> dict[str, Any]:
+        batch = super().__getitems__(indices)
+        if self.bos is not None:
+            rows = batch["tokens"]
+            batch["tokens"] = torch.cat([torch.full((len(rows), 1), self.bos, dtype=rows.dtype), rows], dim=1)
+            batch["num_tokens"] = len(indices) * (self.seq_len + 1)
+        return batch
+
+
+def _windows(tokenizer: Any, options: dict[str, Any], vocab_size: int) -> tuple[DataModule, dict[str, Any]]:
+    # the source's training and validation windows, and what they are made from
+    context, batch_size = check_whole(options["context"], "source.inputs.context"), options["batch_size"]
+    bos = tokenizer.bos_token_id if options["prepend_bos"] else None
+    if options["tokens"]:
+        fraction = options["val_fraction"]
+        if not 0 < fraction < 1:
+            raise ConfigError(f"source.inputs.val_fraction must be in (0, 1), got {fraction}")
+        tokens = load_tokens(options["tokens"], vocab_size, options["dtype"])
+        cut = int(len(tokens) * (1 - fraction))
+        train, val = tokens[:cut], tokens[cut:]
+        facts = {"tokens": str(Path(options["tokens"]).resolve()), "bytes": Path(options["tokens"]).stat().st_size}
+    else:
+        train, val, facts = _tokenized(tokenizer, options)
+    need = context if bos is not None else context + 1
+    for split, array in (("training", train), ("validation", val)):
+        if len(array) < need:
+            raise ConfigError(
+                f"the source's {split} text holds {len(array):,} tokens, fewer than one window of {need}: lower "
+                "source.inputs.context, or give more text (source.inputs.paths, source.inputs.val_every)"
+            )
+    splits = {
+        "train": BosWindows(train, context, bos),
+        "val": BosWindows(val, context, bos, check_whole(options["val_windows"], "source.inputs.val_windows")),
+    }
+    data = DataModule(splits, check_whole(batch_size, "source.inputs.batch_size"), seed=options["seed"])
+    facts = {**facts, "context": context, "bos": bos, "train_tokens": len(train), "val_tokens": len(val)}
+    return data, facts
+
+
+def _tokenized(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    # the text of source.inputs.paths in the tokenizer's ids, files joined by its EOS (or BOS), every val_every-th
+    # file held out; kept in a cache folder named by the tokenizer and the text, so a second run reads it back
+    val_every = options["val_every"]
+    files = corpus_files(options["paths"], val_every)
+    if not any(held_out_files(len(files), val_every)):
+        raise ConfigError(
+            f"source.inputs: {len(files)} text file(s) with val_every={val_every} hold none out for validation, "
+            "which the SAE validates (and splices) on: give more files, or a smaller source.inputs.val_every (>= 2)"
+        )
+    texts = [read_text(f) for f in files]
+    digest = hashlib.sha256(f"{_FORMAT}:{val_every}:{type(tokenizer).__name__}:".encode())
+    digest.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    digest.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    for text in texts:
+        digest.update(len(text).to_bytes(8, "little"))
+        digest.update(text)
+    key = digest.hexdigest()
+    root = options["cache_dir"] or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runner" / "tokens"
+    folder = Path(root).expanduser() / key[:16]
+    if not (folder / "meta.json").is_file():
+        separator = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id]
+        separator = [t for t in separator if t is not None]
+        held = held_out_files(len(texts), val_every)
+
+        def ids(keep: bool) -> np.ndarray:
+            parts = [
+                tokenizer(t.decode(), add_special_tokens=False)["input_ids"] + separator
+                for t, h in zip(texts, held, strict=True)
+                if h == keep
+            ]
+            return np.asarray([i for part in parts for i in part], dtype=np.int64).astype(np.uint32)
+
+        def fill(scratch: Path) -> None:
+            np.save(scratch / "train.npy", ids(False))
+            np.save(scratch / "val.npy", ids(True))
+            (scratch / "meta.json").write_text(json.dumps({"sha256": key, "files": len(files), "val_files": sum(held)}))
+
+        write_once(folder, fill, "source.inputs.cache_dir")
+    train = np.load(folder / "train.npy", mmap_mode="r")
+    val = np.load(folder / "val.npy", mmap_mode="r")
+    return train, val, {**json.loads((folder / "meta.json").read_text()), "cache": str(folder)}
