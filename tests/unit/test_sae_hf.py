@@ -74,9 +74,11 @@ def test_the_clean_loss_is_the_model_s_own_and_splicing_replaces_only_the_kept_p
 
 
 def test_an_sae_trains_on_a_transformers_model_and_reports_loss_recovered(compose_cfg: Callable, hf: dict) -> None:
-    cfg = compose_cfg(*_sae_hf(hf, "gpt2"), "logger=none", "checkpoint=none")
+    # a source in bfloat16 (a large model on a GPU), the SAE in float32
+    cfg = compose_cfg(*_sae_hf(hf, "gpt2"), "source.inputs.torch_dtype=bfloat16", "logger=none", "checkpoint=none")
     run = build(cfg)
     assert run.task.d_in == 32  # the model's hidden size, with no model.d_in
+    assert next(run.train_loader.dataset.buffer.source.model.parameters()).dtype == torch.bfloat16
     fit(run)
     m = run.state.metrics
     assert m["val/ce_clean"] < m["val/ce_zero_ablated"], m
