@@ -220,7 +220,7 @@ def _build(cfg: DictConfig) -> Run:
         + _checkpoint(cfg.get("checkpoint"), quiet=not dist.is_main)
         + ([TimeLimit(trainer.max_time)] if trainer.get("max_time") else []),
     )
-    check_monitors(run)
+    check_monitors(run, getattr(data, "no_val_split", None))  # a data module of your own need not say
     check_monitored_metrics(run, metric_names)
     # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
     run.loggers = _named(cfg.get("logger"), "logger") if dist.is_main else []

@@ -191,19 +191,22 @@ def _tell_task(run: Run) -> None:
     getattr(run.task, "logged", lambda metrics: None)(run.state.metrics)
 
 
-def check_monitors(run: Run) -> None:
-    """Refuse to start when a scheduler or callback monitors a metric that this run can never produce."""
-    readers = [("the scheduler", run.schedule.monitor)]
-    readers += [(type(cb).__name__, cb.monitor) for cb in run.callbacks]
-    validates = run.val_loader is not None and hasattr(run.task, "validation_step")
-    for who, name in readers:
+def check_monitors(run: Run, no_val_split: str | None = None) -> None:
+    """Refuse to start when a scheduler or callback monitors a metric that this run can never produce.
+
+    `no_val_split`: the data module's own word on why it holds no validation split and the setting that gives it one.
+    """
+    readers = [("the scheduler", run.schedule.monitor, "a scheduler without one, e.g. scheduler=cosine")]
+    for cb in run.callbacks:
+        kind = type(cb).__name__
+        readers.append((kind, cb.monitor, getattr(cb, "monitor_off", None) or f"callbacks=[...] without {kind}"))
+    validates = hasattr(run.task, "validation_step")
+    why = (no_val_split or "the data has no 'val' split") if validates else "the model has no validation_step"
+    for who, name, off in readers:
         if name and not name.startswith("val/"):
             raise ConfigError(f"{who} monitors {name!r}; it must be a validation metric, named 'val/...'")
-        if name and not validates:
-            raise ConfigError(
-                f"{who} monitors {name!r}, but this run never validates (no 'val' split or no "
-                "validation_step on the model). Add one, or pick a scheduler/callback without a monitor."
-            )
+        if name and (run.val_loader is None or not validates):
+            raise ConfigError(f"{who} monitors {name!r}, but this run never validates: {why}. Or do without it: {off}")
 
 
 def _wanted(run: Run) -> set[str]:

@@ -184,6 +184,7 @@ class Callback(Protocol):
     """
 
     monitor: str | None = None  # a callback that reads a validation metric names it here, so the loop can check it
+    monitor_off: str | None = None  # the override that stops it reading `monitor`, for a run that never validates
     provides: tuple[str, ...] = ()  # validation metrics a callback adds (on_validation_end): a monitor may name them
 
     def on_fit_start(self, run: Run) -> None:

@@ -52,8 +52,26 @@ def corpus_files(paths: list[str] | str | None, val_every: int) -> list[Path]:
 
 
 def held_out_files(n: int, val_every: int) -> list[bool]:
-    """Which of `n` files are validation text: every `val_every`-th (none for 0)."""
+    """Which of `n` files are validation text: every `val_every`-th (none for 0), and the last one of 2 to
+    `val_every` - 1 files, so that a small corpus (the few files of a LoRA fine-tune) validates too."""
+    if val_every and 2 <= n < val_every:
+        return [i == n - 1 for i in range(n)]
     return [bool(val_every) and i % val_every == val_every - 1 for i in range(n)]
+
+
+def no_val_split(n: int, val_every: int) -> str | None:
+    """Why `n` files hold none out for validation, and the setting that changes it (None when one is held out)."""
+    if any(held_out_files(n, val_every)):
+        return None
+    if n < 2:
+        return (
+            f"data.paths names {n} file, and validation text is a whole file held out: add a second file to "
+            "data.paths (one of 2 or more is held out)"
+        )
+    return (
+        f"data.val_every={val_every} holds out none of the {n} files: data.val_every=N holds out every N-th file "
+        "(N >= 2; the last one of fewer than N)"
+    )
 
 
 def read_text(path: Path) -> bytes:

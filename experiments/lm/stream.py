@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.lm.corpus import corpus_files, held_out_files, read_text
+from experiments.lm.corpus import corpus_files, held_out_files, no_val_split, read_text
 from experiments.lm.data import check_seq_len, windows_or_error
 from runner import ConfigError
 from runner.streaming import ShardedStream, StreamingData
@@ -192,3 +192,4 @@ class TextStream(StreamingData):
             }
         }
         self.bytes_per_token = bytes_per_token  # read by the model's config (val/bits_per_byte)
+        self.no_val_split = no_val_split(len(files), val_every)  # for the error when a monitor needs validation

@@ -207,7 +207,7 @@ def _tokenized(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.
     if not any(held_out_files(len(files), val_every)):
         raise ConfigError(
             f"source.inputs: {len(files)} text file(s) with val_every={val_every} hold none out for validation, "
-            "which the SAE validates (and splices) on: give more files, or a smaller source.inputs.val_every (>= 2)"
+            "which the SAE validates (and splices) on: give 2 files or more, with source.inputs.val_every >= 2"
         )
     texts = [read_text(f) for f in files]
     digest = hashlib.sha256(f"{_FORMAT}:{val_every}:{type(tokenizer).__name__}:".encode())

@@ -58,6 +58,8 @@ class Checkpoint(Callback):
     serialisation, checksums, fsync and rotation run in a background thread, one save at a time.
     """
 
+    monitor_off = "checkpoint.keep_best=0 (no best checkpoint kept apart; the newest ones still are)"
+
     def __init__(
         self,
         dir: str,

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import StopAt, assert_resume_is_exact, assert_same_state, metric_rows, read_json, read_run
 
+from experiments.lm.corpus import held_out_files, no_val_split
 from experiments.lm.data import TextBytes, TokensFile, Windows, stdlib_sources
 from experiments.lm.model import GPT, Block
 from runner import ConfigError
@@ -33,6 +34,9 @@ TINY = [
     "checkpoint.interval=1000st",
 ]
 SAMPLES = ["callbacks.text_samples.new_tokens=8", "callbacks.text_samples.n=2"]
+# TINY on a corpus of its own (data.paths), with the lm experiment's default checkpoint (best by val/loss), 2 steps
+SMALL_CORPUS = [*(a for a in TINY if not a.startswith(("data.", "checkpoint."))), "callbacks=none"]
+SMALL_CORPUS += ["trainer.max_duration=2st", "trainer.val_interval=2st", "model.seq_len=16"]
 
 
 def tiny_gpt(**kwargs) -> GPT:
@@ -217,6 +221,45 @@ def test_without_a_validation_split_the_lm_trains_with_no_best(compose_cfg: Call
     run = train(compose_cfg(*TINY, *overrides))
     assert run.val_loader is None and run.progress.step == 2
     assert read_json(tmp_path / "run" / "summary.json")["best"] is None
+
+
+def test_a_corpus_of_fewer_than_val_every_files_holds_its_last_one_out() -> None:
+    assert held_out_files(1, 20) == [False]  # one file: nothing to split
+    assert held_out_files(2, 20) == [False, True]
+    assert held_out_files(5, 20) == [False] * 4 + [True]
+    assert [i for i, held in enumerate(held_out_files(45, 20)) if held] == [19, 39]  # every 20th as before
+    assert held_out_files(20, 20) == [False] * 19 + [True]
+    assert not any(held_out_files(5, 0))  # 0: no validation split, whatever the size
+    assert no_val_split(5, 20) is None
+
+
+@pytest.mark.parametrize(
+    ("files", "val_every", "fragments"),
+    [
+        (1, 20, ["data.paths names 1 file", "add a second file to data.paths"]),
+        (5, 0, ["data.val_every=0 holds out none of the 5 files", "data.val_every=N holds out every N-th file"]),
+    ],
+)
+def test_a_run_that_never_validates_names_the_settings_that_fix_it(
+    files: int, val_every: int, fragments: list[str], compose_cfg: Callable, tmp_path: Path
+) -> None:
+    # the README's LoRA example on a few notes: the default checkpoint keeps the best by val/loss
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    for i in range(files):
+        (folder / f"{i}.md").write_text(f"note {i}: " + "some text to learn from " * 20)
+    overrides = [*SMALL_CORPUS, f"data.paths=[{folder}/*.md]", f"data.val_every={val_every}"]
+    with pytest.raises(ConfigError) as caught:
+        train(compose_cfg(*overrides))
+    message = str(caught.value)
+    assert message.startswith("Checkpoint monitors 'val/loss', but this run never validates: "), message
+    for fragment in [*fragments, "Or do without it: checkpoint.keep_best=0"]:
+        assert fragment in message, message
+    run = train(compose_cfg(*overrides, "checkpoint.keep_best=0"))  # the way out it names
+    assert run.progress.step == 2 and run.val_loader is None
+    if files > 1:
+        run = train(compose_cfg(*overrides[:-1], "data.val_every=20", run_dir=tmp_path / "validated"))
+        assert run.settings.data_info["corpus"]["val_files"] == 1 and "val/loss" in run.state.metrics
 
 
 def test_samples_go_to_wandb_as_a_table_when_it_is_on(offline: None, compose_cfg: Callable, tmp_path: Path) -> None:
