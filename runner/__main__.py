@@ -33,8 +33,9 @@ from runner.distributed.env import (
 )
 from runner.log.ranks import log_rank, record_failure
 from runner.log.tee import tee_to
+from runner.refused import remove_refused
 from runner.run import StopReason
-from runner.rundir import LOG, SUMMARY, FolderInUse, claim, unlock, write_json
+from runner.rundir import LOG, SUMMARY, DiskFull, FolderInUse, claim, unlock, write_json
 from runner.sweeps.job import SweepJob, objective, parallel_jobs, sweep_job, threads_per_job
 from runner.train import train
 
@@ -130,12 +131,15 @@ def main(cfg: DictConfig) -> float | None:
     """Train one run; return the best value of `monitor` so that sweepers can optimize it (runner.sweeps.job)."""
     hydra_cfg = HydraConfig.get()
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
-    # A bad `threads` (0, -3) is a ConfigError from here, before the folder is claimed: exit 2 (a sweep's too)
-    threads = threads_per_job(cfg.get("threads"), parallel_jobs(hydra_cfg.launcher) if in_sweep else 1)
+    run_dir, rank = Path(hydra_cfg.runtime.output_dir), environment()["rank"]
+    try:  # a bad `threads` (0, -3) is a ConfigError from here, before the folder is claimed: exit 2 (a sweep's too)
+        threads = threads_per_job(cfg.get("threads"), parallel_jobs(hydra_cfg.launcher) if in_sweep else 1)
+    except ConfigError:
+        remove_refused(run_dir)
+        raise
     if threads is not None:
         torch.set_num_threads(threads)
     started, job = time.perf_counter(), sweep_job()
-    run_dir, rank = Path(hydra_cfg.runtime.output_dir), environment()["rank"]
     try:
         if rank == 0:  # rank 0 owns the folder: its lock, its log
             claim(run_dir, hydra_cfg.output_subdir)
@@ -169,8 +173,12 @@ def main(cfg: DictConfig) -> float | None:
 
 def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s: float) -> float | None:
     if not isinstance(error, FolderInUse):  # (that folder is another run's)
-        _record_failure(cfg, error, wall_time_s)  # summary.json says why (a sweep's results.csv reads it)
-        record_failure(error)  # and logs/rank-K.log, with the traceback, on every rank
+        record_failure(error)  # logs/rank-K.log, with the traceback, on every rank
+        # A run refused before training leaves no folder of its own (runner.refused); else summary.json says why (a
+        # sweep's results.csv reads it)
+        refused = isinstance(error, ConfigError) and not isinstance(error, DiskFull)  # (a full disk: resume=auto)
+        if not (refused and remove_refused(HydraConfig.get().runtime.output_dir)):
+            _record_failure(cfg, error, wall_time_s)
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # one failed job must not end the sweep (fail_fast: SweepResults)
         if not isinstance(error, ConfigError):
             traceback.print_exc()

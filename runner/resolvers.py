@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from runner.refused import missing, note_made
 from runner.rundir import CLASH
 
 _launch = {"time": None}  # rank 0's clock under torchrun (set_launch_time), so that every rank dates the same folder
@@ -61,11 +62,13 @@ def _fresh(directory: str, resume: Any = None) -> str:
 
 
 def _claim(directory: str) -> str:
+    parents = missing(Path(directory).parent)
     Path(directory).parent.mkdir(parents=True, exist_ok=True)
     for n in range(10_000):
         candidate = directory if n == 0 else f"{directory}-{n}"
         try:
             os.mkdir(candidate)
+            note_made([Path(os.path.abspath(candidate)), *parents])  # a refused run removes them (runner.refused)
             return candidate
         except FileExistsError:
             continue

@@ -187,7 +187,39 @@ def test_zero_threads_exits_2_before_the_run_starts(run_cli: Callable, tmp_path:
     code, err = run_cli("+experiment=digits", "logger=none", "threads=0", f"hydra.run.dir={tmp_path / 'run'}")
     assert code == 2, err
     assert "threads must be a whole number >= 1" in err and "Traceback" not in err, err
-    assert not (tmp_path / "run" / "summary.json").exists()
+    assert not (tmp_path / "run").exists()  # (nor the folder: runner.refused)
+
+
+# A bad value caught while the run is built; a ??? left in the config; `threads`, refused before the folder is claimed
+REFUSALS = {"lr": ["optimizer.lr=-1"], "missing": ["optimizer.lr=???"], "threads": ["threads=0"]}
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_run_refused_by_a_config_error_leaves_no_folder(
+    refusal: str, run_cli: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "earlier").mkdir(parents=True)  # an earlier run's: kept
+    # the default folder (outputs/DATE/TIME, made by runner_fresh with its DATE parent), and a new named one
+    for where in ([], [f"hydra.run.dir={tmp_path / 'new' / 'run'}"]):
+        code, err = run_cli(*DIGITS, *REFUSALS[refusal], *where)
+        assert code == 2, err
+        assert "error: " in err and "Traceback" not in err, err
+        assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["outputs", "outputs/earlier"]
+
+
+def test_a_resume_refused_by_a_config_error_keeps_its_folder(run_cli: Callable, tmp_path: Path) -> None:
+    # a run killed as it started: only files a refused launch writes too, so only its being there before keeps it
+    run = tmp_path / "run"
+    earlier = {".hydra/config.yaml": "seed: 0\n", "runner.log": "started\n", "logs/rank-0.log": "warning\n"}
+    for name, text in earlier.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    code, err = run_cli(*DIGITS, "resume=auto", "optimizer.lr=-1", f"hydra.run.dir={run}")
+    assert code == 2 and "optimizer.lr" in err, err
+    for name, text in earlier.items():
+        assert (run / name).read_text().startswith(text), name  # runner.log: the refusal appended
+    assert "optimizer.lr" in (run / "runner.log").read_text()
 
 
 def test_a_stream_says_once_where_a_file_stops_being_utf8(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
