@@ -1,8 +1,10 @@
-"""Sweeps (`-m`): the Hydra callback that keeps results.csv up to date and prints the leaderboard at the end."""
+"""Sweeps (`-m`): the Hydra callback that keeps results.csv up to date and prints the leaderboard at the end; Optuna's
+log lines without colour codes when they do not go to a terminal."""
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import sys
 from collections import Counter
@@ -11,7 +13,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.rundir import FolderInUse, lock, unlock
 from runner.sweeps.results import collect, job_row, leaderboard, table_console, write_csv
@@ -52,6 +54,8 @@ class SweepResults(Callback):
         except FolderInUse as error:  # Hydra turns a callback's exception into a warning: stop the sweep here
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
+        if "optuna" in str(OmegaConf.select(config, "hydra.sweeper._target_", default="")):
+            plain_optuna_logs()  # before the sweeper imports Optuna and logs its study
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """Add the job's row to results.csv; with fail_fast, end the sweep if the job failed."""
@@ -87,3 +91,23 @@ class SweepResults(Callback):
             print(f"{counts['failed']} job(s) failed: their errors are in results.csv and above", file=sys.stderr)
         if counts["failed"] == len(rows):  # nothing to compare: the sweep as a whole failed
             raise SystemExit(1)
+
+
+def plain_optuna_logs() -> None:
+    """Optuna's log lines without colour codes where its stream is not a terminal (a pipe, a file, a SLURM log):
+    Optuna's own handler formats them with colorlog, which writes escape codes whatever the stream."""
+    import colorlog  # Optuna's dependency
+    import optuna
+
+    optuna.logging.get_verbosity()  # makes Optuna's handler, if no Optuna module has made it yet
+    for handler in logging.getLogger("optuna").handlers:
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler.formatter, colorlog.ColoredFormatter) and not _is_terminal(stream):
+            handler.setFormatter(logging.Formatter("[%(levelname)1.1s %(asctime)s] %(message)s"))  # Optuna's format
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())  # a Tee (runner.log.tee) answers for the console it writes to
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        return False
