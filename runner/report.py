@@ -1,4 +1,5 @@
-"""`python -m runner.report DIR`: leaderboard, results.csv and metric curves of a sweep (running or done) or a run."""
+"""`python -m runner.report DIR`: leaderboard, results.csv and metric curves of a sweep (running or done) or a run
+(one figure of every metric it logged: plots/curves.png)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.sweeps.results import collect, leaderboard, read_curve, short, table_console, varying, write_csv
+from runner.sweeps.results import (
+    collect,
+    find_jobs,
+    leaderboard,
+    read_curve,
+    short,
+    table_console,
+    varying,
+    write_csv,
+)
 
 PLOT_SIZE, PLOT_DPI = (8.0, 5.0), 100  # 800 x 500 pixels
 MAX_LEGEND = 20  # more jobs than this: lines without labels (the leaderboard says which is which)
+SPLITS = ("train", "val", "test")  # a run's curves draw train/X, val/X and test/X in one panel
 
 
 def _label(row: dict[str, Any], swept: list[str]) -> str:
@@ -56,6 +67,58 @@ def plot(rows: list[dict[str, Any]], metric: str, path: Path) -> int:
     return len(curves)
 
 
+def _panels(curve: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    # panel -> its lines -> (step, value): train/loss and val/loss share the panel "loss"; others (train/lr,
+    # sys/peak_memory_mb) have one of their own
+    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for row in curve:
+        if not isinstance(row.get("step"), int):
+            continue
+        for key, value in row.items():
+            if "/" not in key or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            split, name = key.split("/", 1)
+            panel = name if split in SPLITS else key
+            panels.setdefault(panel, {}).setdefault(key, []).append((row["step"], value))
+    return panels
+
+
+def plot_run(run_dir: Path, path: Path) -> int:
+    """Draw every metric one run logged against the optimizer step, one panel per metric (its train and val lines
+    together); the number of panels (0: nothing logged yet, no file)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    panels = _panels(read_curve(run_dir))
+    if not panels:
+        return 0
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.0 * columns, 3.0 * rows), dpi=PLOT_DPI, squeeze=False)
+    try:
+        for i, (ax, (panel, lines)) in enumerate(zip(axes.flat, panels.items(), strict=False)):
+            for key, points in lines.items():
+                steps, values = zip(*points, strict=True)
+                ax.plot(steps, values, marker="." if len(points) < 30 else None, label=key)
+            ax.set_title(panel if len(lines) > 1 else next(iter(lines)), fontsize="medium")
+            ax.grid(alpha=0.3)
+            if len(lines) > 1:
+                ax.legend(fontsize="small")
+            if i + columns >= len(panels):  # the lowest panel of its column
+                ax.set_xlabel("optimizer step")
+        for ax in axes.flat[len(panels) :]:
+            ax.set_visible(False)
+        fig.suptitle(str(run_dir))
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=PLOT_DPI)
+    finally:
+        plt.close(fig)
+    return len(panels)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the leaderboard of DIR, write its results.csv and plots; the exit code (2: nothing to report)."""
     parser = argparse.ArgumentParser(
@@ -68,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--mode", choices=["min", "max"], help="default: the config's mode for 'best', else min")
     parser.add_argument("--top", type=int, default=None, help="show only the N best jobs")
-    parser.add_argument("--plot", nargs="+", metavar="METRIC", help="curves to draw (default: the monitor, train/loss)")
+    parser.add_argument(
+        "--plot",
+        nargs="+",
+        metavar="METRIC",
+        help="curves to draw (default: the monitor, train/loss; of one run: every metric, in plots/curves.png)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="no plots")
     parser.add_argument("--out", type=Path, help="where results.csv and plots/ go (default: DIR)")
     args = parser.parse_args(argv)
@@ -105,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib  # noqa: F401
     except ImportError:
         print("plots skipped: matplotlib is not installed (pip install 'runner[report]')", file=sys.stderr)
+        return 0
+    if find_jobs(args.dir) == [args.dir] and not args.plot:  # one run: all its curves in one figure
+        path = out / "plots" / "curves.png"
+        drawn = plot_run(args.dir, path)
+        if drawn:
+            console.print(f"curves: {path} ({drawn} metrics)", highlight=False, soft_wrap=True)
+        else:
+            print(f"curves: {args.dir} has logged no metrics yet", file=sys.stderr)
         return 0
     for metric in args.plot or list(dict.fromkeys([monitor, "train/loss"])):
         path = out / "plots" / f"{metric.replace('/', '_')}.png"
