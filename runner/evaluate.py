@@ -29,7 +29,7 @@ from runner import ConfigError, check_whole, trust
 from runner.build import build_data
 from runner.run import Precision
 from runner.rundir import CONFIG, MODEL, write_json
-from runner.trained import TRUSTED_TARGETS, load_trained, measuring_callbacks
+from runner.trained import TRUSTED_TARGETS, load_trained, measuring_callbacks, trusted_here
 from runner.validation import evaluate_loader
 
 USAGE = "usage: python -m runner.evaluate RUN_DIR [split=val] [weights=PATH] [device=cpu] [data.KEY=VALUE ...]"
@@ -186,6 +186,8 @@ def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
             raise ConfigError(f"trusted_targets={targets!r}: give a list of module paths, e.g. trusted_targets=[a,b]")
         options["trusted"] = tuple(targets)
+    else:  # the project's runner.yaml in the folder this is launched from (runner init writes it)
+        options["trusted"] = trusted_here()
     return Path(argv[0]), options, data
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from runner import ConfigError
 from runner.evaluate import checked_device, read_options
-from runner.trained import load_trained
+from runner.trained import load_trained, trusted_here
 
 DEFAULTS: dict[str, Any] = {"tokens": 1_000_000, "out": None, "top": 16, "device": "cpu", "port": 8000}
 USAGE = "usage: python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [--serve] [port=8000]"
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, options, serve = _options(sys.argv[1:] if argv is None else argv)
         device = checked_device(options["device"])
-        model, cfg = load_trained(path)
+        model, cfg = load_trained(path, trusted_here())
         if not hasattr(model, "features"):
             raise ConfigError(f"{path}'s model ({type(model).__name__}) has no feature pages (runner's SAEs have)")
         run_dir = path if path.is_dir() else path.parent

@@ -18,7 +18,7 @@ import torch
 
 from runner import ConfigError
 from runner.evaluate import checked_device, read_options
-from runner.trained import load_trained
+from runner.trained import load_trained, trusted_here
 
 DEFAULTS: dict[str, Any] = {
     "prompt": "\n",
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, options = _options(sys.argv[1:] if argv is None else argv)
         device = torch.device(checked_device(options["device"]))
-        model, _ = load_trained(path, weights=options["weights"])
+        model, _ = load_trained(path, trusted_here(), weights=options["weights"])
         if not hasattr(model, "generate"):
             raise ConfigError(f"{path}'s model ({type(model).__name__}) does not generate (runner's GPT does)")
         prompt = _prompt(model, options).to(device)

@@ -3,7 +3,7 @@
 It writes a Python package (your model and data, importable by `_target_` from the project folder) and a `conf/`
 folder of config groups that Hydra adds to runner's own with `--config-dir conf`:
 
-    DIR/NAME/{__init__,model,data}.py  DIR/conf/{model,data,experiment}/NAME.yaml  DIR/README.md
+    DIR/NAME/{__init__,model,data}.py  DIR/conf/{model,data,experiment}/NAME.yaml  DIR/README.md  DIR/runner.yaml
 
 then `cd DIR && python -m runner --config-dir conf +experiment=NAME` trains the example (a small regression MLP on
 data made in-process) with every runner option. Nothing is overwritten: an existing file stops it before it writes.
@@ -110,11 +110,19 @@ python -m runner --config-dir conf +experiment=NAME                    # train
 python -m runner --config-dir conf +experiment=NAME model.hidden=256 optimizer.lr=1e-3
 python -m runner --config-dir conf -m +experiment=NAME optimizer.lr=1e-3,3e-3   # a sweep
 torchrun --nproc_per_node=2 -m runner --config-dir conf +experiment=NAME distributed=ddp
-python -m runner.evaluate outputs/DATE/TIME split=val trusted_targets=[experiments,runner.data,NAME]
+python -m runner.evaluate outputs/DATE/TIME split=val                   # on the validation split again
 ```
 
 Run these from this folder: Python imports `NAME` from the working directory (or `pip install -e .` a package of your
-own). Add a model: a class in `NAME/`, a file `conf/model/OTHER.yaml` with its `_target_`, then `model=OTHER`.
+own), and runner's tools (`runner.evaluate`, `runner.features`, `runner.generate`) read `runner.yaml` here, which
+lets them build `NAME`'s classes named in a run folder's config (a run folder alone is never trusted to). Add a
+model: a class in `NAME/`, a file `conf/model/OTHER.yaml` with its `_target_`, then `model=OTHER`.
+"""
+
+RUNNER_YAML = """# What runner's tools launched from this folder trust a run folder's config to build, beside runner's
+# own (experiments, runner.data): python -m runner.evaluate RUN_DIR builds NAME's model and data with no
+# trusted_targets= on the command line.
+trusted_targets: [NAME]
 """
 
 FILES = {
@@ -125,6 +133,7 @@ FILES = {
     "conf/data/{name}.yaml": DATA_YAML,
     "conf/experiment/{name}.yaml": EXPERIMENT_YAML,
     "README.md": README,
+    "runner.yaml": RUNNER_YAML,
 }
 
 

@@ -20,6 +20,8 @@ from runner.rundir import CONFIG, MODEL, read_run_config
 # What another run's .hydra/config.yaml may name as `_target_`s when runner rebuilds its model and data
 # (source.checkpoint): module paths of the project's own tasks. Overridden by the config key `trusted_targets`.
 TRUSTED_TARGETS = ("experiments", "runner.data")
+# A project's own settings for runner's tools, in the folder they are launched from (`runner init` writes it)
+PROJECT = "runner.yaml"
 BUILT = ("model", "data", "precision", "callbacks")  # the parts of a run's config that runner rebuilds
 
 
@@ -111,6 +113,22 @@ def load_trained(
     except ConfigError as error:  # a truncated file or weights of another architecture
         raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
     return model.eval().requires_grad_(False), source
+
+
+def trusted_here(folder: str | Path | None = None) -> tuple[str, ...]:
+    """What runner's tools (evaluate, features, generate) trust a run folder's config to build when given no
+    trusted_targets=: TRUSTED_TARGETS and the packages that the project in the folder they are launched from names in
+    its runner.yaml. Never a run folder's own word: anyone can write one; the launch folder is the user's."""
+    path = Path(folder or Path.cwd()) / PROJECT
+    if not path.is_file():
+        return TRUSTED_TARGETS
+    try:
+        targets = OmegaConf.to_container(OmegaConf.load(path)).get("trusted_targets", [])
+    except Exception as error:  # YAML that does not parse, or not a mapping
+        raise ConfigError(f"{path}: not a mapping of runner settings ({str(error).splitlines()[0]})") from None
+    if not isinstance(targets, list) or not all(isinstance(t, str) and t for t in targets):
+        raise ConfigError(f"{path}: trusted_targets must be a list of package names, e.g. [experiments, mypackage]")
+    return tuple(dict.fromkeys([*TRUSTED_TARGETS, *targets]))
 
 
 def _callbacks(cfg: DictConfig, trusted: Sequence[str], config: Path) -> dict[str, Any]:

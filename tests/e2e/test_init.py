@@ -38,6 +38,7 @@ def test_runner_init_makes_a_project_that_trains_from_its_own_folder(tmp_path: P
         "mytask/__init__.py",
         "mytask/data.py",
         "mytask/model.py",
+        "runner.yaml",
     ]
     # again into the same folder: refused before anything is written, nothing lost
     model = (project / "mytask" / "model.py").read_text()
@@ -62,3 +63,9 @@ def test_runner_init_makes_a_project_that_trains_from_its_own_folder(tmp_path: P
     assert summary["metrics"]["val/loss"] < 1.0, summary["metrics"]  # y's variance is about 3.5
     config = (run / ".hydra" / "config.yaml").read_text()
     assert "_target_: mytask.model.Model" in config and "hidden: 32" in config
+    # runner.evaluate from the project folder builds mytask's classes: its runner.yaml trusts them (no
+    # trusted_targets= on the command line); from elsewhere the same run folder is refused
+    evaluated = ok(python("-m", "runner.evaluate", str(run), "split=val", cwd=project))
+    assert "val/loss" in evaluated.stdout
+    refused = python("-m", "runner.evaluate", str(run), cwd=tmp_path)
+    assert refused.returncode == 2 and "model._target_=mytask.model.Model" in refused.stderr, explain(refused)

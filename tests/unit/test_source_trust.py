@@ -4,6 +4,7 @@ refused before anything is instantiated (issue 16 A)."""
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -84,6 +85,42 @@ def test_trusted_targets_lets_a_users_own_package_in(source_run: Path, tmp_path:
     model, cfg = load_trained(folder, trusted=["experiments", "runner.data", "torch.nn"])
     assert isinstance(model, torch.nn.Linear) and not model.training
     assert cfg.data._target_ == "runner.data.DataModule"
+
+
+def test_the_launch_folder_s_runner_yaml_trusts_a_package_and_a_run_folder_s_never_does(
+    source_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from runner import evaluate
+    from runner.trained import TRUSTED_TARGETS, trusted_here
+
+    project = tmp_path / "project"  # what runner init makes: the user's package and runner.yaml beside it
+    (project / "trusted_project_pkg").mkdir(parents=True)
+    (project / "trusted_project_pkg" / "__init__.py").write_text(
+        "from experiments.digits import MLPClassifier\n\n\nclass Model(MLPClassifier):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.setitem(sys.modules, "trusted_project_pkg", None)  # undone at the end: no module left imported
+    del sys.modules["trusted_project_pkg"]
+    cfg = OmegaConf.load(source_run / ".hydra" / "config.yaml")
+    folder = _tampered(source_run, tmp_path, "model", {**cfg.model, "_target_": "trusted_project_pkg.Model"})
+    # a run folder that says it trusts trusted_project_pkg is not believed, wherever it is launched from
+    (folder / "runner.yaml").write_text("trusted_targets: [trusted_project_pkg]\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert trusted_here() == TRUSTED_TARGETS
+    assert evaluate.main([str(folder)]) == 2
+    assert "model._target_=trusted_project_pkg.Model" in capsys.readouterr().err
+    # the project the user launches from is
+    (project / "runner.yaml").write_text("trusted_targets: [trusted_project_pkg]\n")
+    monkeypatch.chdir(project)
+    assert trusted_here() == (*TRUSTED_TARGETS, "trusted_project_pkg")
+    assert evaluate.main([str(folder), "split=val"]) == 0
+    assert "val/acc" in capsys.readouterr().out
+    # and a project file that is not a list of packages is refused, naming the file
+    (project / "runner.yaml").write_text("trusted_targets: trusted_project_pkg\n")
+    assert evaluate.main([str(folder)]) == 2
+    assert "runner.yaml: trusted_targets must be a list" in capsys.readouterr().err
 
 
 def test_the_sae_digits_preset_passes_trusted_targets_to_both_readers(
