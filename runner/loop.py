@@ -4,6 +4,7 @@ lives here, in one place; every feature is a component or a callback."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -248,7 +249,8 @@ def check_monitored_metrics(run: Run, validation_metrics: set[str]) -> None:
 
 def evaluate(run: Run) -> dict[str, float]:
     """One pass over the run's validation loader: evaluate_loader with the run's task, precision and ranks."""
-    return evaluate_loader(run.task, run.val_loader, run.precision, run.device, run.strategy.all_sum)
+    working = functools.partial(run.working, "validation")
+    return evaluate_loader(run.task, run.val_loader, run.precision, run.device, run.strategy.all_sum, working)
 
 
 def validate(run: Run) -> dict[str, float]:

@@ -230,6 +230,9 @@ class Logger(Protocol):
     def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
         """Record distributions (one value per layer, say) at an optimizer step, where the logger can draw them."""
 
+    def working(self, what: str, done: int, total: int | None) -> None:
+        """Progress through a long pass that logs nothing until it ends (a validation): `done` of `total` batches."""
+
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """Flush and release; `summary` is what summary.json holds (None if the run failed)."""
 
@@ -343,6 +346,11 @@ class Run:
     def world_size(self) -> int:
         """Processes training together."""
         return self.strategy.world_size
+
+    def working(self, what: str, done: int, total: int | None) -> None:
+        """Tell the loggers how far a long pass that logs only at its end has got (Logger.working)."""
+        for logger in self.loggers:
+            getattr(logger, "working", lambda *_: None)(what, done, total)  # a logger of the user's may lack it
 
     def request_stop(self, reason: StopReason | str) -> None:
         """Ask the loop to stop; the first reason given wins. An agreed reason (StopReason.agreed) stops after the

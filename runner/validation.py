@@ -18,15 +18,17 @@ def evaluate_loader(
     precision: Precision,
     device: torch.device,
     all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda total: total,
+    working: Callable[[int, int | None], None] | None = None,
 ) -> dict[str, float]:
     """One pass over `loader`, named 'val/<key>': each validation_step output (a number, or a tensor of any shape)
     averaged over the whole split in float64, weighted by batch size (over every rank's shard: `all_sum`); a task
     with `validation_summary` turns those means into its metrics (a ratio of sums, say, which a mean of per-batch
-    ratios is not)."""
+    ratios is not). `working(done, total)` hears after each batch how far the pass has got."""
     task.eval()
     sums: dict[str, torch.Tensor] = {}
     count = 0
-    for batch in loader:
+    total = len(loader) if hasattr(loader, "__len__") else None
+    for done, batch in enumerate(loader, 1):
         batch = to_device(batch, device)
         size = batch_size_of(batch)
         with precision.autocast():
@@ -34,6 +36,8 @@ def evaluate_loader(
         for key, value in out.items():
             sums[key] = sums.get(key, 0.0) + torch.as_tensor(value, device=device).detach().double() * size
         count += size
+        if working is not None:
+            working(done, total)
     task.train()
     if not sums:
         return {}

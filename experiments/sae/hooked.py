@@ -3,6 +3,7 @@ a shuffling ring buffer (experiments.sae.buffer), and the spliced model's losses
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -141,13 +142,14 @@ class SpliceEval(Callback):
             for name, mean in means.items():
                 ablations[f"{name}:zero"] = (name, torch.zeros_like)
                 ablations[f"{name}:mean"] = (name, lambda out, mean=mean: mean.expand_as(out))
-            self.ablated = self.source.compare(ablations)
+            self.ablated = self.source.compare(ablations, functools.partial(run.working, "ablations"))
         clean = self.ablated["clean"]
         family, hook_of = members(run.task), getattr(run.task, "hook_of", {})
         for _, sae in family:
             sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
         where = {prefix: hook_of.get(prefix.rstrip("/"), self.source.name) for prefix, _ in family}
-        spliced = self.source.compare({prefix: (where[prefix], _through(sae)) for prefix, sae in family})
+        spliced = {prefix: (where[prefix], _through(sae)) for prefix, sae in family}
+        spliced = self.source.compare(spliced, functools.partial(run.working, "splicing"))
         for _, sae in family:
             sae.train()
         metrics["val/ce_clean"] = clean["ce"]

@@ -168,14 +168,18 @@ class SourceModel:
         return captured[self.name] if len(self.names) == 1 else torch.cat([captured[n] for n in self.names], dim=-1)
 
     @torch.no_grad()
-    def compare(self, replacements: dict[str, Replacement]) -> dict[str, dict]:
+    def compare(
+        self, replacements: dict[str, Replacement], working: Callable[[int, int | None], None] | None = None
+    ) -> dict[str, dict]:
         """Over the validation split, for each named replacement of a module's output (None: the clean model; a
         function: of the first hooked module's; (module, function): of that module's): the model's mean validation
         loss ("ce") and, when the model's output is logits, the KL divergence of its next-token distribution from the
-        clean model's ("kl", nats per token, over the same tokens as the loss)."""
+        clean model's ("kl", nats per token, over the same tokens as the loss). `working(done, total)` hears after each
+        batch how far the pass has got."""
         sums = {name: torch.zeros(2, dtype=torch.float64) for name in replacements}
         count, has_logits = 0, True
-        for batch in self.data.val_loader():
+        loader = self.data.val_loader()
+        for done, batch in enumerate(loader, 1):
             batch = to_device(batch, self.device)
             size = batch_size_of(batch)
             clean = self._run(batch, None)
@@ -185,6 +189,8 @@ class SourceModel:
                 kl = _kl(clean[1], logits) if has_logits else torch.zeros((), dtype=torch.float64)
                 sums[name] += torch.stack([loss.double().cpu(), kl.cpu()]) * size
             count += size
+            if working is not None:
+                working(done, len(loader))
         means = {name: (total / count).tolist() for name, total in sums.items()}
         return {name: {"ce": ce, **({"kl": kl} if has_logits else {})} for name, (ce, kl) in means.items()}
 

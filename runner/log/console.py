@@ -47,6 +47,8 @@ class ConsoleLogger(Logger):
         self.last_line = 0.0
         self.latest: dict[str, float] = {}  # the last value of each shown metric (train and val rows differ in step)
         self.run_dir: str | None = None
+        self.passes: dict[str, float] = {}  # when each long pass (working) started
+        self.pass_bars: dict[str, Any] = {}  # its bar's task in a terminal
 
     def resume(self, step: int, state: dict[str, Any]) -> None:
         """A resumed launch starts at `step`: its rate (for the ETA) counts the steps it trains."""
@@ -113,6 +115,25 @@ class ConsoleLogger(Logger):
             line = "  ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
             epoch = f"epoch {metrics['epoch']:.2f}  " if "epoch" in metrics else ""  # a stream has no epochs
             self.console.print(f"step {step}  {epoch}{line}", highlight=False, soft_wrap=True)
+
+    def working(self, what: str, done: int, total: int | None) -> None:
+        """A long pass (a validation, a splice): in a terminal a second bar, elsewhere a line every `every_s`."""
+        now = time.monotonic()
+        if done == 1:
+            self.passes[what] = now
+            if self.bar is not None:
+                self.pass_bars[what] = self.bar.add_task(what, total=total, stats="batches")
+        if self.bar is not None and what in self.pass_bars:
+            self.bar.update(self.pass_bars[what], completed=done)
+            if done == total:
+                self.bar.remove_task(self.pass_bars.pop(what))
+        elif self.bar is None and now - self.last_line >= self.every_s and done != total:
+            self.last_line = now
+            started = self.passes.get(what, now)
+            share = f"/{total} ({100 * done / total:.0f}%)" if total else ""
+            # the pass's clock starts when its first batch is done: the rate counts the batches after it
+            eta = f"  eta {_duration((total - done) * (now - started) / (done - 1))}" if total and done > 1 else ""
+            self.console.print(f"{what} batch {done}{share}{eta}", highlight=False, soft_wrap=True)
 
     def _plain_line(self, step: int, stats: str) -> None:
         now = time.monotonic()

@@ -107,3 +107,43 @@ def test_the_run_folder_is_printed_whole_at_the_start_and_the_end(capsys: pytest
     )
     lines = capsys.readouterr().err.splitlines()
     assert lines.count(f"run dir {path}") == 2 and "…" not in "".join(lines)
+
+
+def test_a_long_validation_prints_its_progress_every_every_s(clock: Clock, capsys: pytest.CaptureFixture) -> None:
+    console = ConsoleLogger(every_s=30)
+    console.start({"total_steps": 100})
+    capsys.readouterr()
+    for done in range(1, 101):  # 100 batches, 2 s each: a line once 30 s have passed since the last one
+        clock.now += 2
+        console.working("validation", done, 100)
+    got = [line for line in capsys.readouterr().err.splitlines() if line.startswith("validation ")]
+    assert got[0] == "validation batch 15/100 (15%)  eta 2m50s"  # 85 batches at 2 s each
+    assert [line.split()[2] for line in got] == [f"{n}/100" for n in range(15, 100, 15)]
+    console.working("splicing", 1, None)  # a loader without a length: the count alone
+    clock.now += 31
+    console.working("splicing", 2, None)
+    assert capsys.readouterr().err.strip() == "splicing batch 2"
+    console.close(None)
+
+
+def test_every_validation_pass_reports_its_batches_to_the_loggers(built) -> None:
+    from runner.loop import fit
+    from runner.run import Logger
+
+    class Heard(Logger):
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, int, int | None]] = []
+
+        def working(self, what: str, done: int, total: int | None) -> None:
+            self.calls.append((what, done, total))
+
+    _, run = built("+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=10st", "logger=none")
+    heard = Heard()
+    run.loggers.append(heard)
+    fit(run)
+    batches = len(run.val_loader)
+    # two validations (steps 10 and 20), each batch by batch to the last; the final re-measure on the best weights
+    assert [c for c in heard.calls if c[0] == "validation"][:batches] == [
+        ("validation", d, batches) for d in range(1, batches + 1)
+    ]
+    assert sum(1 for c in heard.calls if c == ("validation", batches, batches)) >= 2
