@@ -243,19 +243,19 @@ def test_a_corpus_of_fewer_than_val_every_files_holds_its_last_one_out() -> None
 def test_a_run_that_never_validates_names_the_settings_that_fix_it(
     files: int, val_every: int, fragments: list[str], compose_cfg: Callable, tmp_path: Path
 ) -> None:
-    # the README's LoRA example on a few notes: the default checkpoint keeps the best by val/loss
+    # the README's LoRA example on a few notes, asked to keep the best checkpoint by val/loss
     folder = tmp_path / "notes"
     folder.mkdir()
     for i in range(files):
         (folder / f"{i}.md").write_text(f"note {i}: " + "some text to learn from " * 20)
     overrides = [*SMALL_CORPUS, f"data.paths=[{folder}/*.md]", f"data.val_every={val_every}"]
     with pytest.raises(ConfigError) as caught:
-        train(compose_cfg(*overrides))
+        train(compose_cfg(*overrides, "checkpoint.keep_best=1"))
     message = str(caught.value)
     assert message.startswith("Checkpoint monitors 'val/loss', but this run never validates: "), message
     for fragment in [*fragments, "Or do without it: checkpoint.keep_best=0"]:
         assert fragment in message, message
-    run = train(compose_cfg(*overrides, "checkpoint.keep_best=0"))  # the way out it names
+    run = train(compose_cfg(*overrides))  # the way out it names: the default, no best checkpoint kept apart
     assert run.progress.step == 2 and run.val_loader is None
     if files > 1:
         run = train(compose_cfg(*overrides[:-1], "data.val_every=20", run_dir=tmp_path / "validated"))
