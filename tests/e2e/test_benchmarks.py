@@ -26,9 +26,9 @@ SMOKE = {
     "sae_throughput": ["--model", "matryoshka", "--steps", "4", "--reps", "1", "--batch", "256"],
     # a one-block source, a ring of 2048 positions refilled every 8 steps of 128
     "sae_multi": ["--n-layer", "1", "--cycles", "1", "--reps", "1", "data.buffer_size=2048", "data.batch_size=128"],
-    # a one-block source; 5,000 rows in shards of 2,048
     # a 2-block GPT-2 of width 64 (GPT-2's vocabulary) as a transformers source
     "sae_hf": ["--n-layer", "2", "--n-embd", "64", "--layer", "1", "--windows", "8", "--batch", "4", "--context", "16"],
+    # a one-block source; 5,000 rows in shards of 2,048
     "sae_cache": ["--rows", "5000", "--shard-rows", "2048", "--n-layer", "1", "--layer", "0"],
     # a 4-step one-block GPT on one stdlib package, then each variant on 2,048 of its activations
     "sae_init": [
