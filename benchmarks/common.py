@@ -206,7 +206,10 @@ def spawn(command: list[str], out: Path, env: dict[str, str] | None = None, log:
 
     The worker reports its own peak GPU memory (Stamps.write's peak_gpu_mb): wait4 sees only host memory.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    # every contender under the OpenMP wait policy that `python -m runner` gives itself (runner/__main__.py)
+    policy = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **policy, "PYTHONPATH": str(ROOT)}
+    env.update(env or {})
     out.unlink(missing_ok=True)
     sink = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     launched = time.time()

@@ -4,8 +4,15 @@ turns the outcome into an exit code: 2 configuration error, 3 non-finite losses,
 
 from __future__ import annotations
 
-import difflib
 import os
+
+# OpenMP's threads sleep as soon as they run out of work instead of spinning. With the cores shared (a busy machine,
+# jobs side by side) spinning took 1.74-2.48x the best setting's time, sleeping at worst 1.37x (a tiny model on an
+# idle machine), threads=1 too (the SAE preset, idle): benchmarks/threads.py. OpenMP reads it once, when torch loads
+# it, so it is set before torch is imported; a user's own OMP_WAIT_POLICY (ACTIVE on a machine of one's own) wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import difflib
 import shlex
 import sys
 import time

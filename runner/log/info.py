@@ -42,6 +42,7 @@ def run_metadata(device: str, world_size: int) -> dict[str, Any]:
         "device": device,
         "world_size": world_size,
         "threads": torch.get_num_threads(),
+        "openmp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE from `python -m runner` unless set
     }
 
 

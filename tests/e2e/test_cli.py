@@ -4,6 +4,7 @@ mixed precision, and what a user sees of a configuration error. The module's run
 from __future__ import annotations
 
 import math
+import os
 import socket
 import subprocess
 from collections.abc import Callable
@@ -92,6 +93,8 @@ def test_two_epochs_write_every_file_with_exact_counts(runs: Runs) -> None:
     assert meta["hostname"] == socket.gethostname()
     assert meta["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert meta["world_size"] == 1
+    # python -m runner set OpenMP's passive wait before torch loaded it (the session did not set one of its own)
+    assert meta["openmp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
     summary = read_json(run / "summary.json")
     assert SUMMARY_KEYS <= set(summary)

@@ -117,3 +117,16 @@ def test_every_module_imports_alone_in_a_fresh_process() -> None:
         if os.waitstatus_to_exitcode(status) != 0:
             failures[module] = message
     assert not failures, failures
+
+
+def test_the_command_sets_openmp_s_wait_policy_before_anything_imports_torch() -> None:
+    # OpenMP reads OMP_WAIT_POLICY once, when torch loads it: the setdefault must run before the first import of
+    # torch or of any module that imports it (every runner module but the package's __init__ does)
+    tree = ast.parse((ROOT / "runner" / "__main__.py").read_text())
+    body = [node for node in tree.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+    first_set = next(
+        i for i, node in enumerate(body) if "OMP_WAIT_POLICY" in ast.unparse(node) and "setdefault" in ast.unparse(node)
+    )
+    imports = [node for node in body[:first_set] if isinstance(node, ast.Import | ast.ImportFrom)]
+    assert [ast.unparse(node) for node in imports] == ["from __future__ import annotations", "import os"]
+    assert "PASSIVE" in ast.unparse(body[first_set])
