@@ -2,7 +2,7 @@
 TopK SAE on the residual stream of the lm experiment's GPT, one variant of the recipe at a time.
 
     python benchmarks/sae_init.py [--lm RUN_DIR] [--seeds 0 1 2] [--dir DIR] [--json out.json] [--device cpu|cuda]
-        [--rows 589824] [--batch 1024] [--layer 2] [SAE KEY=VALUE ...] [--lm-args KEY=VALUE ...]
+        [--rows 589824] [--batch 1024] [--layer 2] [--variants NAME ...] [SAE KEY=VALUE ...] [--lm-args KEY=VALUE ...]
 
 Without --lm it first trains `python -m runner +experiment=lm` (~4.5 min on 2 cores). Every variant then trains as a
 user would, `python -m runner +experiment=sae_lm` in a fresh process: blocks.2 of that GPT (d 128), 2048 latents,
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--layer", type=int, default=2)
     parser.add_argument("--lm-args", nargs="*", default=[], help="overrides of the GPT trained without --lm")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="NAME")
     args, sae_args = parser.parse_known_args()
     device = [f"distributed.device={args.device}"]
     SETTINGS.extend([f"source.layer={args.layer}", f"data.cache_rows={args.rows}", f"data.batch_size={args.batch}"])
@@ -83,7 +84,8 @@ def main() -> None:
     SETTINGS.extend([f"source.checkpoint={lm}", f"source.cache={out / 'acts'}"])
     results: dict[str, list[dict[str, float]]] = {}
     for seed in args.seeds:
-        for name, overrides in VARIANTS.items():
+        for name in args.variants:
+            overrides = VARIANTS[name]
             results.setdefault(name, []).append(_run(out / f"seed{seed}", name, [*overrides, f"seed={seed}"]))
     print(f"\n{machine()}, {device_name(args.device)}; seeds {args.seeds}\n")
     print("| variant | held-out FVE per seed | dead fraction (max) | L0 |")

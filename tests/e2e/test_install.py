@@ -38,7 +38,11 @@ def test_a_wheel_installed_into_a_fresh_venv_runs_from_another_directory(tmp_pat
     ]
     subprocess.run(build, check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = wheels.glob("*.whl")
-    assert "runner/conf/experiment/digits.yaml" in zipfile.ZipFile(wheel).namelist()
+    # every config group's options and the feature pages' static files ship in it (the run below reads them)
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    confs = [p.relative_to(ROOT).as_posix() for p in (ROOT / "runner" / "conf").rglob("*.yaml")]
+    static = [p.relative_to(ROOT).as_posix() for p in (ROOT / "experiments" / "sae" / "static").iterdir()]
+    assert not [name for name in confs + static if name not in shipped]
 
     # The venv sees the dependencies of this one (torch, hydra...: this interpreter's site-packages, listed in a .pth
     # file, whose own .pth files, the editable runner's among them, are not run) but gets runner from the wheel alone.
@@ -59,11 +63,6 @@ def test_a_wheel_installed_into_a_fresh_venv_runs_from_another_directory(tmp_pat
         check=True,
     )
     assert where.stdout.startswith(str(venv)), where.stdout
-
-    helped = subprocess.run([venv / "bin" / "runner", "--help"], cwd=elsewhere, env=env, capture_output=True, text=True)
-    assert helped.returncode == 0, helped.stderr
-    experiments = ", ".join(sorted(p.stem for p in (ROOT / "runner" / "conf" / "experiment").glob("*.yaml")))
-    assert f"experiment: {experiments}" in helped.stdout  # the groups come from the installed configs
 
     run_dir = elsewhere / "run"
     trained = subprocess.run(

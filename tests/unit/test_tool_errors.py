@@ -110,3 +110,12 @@ def test_init_keeps_valid_names_working(tmp_path: Path, monkeypatch, capsys) -> 
     assert init.main(["second", "--name", "mytask"]) == 0
     assert init.main(["third"]) == 0 and (tmp_path / "third" / "project" / "model.py").is_file()
     assert "+experiment=mytask" in capsys.readouterr().out
+
+
+def test_init_into_a_project_again_is_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    assert init.main([str(tmp_path / "proj"), "--name", "mytask"]) == 0
+    model = tmp_path / "proj" / "mytask" / "model.py"
+    model.write_text("# my edits\n")
+    message = refused(init.main, [str(tmp_path / "proj"), "--name", "mytask"], capsys, "would overwrite")
+    assert str(model) in message and "runner.yaml" in message
+    assert model.read_text() == "# my edits\n"
