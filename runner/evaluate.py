@@ -13,9 +13,11 @@ Exit codes as `python -m runner`: 0, or 2 with a one-line message for a wrong ar
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +29,7 @@ from omegaconf import OmegaConf
 
 from runner import ConfigError, check_whole, trust
 from runner.build import build_data
+from runner.log.console import ConsoleLogger
 from runner.run import Precision
 from runner.rundir import CONFIG, MODEL, write_json
 from runner.trained import TRUSTED_TARGETS, load_trained, measuring_callbacks, trusted_here
@@ -65,10 +68,13 @@ def evaluate_run(
         raise ConfigError(f"split={split}: the data of {run_dir} has the splits {sorted(data.splits)}; pick one")
     model.to(device)
     precision = _precision(cfg.get("precision"), device)
-    metrics = evaluate_loader(model, loader, precision, torch.device(device))
+    progress = ConsoleLogger()  # a long pass prints where it is every 30 s (none for a pass shorter than that)
+    progress.last_line = time.monotonic()
+    working = functools.partial(progress.working, split)
+    metrics = evaluate_loader(model, loader, precision, torch.device(device), working=working)
     if split == "val":
-        # What a metric callback reads of a run (its task, device and validation loader): there is no Run here.
-        run = SimpleNamespace(task=model, device=torch.device(device), val_loader=loader)
+        # What a metric callback reads of a run (its task, device, validation loader, progress): there is no Run here.
+        run = SimpleNamespace(task=model, device=torch.device(device), val_loader=loader, working=progress.working)
         for callback in measuring_callbacks(cfg):
             callback.on_validation_end(run, metrics)
     used = Path(weights) if weights is not None else run_dir / MODEL

@@ -58,7 +58,7 @@ class HookedData(DataModule):
         if source.data.val_loader() is None:
             raise ConfigError(
                 f"the source run {checkpoint} has no validation split, which the SAE validates (and splices) on: "
-                "train the source with one (the lm data: data.val_every > 0 with at least that many files)"
+                "train the source with one (the lm data: data.val_every >= 2 and 2 files or more in data.paths)"
             )
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
         several = len(source.names) > 1
