@@ -19,8 +19,11 @@ from runner.log import ranks
 def wired(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A fresh wiring, undone afterwards: the hooks and root handlers it replaces are put back."""
     monkeypatch.setattr(ranks, "_wired", {})
-    for module, name in ((warnings, "showwarning"), (sys, "excepthook"), (threading, "excepthook")):
-        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    # Python's own hooks, not what earlier tests in this process left: each wandb.init wraps sys.excepthook, and an
+    # exception walked through dozens of those wrappers (each printing its traceback) took 17 s here
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
     root = logging.getLogger()
     before, level = list(root.handlers), root.level
     root.setLevel(logging.WARNING)
