@@ -217,3 +217,18 @@ def test_feature_pages_of_a_transformers_sourced_sae_show_its_tokenizer_s_text(
         assert best["ids"][: best["at"] + 1] == windows[at - best["at"] : at + 1].tolist()
         checked += 1
     assert checked >= 16
+
+
+def test_a_family_on_two_hook_points_of_a_transformers_model_splices_each_into_its_own(
+    compose_cfg: Callable, hf: dict
+) -> None:
+    overrides = [o for o in _sae_hf(hf, "gpt_neox") if not o.startswith(("model.", "source.module="))]
+    family = [*overrides, "model=sae_multi", "model.ks=[4]", "model.base.n_latents=64", "logger=none"]
+    run = train(compose_cfg(*family, "source.module=[gpt_neox.layers.0,gpt_neox.layers.1]", "checkpoint=none"))
+    assert {name: sae.d_in for name, sae in run.task.saes.items()} == {
+        "gpt_neox_layers_0_k4": 32,
+        "gpt_neox_layers_1_k4": 32,
+    }
+    m = run.state.metrics
+    for module in ("gpt_neox_layers_0", "gpt_neox_layers_1"):
+        assert 0 < m[f"val/{module}_k4/fve"] <= 1 and m[f"val/{module}/ce_zero_ablated"] > m["val/ce_clean"], m
