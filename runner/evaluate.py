@@ -17,7 +17,6 @@ import functools
 import hashlib
 import re
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -69,7 +68,6 @@ def evaluate_run(
     model.to(device)
     precision = _precision(cfg.get("precision"), device)
     progress = ConsoleLogger()  # a long pass prints where it is every 30 s (none for a pass shorter than that)
-    progress.last_line = time.monotonic()
     working = functools.partial(progress.working, split)
     metrics = evaluate_loader(model, loader, precision, torch.device(device), working=working)
     if split == "val":

@@ -87,22 +87,28 @@ class TokenData(DataModule):
 # ---- data=text_bytes ------------------------------------------------------------------------------------------------
 
 
-def _cache_root(cache_dir: str | None) -> Path:
+def cache_root(cache_dir: str | None, kind: str) -> Path:
+    """Where a cache of `kind` (text_bytes, tokens) lives: `cache_dir`, else ~/.cache/runner/<kind> (XDG_CACHE_HOME)."""
     if cache_dir:
         return Path(cache_dir).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runner" / "text_bytes"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runner" / kind
+
+
+def content_key(prefix: str, texts: list[bytes]) -> str:
+    """The sha256 of `prefix` (what else decides the cache's content) and the texts, each with its length."""
+    digest = hashlib.sha256(prefix.encode())
+    for text in texts:
+        digest.update(len(text).to_bytes(8, "little"))
+        digest.update(text)
+    return digest.hexdigest()
 
 
 def encode_corpus(files: list[Path], val_every: int, cache_dir: str | None = None) -> tuple[Path, dict[str, Any]]:
     """Encode the files as bytes into <cache>/<content hash>/{train,val}.u8 (every `val_every`-th file held out for
     validation, files separated by a NUL byte) unless that folder exists; return it and the corpus's facts."""
     texts = [read_text(f) for f in files]
-    digest = hashlib.sha256(f"{_FORMAT}:{val_every}:".encode())
-    for text in texts:
-        digest.update(len(text).to_bytes(8, "little"))
-        digest.update(text)
-    key = digest.hexdigest()
-    folder = _cache_root(cache_dir) / key[:16]
+    key = content_key(f"{_FORMAT}:{val_every}:", texts)
+    folder = cache_root(cache_dir, "text_bytes") / key[:16]
     if not (folder / "meta.json").is_file():
         held_out = held_out_files(len(texts), val_every)
         val = [t for t, held in zip(texts, held_out, strict=True) if held]

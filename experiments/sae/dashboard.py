@@ -102,6 +102,11 @@ class _Text:
         start = max(0, position - BEFORE)
         return {"ids": tokens[start : position + AFTER + 1].tolist(), "at": position - start}
 
+    def unembedding(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
+        """The source's (unembedding, final norm's gain, tied) for the logit lens, when it has an output head."""
+        hf = self.source.pretrained
+        return hf.unembedding() if hf is not None else _unembedding(self.source.model)
+
     @functools.cached_property
     def all_windows(self) -> torch.Tensor:
         """Every window read, [windows, T] (asked once the pass is over)."""
@@ -189,9 +194,7 @@ def _weights_views(sae: nn.Module, inputs: Any) -> dict[str, Any]:
     W_dec = sae.W_dec.detach().cpu()
     near, cos = nearest(W_dec)
     views: dict[str, Any] = {"near": near, "near_cos": cos, "lens": None, "truth": None}
-    hf = inputs.source.pretrained if isinstance(inputs, _Text) else None
-    found = hf.unembedding() if hf else _unembedding(inputs.source.model) if isinstance(inputs, _Text) else None
-    if found is not None:
+    if isinstance(inputs, _Text) and (found := inputs.unembedding()) is not None:
         unembed, gain, tied = found
         views["lens"] = logit_lens(W_dec, unembed.cpu(), None if gain is None else gain.detach().cpu())
         views["tied"] = tied

@@ -9,9 +9,7 @@ from elsewhere cannot run anything."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.lm.corpus import corpus_files, held_out_files, read_text
-from experiments.lm.data import Windows, load_tokens, write_once
+from experiments.lm.data import Windows, cache_root, content_key, load_tokens, write_once
 from runner import ConfigError, check_whole, require
 from runner.data import DataModule
 from runner.rundir import CONFIG
@@ -210,18 +208,13 @@ def _tokenized(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.
             "which the SAE validates (and splices) on: give 2 files or more, with source.inputs.val_every >= 2"
         )
     texts = [read_text(f) for f in files]
-    digest = hashlib.sha256(f"{_FORMAT}:{val_every}:{type(tokenizer).__name__}:".encode())
-    digest.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
-    digest.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
-    for text in texts:
-        digest.update(len(text).to_bytes(8, "little"))
-        digest.update(text)
-    key = digest.hexdigest()
-    root = options["cache_dir"] or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runner" / "tokens"
-    folder = Path(root).expanduser() / key[:16]
+    vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    specials = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    key = content_key(f"{_FORMAT}:{val_every}:{type(tokenizer).__name__}:{vocab}{specials}", texts)
+    folder = cache_root(options["cache_dir"], "tokens") / key[:16]
     if not (folder / "meta.json").is_file():
-        separator = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id]
-        separator = [t for t in separator if t is not None]
+        between = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+        separator = [] if between is None else [between]
         held = held_out_files(len(texts), val_every)
 
         def ids(keep: bool) -> np.ndarray:

@@ -44,7 +44,7 @@ class ConsoleLogger(Logger):
         self.task = None
         self.total: int | None = None
         self.clock: tuple[float, int] = (0.0, 0)  # (time, step) this launch started at: the ETA's rate counts from it
-        self.last_line = 0.0
+        self.last_line = time.monotonic()  # a plain line comes every_s after this (start() sets it again)
         self.latest: dict[str, float] = {}  # the last value of each shown metric (train and val rows differ in step)
         self.run_dir: str | None = None
         self.passes: dict[str, float] = {}  # when each long pass (working) started
