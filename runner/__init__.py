@@ -1,6 +1,9 @@
 """runner: a Hydra-configured PyTorch experiment runner."""
 
+import gc
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -19,3 +22,17 @@ def require(module: str, extra: str, option: str) -> None:
     """A ConfigError naming the pip command when `option` needs the optional package `module` (runner[`extra`])."""
     if importlib.util.find_spec(module) is None:
         raise ConfigError(f"{option} needs the {module} package: pip install 'runner[{extra}]'")
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside, back as it was after: for startup work that makes many objects
+    which live as long as the process (importing torch, building a run), where each collection walks them all again
+    and frees nothing. benchmarks/startup.py: a quarter of a run's start, most of it in torch._dynamo's import."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()

@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import collector_paused
 from runner.build import build
 from runner.ckpt.callback import Checkpoint
 from runner.ckpt.files import load_checkpoint, newest_valid
@@ -113,7 +114,8 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
     `sweep`: the job of a sweep this run is (its loggers name and group it so), or None.
     """
     run_dir = Path(cfg.run_dir)
-    run = build(cfg)
+    with collector_paused():  # the first optimizer imports torch._dynamo: most of a run's start
+        run = build(cfg)
     run.callbacks += list(extra_callbacks)
     manifest = resume(run, cfg)
     if manifest is not None and manifest["stop_reason"] is not None and StopReason(manifest["stop_reason"]).finished:

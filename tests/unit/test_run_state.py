@@ -4,6 +4,7 @@ construction, the non-finite streak included."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 from helpers import StopAt, metric_rows
 
+from runner import collector_paused
 from runner.progress import TrainingProgress
 from runner.run import Best, Callback, Run, State, StopReason
 from runner.train import train
@@ -87,3 +89,34 @@ def test_a_run_resumed_in_the_middle_of_a_nonfinite_streak_stops_where_the_unint
     assert (resumed.stop_reason, resumed.progress.step, resumed.state.nonfinite_steps) == ("nonfinite", 9, 4)
     assert resumed.state.nonfinite_in_a_row == 4
     assert metric_rows(tmp_path / "split") == metric_rows(tmp_path / "whole")
+
+
+class CollectorState(Callback):
+    """Whether Python's cyclic garbage collector was on when the run started and at each optimizer step."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_fit_start(self, run: Run) -> None:
+        self.seen.append(gc.isenabled())
+
+    def on_optimizer_step(self, run: Run) -> None:
+        self.seen.append(gc.isenabled())
+
+
+def test_the_collector_is_paused_to_build_a_run_and_on_while_it_trains(compose_cfg: Callable) -> None:
+    # Building pauses it (runner.collector_paused: the start is a quarter cheaper); a run that trained for hours
+    # with it off would keep every cycle it made. A caller who turned it off keeps it off.
+    state = CollectorState()
+    train(compose_cfg("+experiment=digits", "trainer.max_duration=3st"), extra_callbacks=[state])
+    assert state.seen == [True] * 4 and gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()

@@ -128,5 +128,5 @@ def test_the_command_sets_openmp_s_wait_policy_before_anything_imports_torch() -
         i for i, node in enumerate(body) if "OMP_WAIT_POLICY" in ast.unparse(node) and "setdefault" in ast.unparse(node)
     )
     imports = [node for node in body[:first_set] if isinstance(node, ast.Import | ast.ImportFrom)]
-    assert [ast.unparse(node) for node in imports] == ["from __future__ import annotations", "import os"]
+    assert [ast.unparse(node) for node in imports] == ["from __future__ import annotations", "import gc", "import os"]
     assert "PASSIVE" in ast.unparse(body[first_set])
