@@ -121,7 +121,8 @@ class TorchrunLauncher(Launcher):
         elif _diverged(failures):
             ret.return_value = objective(StopReason.NONFINITE, None, str(config.mode))
         else:
-            error = f"job #{idx} failed ({_describe(failures)}); its output is above, its folder: {job_dir}"
+            said = _reason(job_dir, failures)
+            error = f"job #{idx} failed ({_describe(failures)}{said}); its output is above, its folder: {job_dir}"
             log.error(error)
             if summary.get("stop_reason") != StopReason.FAILED:  # a rank died before rank 0 could say why
                 write_json(job_dir / SUMMARY, {**summary, "stop_reason": StopReason.FAILED, "error": error})
@@ -202,6 +203,20 @@ def _describe(failures: dict[int, int]) -> str:
     return ", ".join(
         one(rank, code) for rank, code in sorted(failures.items(), key=lambda item: (item[1] < 0, item[0]))
     )
+
+
+def _reason(job_dir: Path, failures: dict[int, int]) -> str:
+    # The first rank to fail may exit before rank 0 has written summary.json (the agent then stops rank 0): the
+    # reason is in that rank's own log (runner.log.ranks.record_failure writes it before the rank exits).
+    from runner.rundir import RANK_LOG
+
+    for rank in sorted(rank for rank, code in failures.items() if code >= 0):
+        path = job_dir / RANK_LOG.format(rank)
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        said = [line.split("the run failed: ", 1)[1] for line in lines if "the run failed: " in line]
+        if said:
+            return f": {said[-1]}"
+    return ""
 
 
 def _diverged(failures: dict[int, int]) -> bool:

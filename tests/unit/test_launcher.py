@@ -101,3 +101,16 @@ def test_a_requeued_slurm_job_resumes_its_newest_checkpoint() -> None:
 
     delayed = RunnerSlurmLauncher().checkpoint(["optimizer.lr=1e-3"], "hydra.sweep.dir", 0, "id", {})
     assert delayed.args[0] == ["optimizer.lr=1e-3", "resume=auto"]
+
+
+def test_a_failed_torchrun_job_s_row_says_why_though_its_first_rank_exited_before_rank_0_wrote(tmp_path: Path) -> None:
+    # rank 1 refused the config and exited (code 2); the agent stopped rank 0 before its summary.json: rank 1's
+    # log (runner.log.ranks) holds the reason
+    from hydra_plugins.runner_launchers.torchrun_launcher import _reason
+
+    (tmp_path / "logs").mkdir()
+    line = "2026-11-26 17:00:00,000 rank 1 ERROR runner.rank_log: the run failed: ConfigError: cannot read 'bogus'"
+    (tmp_path / "logs" / "rank-1.log").write_text(f"{line}\nTraceback (most recent call last):\n  ...\n")
+    assert _reason(tmp_path, {0: -15, 1: 2}) == ": ConfigError: cannot read 'bogus'"
+    assert _reason(tmp_path, {0: -15, 1: -15}) == ""  # stopped ranks said nothing of their own
+    assert _reason(tmp_path / "gone", {1: 2}) == ""
