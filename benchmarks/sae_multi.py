@@ -64,6 +64,7 @@ def make_source(folder: Path, device: str, *model: str) -> None:
             f"data.paths=[{corpus}]",
             f"data.cache_dir={folder / 'cache'}",
             "data.val_every=2",
+            "data.val_windows=16",  # the SAEs' final validation reads these: it is not timed
             f"run_dir={folder}",
             "logger=none",
             "callbacks=none",
