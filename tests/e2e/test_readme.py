@@ -20,3 +20,8 @@ def test_the_readme_s_digits_figures_are_what_the_code_gives(tmp_path: Path) -> 
     assert proc.returncode == 0, explain(proc)
     figures = json.loads(out.read_text())["figures"]
     assert len(figures) == 8 and all(f["same"] for f in figures), figures
+    # the quick start's run, `python -m runner +experiment=digits` as it is (tests/e2e/test_cli.py: other flags):
+    # early stopping restored the best weights, on which the final metrics are measured
+    summary = json.loads((tmp_path / "00" / "summary.json").read_text())
+    assert summary["stop_reason"] == "early_stopping" and summary["metrics"]["val/acc"] >= 0.97, summary
+    assert summary["metrics"]["val/loss"] == pytest.approx(summary["best"]["value"], rel=1e-5)
