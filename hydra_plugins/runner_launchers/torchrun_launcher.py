@@ -208,12 +208,13 @@ def _describe(failures: dict[int, int]) -> str:
 def _reason(job_dir: Path, failures: dict[int, int]) -> str:
     # The first rank to fail may exit before rank 0 has written summary.json (the agent then stops rank 0): the
     # reason is in that rank's own log (runner.log.ranks.record_failure writes it before the rank exits).
+    from runner.log.ranks import FAILED
     from runner.rundir import RANK_LOG
 
     for rank in sorted(rank for rank, code in failures.items() if code >= 0):
         path = job_dir / RANK_LOG.format(rank)
         lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-        said = [line.split("the run failed: ", 1)[1] for line in lines if "the run failed: " in line]
+        said = [line.split(FAILED, 1)[1] for line in lines if FAILED in line]
         if said:
             return f": {said[-1]}"
     return ""

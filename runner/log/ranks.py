@@ -18,6 +18,7 @@ from typing import Any
 
 from runner.rundir import RANK_LOG
 
+FAILED = "the run failed: "  # what starts the line record_failure writes (the torchrun launcher reads it back)
 # Records meant for the file only: propagating them to the root logger would print them on rank 0's console too.
 _FILE = logging.getLogger("runner.rank_log")
 _FILE.propagate = False
@@ -59,9 +60,7 @@ def log_rank(run_dir: str | Path, rank: int) -> None:
 def record_failure(error: BaseException) -> None:
     """Write the exception that ends this rank's run, with its traceback, to the rank's file (not to the console:
     the command reports it there)."""
-    _FILE.error(
-        "the run failed: %s: %s", type(error).__name__, error, exc_info=(type(error), error, error.__traceback__)
-    )
+    _FILE.error(f"{FAILED}%s: %s", type(error).__name__, error, exc_info=(type(error), error, error.__traceback__))
 
 
 def _hook(rank: int) -> None:
