@@ -81,8 +81,11 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         *("--acts", str(out / "acts768.npy"), "--n-latents", "24576", "--k", "32", "--batch", "4096"),
         *("--heldout", "8192", "--steps", "60", "--seeds", "0", "1", "--threads", "8", "--dir", str(out / "peers")),
     ]
+    # a few test processes share the GPU: most tests are small, and the compiled ones wait on Inductor's CPU work
+    xdist = ["-n", "4"] if importlib.util.find_spec("xdist") else []
+    tests = [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider", "--durations=15", *xdist]
     plan = [
-        ("gpu tests", 0.35, [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider"]),
+        ("gpu tests", 0.35, tests),
         # Lightning only where it is installed (the device machines have torch alone)
         ("overhead", 0.10, script("overhead", "overhead", "--reps", str(reps), "--sizes", "tiny", "mlp", *contenders)),
         ("startup", 0.05, script("startup", "startup", "--reps", str(reps))),
@@ -93,6 +96,8 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("checkpoint", 0.04, script("checkpoint", "checkpoint", "--reps", str(reps))),
         # GPT-2 small's residual stream after block 6, a 16x SAE fed from a ring on the GPU, against a hand loop
         ("sae pipeline", 0.10, script("sae_pipeline", "sae-pipeline", *pipeline)),
+        # a transformers GPT-2 small (random weights) as the source, in bf16, against the same model used by hand
+        ("sae hf", 0.04, script("sae_hf", "sae-hf", "--dtype", "bfloat16", "--batch", "64", "--windows", "512")),
     ]
     if all(p.exists() for p in found):
         plan.append(("sae peers bf16", 0.20, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")))
@@ -102,7 +107,9 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
 def run_step(name: str, command: list[str], limit_s: float, out: Path) -> dict[str, Any]:
     """Run one step with a time limit; its status, seconds and last line of output (all of it in out/<name>.log)."""
     log = out / f"{name.replace(' ', '-')}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    # the repository first, then whatever PYTHONPATH already holds (wheels installed with --target, say)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "offline"}
     started = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)

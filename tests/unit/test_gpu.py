@@ -130,6 +130,8 @@ def test_sae_steps_fed_by_a_source_model_on_the_gpu_make_no_sync(compose_cfg: Ca
     # guarded steps (the source's inputs and the ring's order go to the GPU from pinned memory)
     sae_lm = ["+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", "model.n_latents=128", "model.k=8"]
     sae_lm += ["data.batch_size=128", "data.buffer_size=1024", "data.samples_per_epoch=8192"]
+    # one checkpoint, at the end (sae_lm saves at every quarter): a save copies the state to the host, as a log row does
+    sae_lm += ["checkpoint.interval=1.0dur"]
     cfg = compose_cfg(*sae_lm, *(f"trainer.{k}=14st" for k in ("max_duration", "log_interval", "val_interval")))
     guard = SyncsAreErrors(3, 12)
     run = train(cfg, extra_callbacks=[guard])

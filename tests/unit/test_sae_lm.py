@@ -205,7 +205,9 @@ def test_the_buffer_state_saved_for_a_batch_replays_what_followed_it(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_source_runs_there_and_the_ring_lives_there(compose_cfg: Callable, lm_run: Path) -> None:
-    cfg = compose_cfg("+experiment=sae_lm", f"source.checkpoint={lm_run}", *SAE_LM_SMALL, "distributed.device=cuda")
+    cfg = compose_cfg(
+        "+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *SAE_LM_SMALL, "distributed.device=cuda"
+    )
     run = fit(build(cfg))
     buffer = run.train_loader.dataset.buffer
     assert buffer.ring.is_cuda and buffer.order.is_cuda
