@@ -1,12 +1,14 @@
 """One GPU check: the GPU tests and every benchmark on the device, sized to a time budget, written to one folder.
 
-    python benchmarks/gpu_check.py [--minutes 8] [--out gpu-check] [--device cuda] [--only STEP ...]
+    python benchmarks/gpu_check.py [--minutes 9] [--out gpu-check] [--device cuda] [--only STEP ...]
 
 First the imports: a GPU machine may have torch but not Hydra, and no internet. Each missing package is named with the
 way to bring its wheel (`wheels_hint`), and the check exits 2 before running anything. Then each step runs in a fresh
-process, from the repository root, with its share of the minutes as its time limit:
-- `pytest -m gpu` over tests/unit;
-- the benchmarks with `--device`.
+process, from the repository root, in order (what a short lease must not miss first):
+- `pytest -m gpu` over tests/unit (4 xdist workers where pytest-xdist is installed);
+- the benchmarks with `--device`: the SAE peers (where their virtualenvs are), the LM -> SAE pipeline, a transformers
+  source, SAE throughput, the lm, overhead, startup, checkpoint.
+Each step's time limit is its weight's share of the time left, so a step that ends early leaves its time to the rest.
 
 The folder gets, for every step, its JSON (where the script writes one) and its output, plus `report.md` (one table: the
 device, then step, status, seconds, file, last line of output) and `report.json`. The table is printed too.
@@ -66,7 +68,7 @@ def wheels_hint(packages: list[str]) -> str:
 
 
 def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]]]:
-    """(name, share of the time, command) of each step, in order."""
+    """(name, weight, command) of each step, in order: a step's time limit is its weight's share of the time left."""
     py, bench = sys.executable, lambda name: str(ROOT / "benchmarks" / f"{name}.py")
 
     def script(name: str, tag: str, *args: str) -> list[str]:
@@ -84,23 +86,27 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
     # a few test processes share the GPU: most tests are small, and the compiled ones wait on Inductor's CPU work
     xdist = ["-n", "4"] if importlib.util.find_spec("xdist") else []
     tests = [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider", "--durations=15", *xdist]
+    # in order of what a short lease must not miss; each weight is the step's seconds on an H200 (2026-11-26,
+    # measured or, for the last four, guessed), so --minutes 9 runs them all
     plan = [
-        ("gpu tests", 0.35, tests),
-        # Lightning only where it is installed (the device machines have torch alone)
-        ("overhead", 0.10, script("overhead", "overhead", "--reps", str(reps), "--sizes", "tiny", "mlp", *contenders)),
-        ("startup", 0.05, script("startup", "startup", "--reps", str(reps))),
-        ("lm bf16", 0.15, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile,ac")),
-        ("sae preset", 0.05, script("sae_throughput", "sae-preset", "--size", "preset", "--reps", str(reps))),
-        ("sae usual fp32", 0.08, script("sae_throughput", "sae-usual-fp32", *usual)),
-        ("sae usual bf16", 0.08, script("sae_throughput", "sae-usual-bf16", *usual, "--precision", "bf16")),
-        ("checkpoint", 0.04, script("checkpoint", "checkpoint", "--reps", str(reps))),
-        # GPT-2 small's residual stream after block 6, a 16x SAE fed from a ring on the GPU, against a hand loop
-        ("sae pipeline", 0.10, script("sae_pipeline", "sae-pipeline", *pipeline)),
-        # a transformers GPT-2 small (random weights) as the source, in bf16, against the same model used by hand
-        ("sae hf", 0.04, script("sae_hf", "sae-hf", "--dtype", "bfloat16", "--batch", "64", "--windows", "512")),
+        ("gpu tests", 80, tests),
     ]
     if all(p.exists() for p in found):
-        plan.append(("sae peers bf16", 0.20, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")))
+        plan.append(("sae peers bf16", 130, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")))
+    plan += [
+        # GPT-2 small's residual stream after block 6, a 16x SAE fed from a ring on the GPU, against a hand loop
+        ("sae pipeline", 40, script("sae_pipeline", "sae-pipeline", *pipeline)),
+        # a transformers GPT-2 small (random weights) as the source, in bf16, against the same model used by hand
+        ("sae hf", 25, script("sae_hf", "sae-hf", "--dtype", "bfloat16", "--batch", "64", "--windows", "512")),
+        ("sae usual bf16", 20, script("sae_throughput", "sae-usual-bf16", *usual, "--precision", "bf16")),
+        ("sae usual fp32", 20, script("sae_throughput", "sae-usual-fp32", *usual)),
+        ("sae preset", 15, script("sae_throughput", "sae-preset", "--size", "preset", "--reps", str(reps))),
+        ("lm bf16", 90, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile,ac")),
+        # Lightning only where it is installed
+        ("overhead", 60, script("overhead", "overhead", "--reps", str(reps), "--sizes", "tiny", "mlp", *contenders)),
+        ("startup", 40, script("startup", "startup", "--reps", str(reps))),
+        ("checkpoint", 30, script("checkpoint", "checkpoint", "--reps", str(reps))),
+    ]
     return plan
 
 
@@ -127,6 +133,16 @@ def run_step(name: str, command: list[str], limit_s: float, out: Path) -> dict[s
         "log": log.name,
         "last": lines[-1][:160] if lines else "",
     }
+
+
+def run_plan(plan: list[tuple[str, float, list[str]]], seconds: float, out: Path) -> list[dict[str, Any]]:
+    """Run the steps in order; each one's limit is its weight's share of the time left, so a step that ends early
+    leaves its time to those after it."""
+    deadline, results = time.monotonic() + seconds, []
+    for i, (name, weight, command) in enumerate(plan):
+        share = weight / sum(w for _, w, _ in plan[i:])
+        results.append(run_step(name, command, max(deadline - time.monotonic(), 0.0) * share, out))
+    return results
 
 
 def report(results: list[dict[str, Any]], device: str, out: Path) -> str:
@@ -158,7 +174,7 @@ def device_name(device: str) -> str:
 def main() -> int:
     """Check the imports, run the steps within the minutes, write and print the report; the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=8.0)
+    parser.add_argument("--minutes", type=float, default=9.0)
     parser.add_argument("--out", default="gpu-check")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--only", nargs="*", help="step names to run (default: all)")
@@ -179,8 +195,7 @@ def main() -> int:
         import numpy as np  # Gaussian rows: the peers' speed at the usual size (their quality means nothing here)
 
         np.save(out / "acts768.npy", np.random.default_rng(0).standard_normal((4096 * 60 + 8192, 768), np.float32))
-    budget = args.minutes * 60 / sum(share for _, share, _ in plan)
-    results = [run_step(name, command, share * budget, out) for name, share, command in plan]
+    results = run_plan(plan, args.minutes * 60, out)
     print(report(results, device_name(args.device), out))
     failed = [r for r in results if r["status"].startswith("failed")]
     return 1 if failed else 0

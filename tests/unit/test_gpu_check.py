@@ -29,10 +29,26 @@ def test_the_plan_runs_the_gpu_tests_first_and_every_benchmark_on_the_device(tmp
     names = [name for name, _, _ in plan]
     assert names[0] == "gpu tests" and plan[0][2][1:6] == ["-m", "pytest", "-m", "gpu", "tests/unit"]
     benchmarks = {"overhead", "lm bf16", "sae usual bf16", "sae usual fp32", "sae preset", "checkpoint", "sae pipeline"}
-    assert benchmarks <= set(names)
-    for name, share, command in plan[1:]:
-        assert command[command.index("--device") + 1] == "cuda" and 0 < share < 1, name
+    assert benchmarks | {"sae hf"} <= set(names)
+    for name, weight, command in plan[1:]:
+        assert command[command.index("--device") + 1] == "cuda" and weight > 0, name
         assert Path(command[command.index("--json") + 1]).parent == tmp_path, name  # one folder
+
+
+def test_a_step_that_ends_early_leaves_its_time_to_the_steps_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limits = []
+
+    def run_step(name: str, command: list[str], limit_s: float, out: Path) -> dict:
+        limits.append(limit_s)
+        return {"step": name}
+
+    monkeypatch.setattr(gpu_check, "run_step", run_step)
+    plan = [("a", 1.0, ["x"]), ("b", 1.0, ["x"]), ("c", 2.0, ["x"])]
+    assert [r["step"] for r in gpu_check.run_plan(plan, 400.0, tmp_path)] == ["a", "b", "c"]
+    # each step took no time: a gets a quarter of 400 s, b a third of what is left, c all the rest
+    assert limits == pytest.approx([100.0, 400.0 / 3, 400.0], abs=0.5)
 
 
 def test_the_report_names_the_device_and_every_step(tmp_path: Path) -> None:
