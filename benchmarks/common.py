@@ -164,6 +164,7 @@ class Stamps:
         self.first_step: float | None = None
         self.clock: dict[int, float] = {}  # step -> perf_counter after it, at the marks
         self.cpu: list[float] = []  # process CPU time after the warm-up and after the last step
+        self.train_peak_mb: float | None = None  # the GPU peak at the last step, before any validation after it
 
     def step(self, step: int) -> None:
         """Call after optimizer step `step` (1-based)."""
@@ -175,19 +176,22 @@ class Stamps:
             self.clock[step] = time.perf_counter()
             if step in (self.warmup, self.steps):
                 self.cpu.append(time.process_time())
+            if step == self.steps:
+                self.train_peak_mb = peak_gpu_mb(self.device)
 
     def write(self, path: str | Path, **extra: Any) -> None:
         """Write the figures to `path` as JSON.
 
         per_step_s is the median over the equal stretches of the steady state, so that a burst of machine noise in
         one stretch does not move it; mean_step_s and cpu_step_s are over the whole steady state; peak_gpu_mb is
-        torch.cuda.max_memory_allocated on CUDA (None on the CPU).
+        torch.cuda.max_memory_allocated on CUDA at the last step (None on the CPU): training's own peak, whatever a
+        contender validates or scores after it.
         """
         marks = sorted(self.clock)
         figures: dict[str, Any] = {
             "first_step": self.first_step,
             "per_step_s": None,
-            "peak_gpu_mb": peak_gpu_mb(self.device),
+            "peak_gpu_mb": self.train_peak_mb if self.train_peak_mb is not None else peak_gpu_mb(self.device),
             "own_peak_rss_mb": peak_rss_mb(),
         }
         if len(marks) > 1:
