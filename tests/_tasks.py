@@ -118,6 +118,25 @@ class SleepEachStep(Callback):
         time.sleep(self.seconds)
 
 
+class Hold(Callback):
+    """After optimizer step `step`, says so (touches the file `held`) and waits until the file `release` exists: the
+    run is still running when a test's next process looks, however slowly a busy machine starts that one, and no
+    longer than the test needs. A run that finds `release` already there does not wait (a sweep's later jobs)."""
+
+    def __init__(self, held: str, release: str, step: int = 1, timeout_s: float = 120.0) -> None:
+        self.held, self.release, self.step, self.timeout_s = Path(held), Path(release), step, timeout_s
+
+    def on_optimizer_step(self, run) -> None:
+        if run.progress.step != self.step or self.release.exists():
+            return
+        self.held.touch()
+        deadline = time.monotonic() + self.timeout_s
+        while not self.release.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.release} did not appear within {self.timeout_s} s")
+            time.sleep(0.02)
+
+
 class _Stall:
     """Sleeps when pickled: torch.save inside write_checkpoint then stalls with the checkpoint half written."""
 

@@ -14,8 +14,19 @@ from helpers import cli, explain, jsonl, popen, python, wait_for
 
 _ROOT: list[Path] = []  # the folder of this module's runs (jobs)
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "logger=[console,jsonl]"]
-# 0.4 s after every optimizer step (8 s a run): the first launch is still running when the second one starts
-SLOW = ["+callbacks.slow._target_=_tasks.SleepEachStep", "+callbacks.slow.seconds=0.4"]
+
+
+def hold(root: Path, name: str) -> list[str]:
+    """A run (or a sweep's first job) that waits after its first step until the test touches root/<name>.release,
+    having touched root/<name>.held: still running when the second launch looks, for as long as that takes."""
+    held, release = root / f"{name}.held", root / f"{name}.release"
+    return [
+        "+callbacks.hold._target_=_tasks.Hold",
+        f"+callbacks.hold.held={held}",
+        f"+callbacks.hold.release={release}",
+    ]
+
+
 # the default run folder's resolver on a fixed name: both launches race for the same folder as in the same second
 FRESH = "hydra.run.dir='${runner_fresh:out/run,${resume}}'"
 
@@ -29,12 +40,10 @@ def same_second(root: Path) -> dict[str, Any]:
 def busy(root: Path) -> dict[str, Any]:
     """A resume=auto into a folder while another run writes there; then a new run into the finished folder."""
     run_dir = root / "busy"
-    # 1 s a step: the first run still trains for 10 s after its first log row, however slowly a busy machine starts
-    # the second process
-    slower = [*SLOW[:1], "+callbacks.slow.seconds=1.0"]
-    first = popen("-m", "runner", *TINY, *slower, f"hydra.run.dir={run_dir}", cwd=root)
-    wait_for(first, "busy/metrics.jsonl", root)
-    second = cli(*TINY, *slower, "resume=auto", cwd=root, run_dir=run_dir)
+    first = popen("-m", "runner", *TINY, *hold(root, "busy"), f"hydra.run.dir={run_dir}", cwd=root)
+    wait_for(first, "busy.held", root)
+    second = cli(*TINY, *hold(root, "busy"), "resume=auto", cwd=root, run_dir=run_dir)
+    (root / "busy.release").touch()
     first.wait(timeout=300)
     config = (run_dir / ".hydra" / "config.yaml").read_bytes()
     third = cli(*TINY, "seed=1", cwd=root, run_dir=run_dir)
@@ -43,10 +52,11 @@ def busy(root: Path) -> dict[str, Any]:
 
 def sweeps(root: Path) -> dict[str, Any]:
     """Two sweeps on one sweep folder at once."""
-    args = ["-m", "runner", "-m", *TINY, *SLOW, "seed=0,1", f"hydra.sweep.dir={root / 'sweep'}"]
+    args = ["-m", "runner", "-m", *TINY, *hold(root, "sweep"), "seed=0,1", f"hydra.sweep.dir={root / 'sweep'}"]
     first = popen(*args, cwd=root)
-    wait_for(first, "sweep/0/metrics.jsonl", root)
+    wait_for(first, "sweep.held", root)
     second = python(*args, cwd=root)
+    (root / "sweep.release").touch()
     first.wait(timeout=300)
     return {"first": first.returncode, "second": second}
 
