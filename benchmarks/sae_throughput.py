@@ -57,6 +57,7 @@ SIZES = {  # name: (d_in, n_latents, k, batch)
 }
 
 
+LOG_EVERY = 50  # runner's log rows, and the hand loop's one read of the device, every this many steps
 MODELS = {"topk": TopKSAE, "batchtopk": BatchTopKSAE, "matryoshka": MatryoshkaSAE}  # --model
 
 
@@ -102,19 +103,26 @@ def _stop(device: str, start: float, samples: int) -> dict[str, float | None]:
 def hand_written(
     size: str, model: str, steps: int, batch: int, device: str, precision: str, sparse: bool
 ) -> tuple[dict, Tensor]:
-    """The loop by hand: no read from the device in it (the model's own aside)."""
+    """The loop by hand: no read from the device in it (the model's own aside) but one every LOG_EVERY steps, where it
+    tells the SAE whether latents died since the last, as runner's log rows do (on CUDA AuxK runs from then on only:
+    without it the hand loop would skip AuxK's work there and train another SAE)."""
     model, opt, loader, progress = setup(size, model, steps, batch, device, sparse)
     sched = wsd(optimizer=opt, progress=progress).scheduler
     autocast = _precision(precision, device).autocast
+    dead = torch.zeros((), device=device)  # the window's dead fractions, summed on the device
     start = _start(device)
-    for x in loader:
+    for step, x in enumerate(loader, 1):
         with autocast():
-            loss = model.training_step(to_device(x, torch.device(device)))["loss"]
-        loss.backward()
+            out = model.training_step(to_device(x, torch.device(device)))
+        out["loss"].backward()
         opt.step()
         model.after_optimizer_step()
         opt.zero_grad(set_to_none=True)
         sched.step()
+        dead += out["dead_fraction"]
+        if step % LOG_EVERY == 0:
+            model.logged({"train/dead_fraction": float(dead)})
+            dead.zero_()
     return _stop(device, start, steps * batch), model.W_dec.detach().cpu().clone()
 
 
@@ -131,7 +139,7 @@ def runner_fit(
         strategy=Single(device),
         train_loader=loader,
         val_loader=None,
-        settings=Settings(val_interval=progress.resolve("1ep"), log_interval=progress.resolve("50st")),
+        settings=Settings(val_interval=progress.resolve("1ep"), log_interval=progress.resolve(f"{LOG_EVERY}st")),
         state=State(progress),
     )
     start = _start(device)

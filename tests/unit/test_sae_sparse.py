@@ -88,12 +88,14 @@ def test_masked_auxk_with_sparse_backward_gives_the_dense_gradients(n_dead: int)
         torch.testing.assert_close(sparse[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("product", ["sorted sparse (CPU)", "index_add (CUDA)"])
+@pytest.mark.parametrize("product", ["sorted sparse (CPU)", "index_add (CUDA)", "index_add in slices (CUDA)"])
 def test_picks_differentiate_every_input_like_indexing(product: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # In float64 and with an input that wants a gradient too (an SAE's inputs do not; the Function serves both). The
     # backward's product takes the CPU's way or CUDA's: both must give the dense path's gradients.
     if product.startswith("index_add"):
         monkeypatch.setattr(sparse_module, "scatter_rows", sparse_module.index_add_rows)
+    if product.endswith("in slices (CUDA)"):  # a few entries at a time
+        monkeypatch.setattr(sparse_module, "CHUNK_FLOATS", 3 * max(D, N))
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(B, D, dtype=torch.float64, generator=gen, requires_grad=True)
     params = [torch.randn(*s, dtype=torch.float64, generator=gen, requires_grad=True) for s in [(D, N), (N,), (D,)]]
@@ -128,6 +130,21 @@ class _Shapes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.shapes |= {tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
         return out
+
+
+def test_cuda_s_product_makes_the_entries_scaled_rows_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # all at once they are [entries, d] twice: for AuxK's d/2 picks a sample at the usual size, 9.7 GB on a GPU
+    d, entries, shape = 16, 50, (20, 30)
+    monkeypatch.setattr(sparse_module, "CHUNK_FLOATS", 3 * d)
+    gen = torch.Generator().manual_seed(5)
+    flat = torch.randperm(shape[0] * shape[1], generator=gen)[:entries]
+    rows, cols = flat // shape[1], flat % shape[1]
+    values, dense = torch.randn(entries, generator=gen), torch.randn(shape[1], d, generator=gen)
+    with _Shapes() as seen:
+        product = sparse_module.index_add_rows(rows, cols, values, shape, dense)
+    torch.testing.assert_close(product, sparse_module.sparse_mm(rows, cols, values, shape, dense))
+    made = {s[0] for s in seen.shapes if len(s) == 2 and s[1] == d and s != (shape[0], d)}  # but the output
+    assert made and max(made) == 3
 
 
 @pytest.mark.parametrize("sparse", [False, True])
