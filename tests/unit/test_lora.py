@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import runpy
 import sys
 from collections.abc import Callable
@@ -21,7 +22,8 @@ from runner.log.console import ConsoleLogger
 from runner.log.info import run_info
 from runner.trained import load_trained
 
-pytest.importorskip("peft")
+# find_spec, not importorskip: importing peft (and transformers) costs 2.2 s, paid by every collection otherwise
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (the lora extra)")
 SHORT = [*TINY_LM, "trainer.max_duration=8st"]
 
 
