@@ -1,6 +1,6 @@
 """One GPU check: the GPU tests and every benchmark on the device, sized to a time budget, written to one folder.
 
-    python benchmarks/gpu_check.py [--minutes 9] [--out gpu-check] [--device cuda] [--only STEP ...]
+    python benchmarks/gpu_check.py [--minutes 9] [--out gpu-check] [--device cuda] [--only STEP ...] [--archive F]
 
 First the imports: a GPU machine may have torch but not Hydra, and no internet. Each missing package is named with the
 way to bring its wheel (`wheels_hint`), and the check exits 2 before running anything. Then each step runs in a fresh
@@ -11,7 +11,8 @@ process, from the repository root, in order (what a short lease must not miss fi
 Each step's time limit is its weight's share of the time left, so a step that ends early leaves its time to the rest.
 
 The folder gets, for every step, its JSON (where the script writes one) and its output, plus `report.md` (one table: the
-device, then step, status, seconds, file, last line of output) and `report.json`. The table is printed too.
+device, then step, status, seconds, file, last line of output) and `report.json`. The table is printed too. With
+`--archive F.tar.gz` the figures, logs and report (not the activations or weights) are packed into one file as well.
 
 Exit code:
 - 1: the GPU tests failed, or a step crashed.
@@ -29,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -162,6 +164,16 @@ def report(results: list[dict[str, Any]], device: str, out: Path) -> str:
     return text
 
 
+def archive(out: Path, path: Path, kinds: tuple[str, ...] = (".json", ".jsonl", ".log", ".md")) -> int:
+    """Pack every file of `out` of those kinds (the figures, logs and report; not the activations or weights) into the
+    .tar.gz `path`; how many."""
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.suffix in kinds)
+    with tarfile.open(path, "w:gz") as tar:
+        for file in files:
+            tar.add(file, arcname=str(Path(out.name) / file.relative_to(out)))
+    return len(files)
+
+
 def device_name(device: str) -> str:
     """The device in words: the GPU's name, or the CPU."""
     import torch
@@ -178,6 +190,7 @@ def main() -> int:
     parser.add_argument("--out", default="gpu-check")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--only", nargs="*", help="step names to run (default: all)")
+    parser.add_argument("--archive", help="also pack the figures and logs into this .tar.gz (one file to bring back)")
     args = parser.parse_args()
     missing = missing_packages()
     if missing:
@@ -197,6 +210,8 @@ def main() -> int:
         np.save(out / "acts768.npy", np.random.default_rng(0).standard_normal((4096 * 60 + 8192, 768), np.float32))
     results = run_plan(plan, args.minutes * 60, out)
     print(report(results, device_name(args.device), out))
+    if args.archive:
+        print(f"{archive(out, Path(args.archive))} files in {args.archive}")
     failed = [r for r in results if r["status"].startswith("failed")]
     return 1 if failed else 0
 

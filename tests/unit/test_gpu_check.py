@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,19 @@ def test_a_contender_s_gpu_peak_is_read_at_its_last_step_whatever_it_validates_a
     stamps.write(tmp_path / "stamps.json")
     figures = json.loads((tmp_path / "stamps.json").read_text())
     assert figures["peak_gpu_mb"] == 1302.0 and figures["per_step_s"] > 0
+
+
+def test_the_archive_holds_the_figures_and_logs_but_not_the_activations_or_weights(tmp_path: Path) -> None:
+    out = tmp_path / "gpu-check"
+    (out / "peers" / "seed0").mkdir(parents=True)
+    for name in ("report.md", "report.json", "gpu-tests.log", "peers/seed0/runner.json", "peers/seed0/rows.jsonl"):
+        (out / name).write_text("x")
+    (out / "acts768.npy").write_bytes(b"\0" * 64)
+    (out / "peers" / "seed0" / "sparsify.safetensors").write_bytes(b"\0" * 64)
+    assert gpu_check.archive(out, tmp_path / "check.tar.gz") == 5
+    with tarfile.open(tmp_path / "check.tar.gz") as tar:
+        names = sorted(tar.getnames())
+    assert names == sorted(
+        f"gpu-check/{n}"
+        for n in ("gpu-tests.log", "peers/seed0/rows.jsonl", "peers/seed0/runner.json", "report.json", "report.md")
+    )
