@@ -77,6 +77,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         return [py, bench(name), "--device", device, *args, "--json", str(out / f"{tag}.json")]
 
     usual = ["--size", "usual", "--reps", str(reps), "--steps", "20"]
+    lm, overhead = ["--reps", "1", "--steps", "30"], ["--reps", str(reps - 1), "--steps", "1000"]
     pipeline = ["--shape", "gpt2_small", "--reps", str(reps), "--precision", "bf16", "model.n_latents=12288"]
     lightning = importlib.util.find_spec("lightning") is not None
     contenders = [] if lightning else ["--contenders", "hand", "runner", "runner_usual"]
@@ -89,7 +90,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
     xdist = ["-n", "4"] if importlib.util.find_spec("xdist") else []
     tests = [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider", "--durations=15", *xdist]
     # in order of what a short lease must not miss; each weight is the step's seconds on an H200 (2026-11-26,
-    # measured or, for the last four, guessed), so --minutes 9 runs them all
+    # measured, or guessed for the last four), ~11 minutes in all: a shorter budget cuts the last ones
     plan = [
         ("gpu tests", 80, tests),
     ]
@@ -103,10 +104,11 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("sae usual bf16", 20, script("sae_throughput", "sae-usual-bf16", *usual, "--precision", "bf16")),
         ("sae usual fp32", 20, script("sae_throughput", "sae-usual-fp32", *usual)),
         ("sae preset", 15, script("sae_throughput", "sae-preset", "--size", "preset", "--reps", str(reps))),
-        ("lm bf16", 90, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile,ac")),
+        # one repetition: each mode is a fresh process per contender, and compiling GPT-2 small's blocks takes ~a minute
+        ("lm bf16", 160, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile", *lm)),
         # Lightning only where it is installed
-        ("overhead", 60, script("overhead", "overhead", "--reps", str(reps), "--sizes", "tiny", "mlp", *contenders)),
-        ("startup", 40, script("startup", "startup", "--reps", str(reps))),
+        ("overhead", 90, script("overhead", "overhead", *overhead, "--sizes", "tiny", "mlp", *contenders)),
+        ("startup", 60, script("startup", "startup", "--reps", str(reps))),
         ("checkpoint", 30, script("checkpoint", "checkpoint", "--reps", str(reps))),
     ]
     return plan
