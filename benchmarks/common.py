@@ -212,12 +212,12 @@ def spawn(command: list[str], out: Path, env: dict[str, str] | None = None, log:
     """
     # every contender under the OpenMP wait policy that `python -m runner` gives itself (runner/__main__.py)
     policy = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **policy, "PYTHONPATH": str(ROOT)}
-    env.update(env or {})
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **policy, "PYTHONPATH": str(ROOT)}
+    child = {**base, **(env or {})}  # the caller's variables win (a worker's threads, its own compile cache)
     out.unlink(missing_ok=True)
     sink = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     launched = time.time()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT if log else sink)
+    proc = subprocess.Popen(command, cwd=ROOT, env=child, stdout=sink, stderr=subprocess.STDOUT if log else sink)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.time() - launched
     proc.returncode = os.waitstatus_to_exitcode(status)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import default_device, device_name, synchronize  # noqa: E402
+from benchmarks.common import default_device, device_name, peak_gpu_mb, synchronize  # noqa: E402
 
 CONTENDERS = {
     "one": [],
@@ -80,17 +80,20 @@ def make_source(folder: Path, device: str, *model: str) -> None:
 
 def step_clock(last: int, device: str):
     """A runner callback that reads the clock (after the device's work) at the end of step 1 and of step `last`:
-    its `stamps`."""
+    its `stamps`; and the peak GPU memory at `last` (`peak_gpu_mb`)."""
     from runner.run import Callback
 
     class Clock(Callback):
         def __init__(self) -> None:
             self.stamps: list[float] = []
+            self.peak_gpu_mb: float | None = None  # at the last step: training's, not the validation's after it
 
         def on_optimizer_step(self, run) -> None:
             if run.progress.step in (1, last):
                 synchronize(device)
                 self.stamps.append(time.perf_counter())
+            if run.progress.step == last:
+                self.peak_gpu_mb = peak_gpu_mb(device)
 
     return Clock()
 

@@ -27,6 +27,7 @@ for each loop, as medians of the per-repetition ratios with their min and max. T
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -90,6 +91,7 @@ def _precision(name: str, device: str) -> FP32:
 def _start(device: str) -> float:
     # Each loop's own peak memory, and a clock that starts when the GPU has finished the set-up
     if torch.device(device).type == "cuda":
+        gc.collect()  # the last contender's SAE and optimizer may sit in reference cycles (its decoder's hook)
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     return time.perf_counter()

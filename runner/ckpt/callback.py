@@ -157,8 +157,8 @@ class Checkpoint(Callback):
             return folder  # rank 0 owns the filesystem
         model = _snapshot(weights, self.buffers, "model")
         state = _snapshot(state, self.buffers, "state")
-        if any(t.is_cuda for t in run.task.parameters()):
-            torch.cuda.synchronize()  # the non-blocking copies into pinned buffers must land before the writer reads
+        if run.device.type == "cuda":  # the run's own device: with distributed.device=cuda:1 the current one is 0
+            torch.cuda.synchronize(run.device)  # the non-blocking copies into pinned buffers land before the writer
         # the loop names max_duration only after the last step; a checkpoint of that step is of a finished run
         reason = run.stop_reason or (StopReason.MAX_DURATION if p.finished else None)
         info = {
