@@ -91,14 +91,17 @@ class SourceModel:
             return (torch.arange(windows)[:, None] * width + torch.arange(self.skip, width)).flatten()
         return mask.flatten().nonzero().squeeze(1).cpu()
 
-    def _kept(self, out: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _kept(
+        self, out: torch.Tensor, mask: torch.Tensor | None = None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if mask is not None:
             if out.shape[:2] != mask.shape:
                 raise ConfigError(
                     f"{self.name} outputs {list(out.shape)}, not the stream of the source's {list(mask.shape)} "
                     "positions [windows, positions, d]: hook a block (source.module)"
                 )
-            return out[mask]
+            # `rows`: the mask's flat indices, counted on the host; a mask on the GPU would be read back to count
+            return out[mask] if rows is None else out.flatten(0, 1).index_select(0, rows)
         if out.ndim == 3 and self.skip >= out.shape[1]:
             raise ConfigError(
                 f"source.skip_positions={self.skip} leaves none of the {out.shape[1]} positions of the source's "
@@ -149,12 +152,15 @@ class SourceModel:
         """The modules' outputs for one input batch, as [rows, d] (several: side by side); the model's forward stops
         once the last of them ran (the blocks after it, the head and the loss are never computed)."""
         captured: dict[str, torch.Tensor] = {}
-        batch = to_device(batch, self.device)
+        # The kept positions are read off the inputs as the loader gave them (on the host) and go along as indices:
+        # picking rows by a mask on the GPU would wait for it at every refill of an SAE's ring, a step that does not log
         mask = self.mask(batch)
+        rows = None if mask is None else to_device(mask.flatten().nonzero().squeeze(1), self.device)
+        batch = to_device(batch, self.device)
 
         def grab(name: str) -> Callable[[torch.Tensor], None]:
             def hook(out: torch.Tensor) -> None:
-                captured[name] = self._kept(out.detach(), mask).flatten(0, -2)
+                captured[name] = self._kept(out.detach(), mask, rows).flatten(0, -2)
                 if len(captured) == len(self.names):
                     raise _Captured
 

@@ -5,6 +5,7 @@ steps with no host-device sync (torch.cuda.set_sync_debug_mode("error")), batche
 
 from __future__ import annotations
 
+import importlib.util
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -17,10 +18,12 @@ from helpers import (
     SyncsAreErrors,
     assert_resume_is_exact,
     assert_same_state,
+    hf_text,
     jsonl,
     metric_rows,
     read_json,
     summary,
+    tiny_hf_model,
 )
 
 from runner.ckpt.callback import Checkpoint
@@ -115,6 +118,30 @@ def test_steady_steps_make_no_host_device_sync(compose_cfg: Callable, overrides:
     run = train(cfg, extra_callbacks=[guard])
     assert run.progress.step == 14 and guard.guarded == 9
     assert run.optimizer.defaults["fused"]  # optimizer.fused=null: fused on CUDA
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (hf)")
+def test_a_transformers_source_gives_its_rows_on_the_gpu_without_waiting_for_it(tmp_path: Path) -> None:
+    # An SAE's ring refills from the source inside steps that do not log: the kept positions (not special tokens)
+    # are counted on the host, and the rows are the CPU's own
+    from experiments.sae.source import SourceModel
+
+    inputs = {"paths": hf_text(tmp_path / "text"), "val_every": 2, "context": 16, "batch_size": 4}
+    inputs["cache_dir"] = str(tmp_path / "tokens")
+    source = SourceModel(str(tiny_hf_model(tmp_path / "gpt2", "gpt2")), "transformer.h.0", inputs=inputs)
+    batches = list(source.data.train_loader())[:3]
+    on_cpu = [source.activations(b) for b in batches]
+    source.to(torch.device("cuda"))
+    source.activations(batches[0])  # the first call sets up cuBLAS and moves the special ids
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_gpu = [source.activations(b) for b in batches]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
+        assert gpu.is_cuda and gpu.shape == cpu.shape
+        torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-4)
 
 
 def test_device_batches_copy_ahead_and_arrive_intact() -> None:
