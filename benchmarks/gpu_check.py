@@ -86,11 +86,12 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         *("--acts", str(out / "acts768.npy"), "--n-latents", "24576", "--k", "32", "--batch", "4096"),
         *("--heldout", "8192", "--steps", "60", "--seeds", "0", "1", "--threads", "8", "--dir", str(out / "peers")),
     ]
+    lm_peers = ["--threads", "8", "--dir", str(out / "peers-lm")]
     # a few test processes share the GPU: most tests are small, and the compiled ones wait on Inductor's CPU work
     xdist = ["-n", "4"] if importlib.util.find_spec("xdist") else []
     tests = [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider", "--durations=15", *xdist]
     # in order of what a short lease must not miss; each weight is the step's seconds on an H200 (2026-11-26,
-    # measured, or guessed for the last four), ~11 minutes in all: a shorter budget cuts the last ones
+    # measured, or guessed for the last five), ~15 minutes in all: a shorter budget cuts the last ones
     plan = [
         ("gpu tests", 80, tests),
     ]
@@ -104,6 +105,13 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("sae usual bf16", 20, script("sae_throughput", "sae-usual-bf16", *usual, "--precision", "bf16")),
         ("sae usual fp32", 20, script("sae_throughput", "sae-usual-fp32", *usual)),
         ("sae preset", 15, script("sae_throughput", "sae-preset", "--size", "preset", "--reps", str(reps))),
+        *(
+            # quality too, on a language model's activations: the README's side-by-side (the lm preset's GPT,
+            # trained there first, its residual stream cached), one seed
+            [("sae peers lm", 240, script("sae_peers", "sae-peers-lm", "--seeds", "0", *lm_peers))]
+            if all(p.exists() for p in found)
+            else []
+        ),
         # one repetition: each mode is a fresh process per contender, and compiling GPT-2 small's blocks takes ~a minute
         ("lm bf16", 160, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile", *lm)),
         # Lightning only where it is installed
