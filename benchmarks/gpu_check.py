@@ -50,6 +50,8 @@ NEEDED = {
 }
 
 
+PEERS_USUAL = "sae peers bf16"  # the peers' speed at the usual size, on Gaussian rows this check writes first
+
 # module -> what it is for: the check warns and goes on without these
 OPTIONAL = {"sklearn": "scikit-learn, whose bundled file the digits experiment reads (its GPU tests fail without it)"}
 
@@ -94,10 +96,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
     # measured, or guessed for the last five), ~15 minutes in all: a shorter budget cuts the last ones
     plan = [
         ("gpu tests", 80, tests),
-    ]
-    if all(p.exists() for p in found):
-        plan.append(("sae peers bf16", 130, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")))
-    plan += [
+        (PEERS_USUAL, 130, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")),
         # GPT-2 small's residual stream after block 6, a 16x SAE fed from a ring on the GPU, against a hand loop
         ("sae pipeline", 40, script("sae_pipeline", "sae-pipeline", *pipeline)),
         # a transformers GPT-2 small (random weights) as the source, in bf16, against the same model used by hand
@@ -105,13 +104,9 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("sae usual bf16", 20, script("sae_throughput", "sae-usual-bf16", *usual, "--precision", "bf16")),
         ("sae usual fp32", 20, script("sae_throughput", "sae-usual-fp32", *usual)),
         ("sae preset", 15, script("sae_throughput", "sae-preset", "--size", "preset", "--reps", str(reps))),
-        *(
-            # quality too, on a language model's activations: the README's side-by-side (the lm preset's GPT,
-            # trained there first, its residual stream cached), one seed
-            [("sae peers lm", 240, script("sae_peers", "sae-peers-lm", "--seeds", "0", *lm_peers))]
-            if all(p.exists() for p in found)
-            else []
-        ),
+        # quality too, on a language model's activations: the README's side-by-side (the lm preset's GPT, trained
+        # there first, its residual stream cached), one seed
+        ("sae peers lm", 240, script("sae_peers", "sae-peers-lm", "--seeds", "0", *lm_peers)),
         # one repetition: each mode is a fresh process per contender, and compiling GPT-2 small's blocks takes ~a minute
         ("lm bf16", 160, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile", *lm)),
         # Lightning only where it is installed
@@ -119,7 +114,8 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("startup", 60, script("startup", "startup", "--reps", str(reps))),
         ("checkpoint", 30, script("checkpoint", "checkpoint", "--reps", str(reps))),
     ]
-    return plan
+    # the peers only where benchmarks/peers/install.sh (or offline.sh) made their virtualenvs
+    return [step for step in plan if all(p.exists() for p in found) or not step[0].startswith("sae peers")]
 
 
 def run_step(name: str, command: list[str], limit_s: float, out: Path) -> dict[str, Any]:
@@ -214,7 +210,7 @@ def main() -> int:
     if not plan:
         print(f"--only {args.only}: no such step", file=sys.stderr)
         return 2
-    if any(name.startswith("sae peers") for name, _, _ in plan):
+    if any(name == PEERS_USUAL for name, _, _ in plan):
         import numpy as np  # Gaussian rows: the peers' speed at the usual size (their quality means nothing here)
 
         np.save(out / "acts768.npy", np.random.default_rng(0).standard_normal((4096 * 60 + 8192, 768), np.float32))

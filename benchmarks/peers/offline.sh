@@ -9,7 +9,7 @@
 # DIR/saelens, leaving out torch and the names in the file HAVE (what that machine already has: one name a line).
 # install: DIR/base into that machine's python3; each peer into /tmp/PEER-site, with .venv-PEER/bin/python a script
 # that runs python3 with that folder first on its path, where benchmarks/sae_peers.py and gpu_check.py look for it.
-# Used on an NVIDIA H200 (Python 3.12, torch 2.11) on 2026-11-26: 46 MB of wheels, sparsify and SAELens both ran.
+# Used on an NVIDIA H200 (Python 3.12, torch 2.11) on 2026-11-26: 45 MB of wheels, sparsify and SAELens both ran.
 set -e
 cd "$(dirname "$0")/../.."
 what=$1 dir=$2
