@@ -217,7 +217,8 @@ def spawn(command: list[str], out: Path, env: dict[str, str] | None = None, log:
     out.unlink(missing_ok=True)
     sink = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     launched = time.time()
-    proc = subprocess.Popen(command, cwd=ROOT, env=child, stdout=sink, stderr=subprocess.STDOUT if log else sink)
+    # in the caller's folder: a relative path among the caller's overrides (data.cache_dir=cache) is the caller's
+    proc = subprocess.Popen(command, env=child, stdout=sink, stderr=subprocess.STDOUT if log else sink)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.time() - launched
     proc.returncode = os.waitstatus_to_exitcode(status)

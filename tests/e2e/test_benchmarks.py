@@ -72,7 +72,7 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], dict]]:
             extra = ["--device", "cpu", *(["--dir", str(root / name)] if name == "checkpoint" else [])]
             script = str(ROOT / "benchmarks" / f"{name}.py")
             ok(python(script, *args, *extra, "--json", str(out), cwd=root / name, timeout=600))
-            return read_json(out)
+            return {**read_json(out), "cwd": root / name}
 
         return run
 
@@ -235,3 +235,6 @@ def test_lm_smoke(runs: dict[str, Future]) -> None:
     assert len(losses) == 1  # hand and runner, with and without checkpointing: the same arithmetic, the same loss
     for mode in result["modes"].values():
         assert mode["runner"]["tokens_per_s"] > 0 and mode["hand"]["ratio_to_hand"] == 1.0
+    # data.cache_dir=cache is relative to where the benchmark was started, as any path a user gives it (its runs
+    # wrote into the repository once)
+    assert list((result["cwd"] / "cache").glob("*/train.u8")), sorted(result["cwd"].rglob("*"))
