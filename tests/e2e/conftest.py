@@ -4,6 +4,7 @@ A module's runs are its `jobs(root, runs)` (see helpers.module_runs); its tests 
 
 from __future__ import annotations
 
+import signal
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -20,6 +21,11 @@ def pytest_configure(config: pytest.Config) -> None:
             "tests/e2e runs in one process (its runs go on in the background, on every core): run `pytest -n auto "
             "tests/unit` and `pytest tests/e2e`"
         )
+    # The tests press Ctrl-C on their children as a user at a terminal would (`features --serve` stops on it). A shell
+    # starts its background jobs (`pytest ... &`) with SIGINT ignored and children inherit that: --serve then never
+    # heard it and the test waited out its timeout. Python's own handler here gives the children the terminal's.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
