@@ -83,7 +83,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
     pipeline = ["--shape", "gpt2_small", "--reps", str(reps), "--precision", "bf16", "model.n_latents=12288"]
     lightning = importlib.util.find_spec("lightning") is not None
     contenders = [] if lightning else ["--contenders", "hand", "runner", "runner_usual"]
-    found = [ROOT / f".venv-{peer}" / "bin" / "python" for peer in ("sparsify", "saelens")]
+    have_peers = all((ROOT / f".venv-{peer}" / "bin" / "python").exists() for peer in ("sparsify", "saelens"))
     peers = [
         *("--acts", str(out / "acts768.npy"), "--n-latents", "24576", "--k", "32", "--batch", "4096"),
         *("--heldout", "8192", "--steps", "60", "--seeds", "0", "1", "--threads", "8", "--dir", str(out / "peers")),
@@ -115,7 +115,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("checkpoint", 30, script("checkpoint", "checkpoint", "--reps", str(reps))),
     ]
     # the peers only where benchmarks/peers/install.sh (or offline.sh) made their virtualenvs
-    return [step for step in plan if all(p.exists() for p in found) or not step[0].startswith("sae peers")]
+    return [step for step in plan if have_peers or not step[0].startswith("sae peers")]
 
 
 def run_step(name: str, command: list[str], limit_s: float, out: Path) -> dict[str, Any]:
