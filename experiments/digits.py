@@ -13,6 +13,7 @@ from torch import nn
 
 from runner import ConfigError, check_whole
 from runner.data import TensorData
+from runner.trust import buildable
 
 
 def _digits_file() -> Path:
@@ -50,6 +51,7 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
 
 
+@buildable("splits")
 def digits_splits(val_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0) -> dict[str, TensorData]:
     """{'train': ..., 'val': ..., 'test': ...} datasets of (image, label) tensors; the test split (when
     test_fraction > 0) is carved out of the held-out val_fraction, so that the training split does not change."""
@@ -76,6 +78,7 @@ def digits_splits(val_fraction: float = 0.2, seed: int = 0, test_fraction: float
     }
 
 
+@buildable("model")
 class MLPClassifier(nn.Module):
     """ReLU MLP with dropout; training_step returns cross-entropy loss and accuracy."""
 

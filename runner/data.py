@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from runner import ConfigError, check_whole
 from runner.samplers import GlobalBatchSampler, ValidationShard, limited
+from runner.trust import buildable
 
 
 class TensorData(Dataset):
@@ -51,6 +52,7 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
+@buildable("data", splits="splits")
 class DataModule:
     """Turns `splits` (a mapping with 'train' and optionally 'val' datasets) into loaders for one rank."""
 

@@ -55,7 +55,7 @@ def evaluate_run(
         if OmegaConf.select(cfg.data, key, default=KeyError) is KeyError:
             raise ConfigError(f"data.{key}: the data config of {run_dir} has no such key")
         OmegaConf.update(cfg.data, key, value)
-    trust.check(OmegaConf.to_container(cfg.data, resolve=True), trusted, "data", "the command line's data.KEY=")
+    trust.check(OmegaConf.to_container(cfg.data, resolve=True), "data", trusted, "data", "the command line's data.KEY=")
     if cfg.data.get("val_batch_size") is not None:  # DataModule takes 0 as "as batch_size" and -1 as a crash
         check_whole(cfg.data.val_batch_size, "data.val_batch_size")
     try:

@@ -26,7 +26,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runner.trust import buildable
 
+
+@buildable("model")  # runner's tools (evaluate, an SAE on this model) may rebuild it from a run folder's config
 class Model(nn.Module):
     """An MLP regressor: mean squared error of y from x."""
 
@@ -51,8 +54,10 @@ from __future__ import annotations
 import torch
 
 from runner.data import TensorData
+from runner.trust import buildable
 
 
+@buildable("splits")  # a run folder's data.splits may name it (it only computes; nothing here may write files)
 def splits(n_train: int = 4096, n_val: int = 512, d_in: int = 8, noise: float = 0.05, seed: int = 0) -> dict:
     """y = sum(sin(x)) + noise, from a seeded generator: the same data on every run and rank."""
     g = torch.Generator().manual_seed(seed)
@@ -115,8 +120,9 @@ python -m runner.evaluate outputs/DATE/TIME split=val                   # on the
 
 Run these from this folder: Python imports `NAME` from the working directory (or `pip install -e .` a package of your
 own), and runner's tools (`runner.evaluate`, `runner.features`, `runner.generate`) read `runner.yaml` here, which
-lets them build `NAME`'s classes named in a run folder's config (a run folder alone is never trusted to). Add a
-model: a class in `NAME/`, a file `conf/model/OTHER.yaml` with its `_target_`, then `model=OTHER`.
+lets them build `NAME`'s classes named in a run folder's config (a run folder alone is never trusted to), those
+marked `@buildable(...)` (runner.trust): a run folder from elsewhere builds nothing else. Add a model: a class in
+`NAME/` marked `@buildable("model")`, a file `conf/model/OTHER.yaml` with its `_target_`, then `model=OTHER`.
 """
 
 RUNNER_YAML = """# What runner's tools launched from this folder trust a run folder's config to build, beside runner's

@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from runner import ConfigError
+from runner.trust import buildable
 
 
+@buildable("precision")
 class FP32:
     """Full precision: autocast is a no-op and the optimizer steps as usual."""
 
@@ -70,6 +72,7 @@ class FP32:
         """Restore state_dict()."""
 
 
+@buildable("precision")
 class Autocast(FP32):
     """Mixed precision: the forward pass runs under torch.autocast in `dtype` (bfloat16 needs no loss scaling)."""
 
@@ -136,10 +139,12 @@ class LossScaling:
             self.scaler.load_state_dict(state["scaler"])
 
 
+@buildable("precision")
 class ScaledAutocast(LossScaling, Autocast):
     """fp16 autocast with a GradScaler: the loss is scaled up for backward and steps with inf/nan grads are skipped."""
 
 
+@buildable("precision")
 class MasterWeights(Autocast):
     """Low-precision parameters (bf16_true): the model holds its parameters in `dtype` (half the memory of weights
     and gradients, no casts of weights in the forward), and the optimizer steps fp32 master copies, which are copied
@@ -212,6 +217,7 @@ class MasterWeights(Autocast):
             torch._foreach_copy_(self.params, self.master)
 
 
+@buildable("precision")
 class ScaledMasterWeights(LossScaling, MasterWeights):
     """float16 parameters with fp32 masters (fp16_true): as bf16_true, and the loss scaled for backward as fp16
     autocast scales it; the scaled fp16 gradients are unscaled in fp32, on the masters, so small ones survive."""

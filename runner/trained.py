@@ -22,7 +22,6 @@ from runner.rundir import CONFIG, MODEL, read_run_config
 TRUSTED_TARGETS = ("experiments", "runner.data")
 # A project's own settings for runner's tools, in the folder they are launched from (`runner init` writes it)
 PROJECT = "runner.yaml"
-BUILT = ("model", "data", "precision", "callbacks")  # the parts of a run's config that runner rebuilds
 
 
 class _Unresolvable(ConfigError):
@@ -40,12 +39,11 @@ def _resolved(cfg: DictConfig, key: str, config: Path) -> Any:
         raise _Unresolvable(f"cannot read `{key}` of {config}: {str(error).splitlines()[0]}") from None
 
 
-def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str]) -> Any:
-    """`cfg[key]` resolved, after checking that every `_target_` in it is a trusted class or function (runner.trust):
-    a run folder from elsewhere may be anybody's, and instantiating its config would run whatever it names."""
+def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str], slot: str) -> Any:
+    """`cfg[key]` resolved, after checking that it may be built as `slot` (runner.trust): a run folder from elsewhere
+    may be anybody's, and instantiating its config would run whatever it names."""
     node = _resolved(cfg, key, config)
-    trust.check(node, trusted, key, str(config))
-    return _confined(node, trusted)
+    return _confined(trust.check(node, slot, trusted, key, str(config)), trusted)
 
 
 def _confined(node: Any, trusted: Sequence[str]) -> Any:
@@ -92,16 +90,17 @@ def load_trained(
     for key in ("model", "data"):
         if not isinstance(cfg.get(key), DictConfig):
             raise ConfigError(f"{config} has no `{key}` mapping: is {run_dir} the folder of a runner run?")
-    # a resolver runs while the config is read, before any _target_ can be checked
-    built = {key: OmegaConf.to_container(cfg[key], resolve=False) for key in BUILT if key in cfg}
+    # A resolver runs while the config is read, before any _target_ can be checked: every one in the whole file (an
+    # interpolation anywhere may be pulled into the parts that are built) is checked first.
     trust.check_resolvers(
-        built, f"{config} (refused)", f"a run folder's config may only use {sorted(trust.SAFE_RESOLVERS)}"
+        OmegaConf.to_container(cfg, resolve=False),
+        f"{config} (refused)",
+        f"a run folder's config may only use {sorted(trust.SAFE_RESOLVERS)}",
     )
     # Every part that will be built is checked here, before anything is instantiated.
-    source = OmegaConf.create({k: _trusted_node(cfg, k, config, trusted) for k in ("model", "data")})
-    precision = _trusted_node(cfg, "precision", config, ["runner.precision"])
-    if precision is not None:
-        source.precision = precision
+    source = OmegaConf.create({k: _trusted_node(cfg, k, config, trusted, k) for k in ("model", "data")})
+    if cfg.get("precision") is not None:
+        source.precision = _trusted_node(cfg, "precision", config, ["runner.precision"], "precision")
     if callbacks:
         source.callbacks = _callbacks(cfg, trusted, config)
     # A key the data decided (an SAE's d_in) is null in the saved config: the data decides it again
@@ -132,9 +131,10 @@ def trusted_here(folder: str | Path | None = None) -> tuple[str, ...]:
 
 
 def _callbacks(cfg: DictConfig, trusted: Sequence[str], config: Path) -> dict[str, Any]:
-    # The run's callbacks that runner.evaluate may build: runner's own and those under `trusted`. One outside them, or
-    # one with an interpolation only Hydra resolves, is left out and said; a forged one (spelled as a trusted path but
-    # something else) or an unsafe resolver refuses the whole folder.
+    # The run's callbacks that runner.evaluate may build: the metric callbacks (opted in as `callback`) of runner's own
+    # and under `trusted`. The others of those packages (EMA, early stopping) are no metric callbacks and left out; one
+    # outside them, or with an interpolation only Hydra resolves, is left out and said; a forged one (spelled as a
+    # trusted path but something else, or given code where it takes data) refuses the whole folder.
     kept, trusted = {}, [*trusted, "runner.callbacks"]
     group = cfg.get("callbacks")
     for name in group if isinstance(group, DictConfig) else ():
@@ -147,13 +147,15 @@ def _callbacks(cfg: DictConfig, trusted: Sequence[str], config: Path) -> dict[st
         except _Unresolvable as error:
             print(f"{key} not run: {error}", file=sys.stderr)
             continue
-        forged, untrusted = trust.problems(node, trusted, key)
-        if forged:
-            trust.check(node, trusted, key, str(config))
-        if untrusted:
-            print(f"{key} not run: {untrusted[0]} (add its package to trusted_targets to run it)", file=sys.stderr)
+        verdict = trust.problems(node, "callback", trusted, key)
+        if verdict.forged:
+            trust.check(node, "callback", trusted, key, str(config))
+        if verdict.untrusted:
+            print(
+                f"{key} not run: {verdict.untrusted[0]} (runner.evaluate runs metric callbacks only)", file=sys.stderr
+            )
             continue
-        kept[name] = node
+        kept[name] = _confined(verdict.node, trusted)
     return kept
 
 

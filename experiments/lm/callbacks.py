@@ -13,11 +13,13 @@ from runner import ConfigError
 from runner.log.wandb_logger import WandbLogger
 from runner.progress import parse_duration
 from runner.run import Callback
+from runner.trust import buildable
 
 if TYPE_CHECKING:
     from runner.run import Run
 
 
+@buildable("callback")
 class Perplexity(Callback):
     """val/ppl = exp(val/loss): the perplexity of the whole validation split (a mean of per-batch perplexities would
     overstate it: exp is convex)."""

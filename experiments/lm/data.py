@@ -25,6 +25,7 @@ from experiments.lm.corpus import (
 )
 from runner import ConfigError, check_whole
 from runner.data import DataModule, load_npy
+from runner.trust import buildable
 
 _FORMAT = 2  # of the cache's files: a change makes new keys, never reads an old layout (2: held_out_files' rule)
 
@@ -149,6 +150,7 @@ def _mapped(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
 
 
+@buildable("data")
 class TextBytes(TokenData):
     """Byte-level text (vocab 256): the standard library's sources by default, or `paths` (files or globs)."""
 
@@ -217,6 +219,7 @@ def load_tokens(path: str | Path, vocab_size: int, dtype: str = "uint16") -> np.
     return tokens
 
 
+@buildable("data")
 class TokensFile(TokenData):
     """Pre-tokenized ids from `train_path` and, optionally, `val_path` (else the last `val_fraction` of train)."""
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner import ConfigError, check_whole
+from runner.trust import buildable
 
 LN2 = math.log(2)
 
@@ -104,6 +105,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+@buildable("model")
 class GPT(nn.Module):
     """Next-token prediction over `vocab_size` tokens with `n_layer` Blocks.
 

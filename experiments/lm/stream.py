@@ -22,6 +22,7 @@ from experiments.lm.corpus import corpus_files, held_out_files, no_val_split, re
 from experiments.lm.data import check_seq_len, windows_or_error
 from runner import ConfigError
 from runner.streaming import ShardedStream, StreamingData
+from runner.trust import buildable
 
 _SNIFF = 8192  # bytes of each training file checked before streaming: no NUL (a binary file), UTF-8
 
@@ -144,6 +145,7 @@ def collate_windows(windows: list[torch.Tensor]) -> dict[str, Any]:
     return {"tokens": tokens, "num_tokens": tokens.shape[0] * (tokens.shape[1] - 1)}
 
 
+@buildable("data")
 class TextStream(StreamingData):
     """Byte-level text streamed from `paths` (files or globs; default: the standard library's sources); every
     `val_every`-th file held out for validation, read whole (`val_windows` windows spread over it)."""

@@ -13,6 +13,7 @@ from experiments.sae.multi import combined, members
 from runner import ConfigError
 from runner.progress import parse_duration
 from runner.run import Callback
+from runner.trust import buildable
 
 if TYPE_CHECKING:
     from runner.run import Run
@@ -26,6 +27,7 @@ def _fetch(dataset: Any, indices: list[int]) -> torch.Tensor:
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
+@buildable("callback")
 class GroundTruthRecovery(Callback):
     """Adds val/mmcs and val/recovered_<t> when the validation data knows its true features (synthetic data)."""
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from runner import ConfigError, check_whole
 from runner.data import DataModule, TensorData
+from runner.trust import buildable
 
 
 def _generator(seed: int, stream: str, position: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
@@ -164,6 +165,7 @@ class SyntheticValidation(TensorData):
         return self.source.features
 
 
+@buildable("splits")
 def synthetic_splits(n_train: int = 4_194_304, n_val: int = 16_384, seed: int = 0, **features) -> dict[str, Dataset]:
     """Train (generated on the fly) and validation (fixed, in memory; none for n_val=0) splits of synthetic
     activations."""
@@ -177,6 +179,7 @@ def synthetic_splits(n_train: int = 4_194_304, n_val: int = 16_384, seed: int = 
     return {"train": train, "val": SyntheticValidation(source, n_val, seed)} if n_val else {"train": train}
 
 
+@buildable("data", splits="splits")
 class SyntheticData(DataModule):
     """A DataModule over synthetic_splits that generates the training batches on the training device when it is a
     GPU: no host-to-device copy, and the generator runs there."""

@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 
 from runner import ConfigError
 from runner.data import DataModule, load_npy
+from runner.trust import buildable
 
 
 class RowData(Dataset):
@@ -126,6 +127,7 @@ def file_splits(
     return {"train": RowData(train, 0, len(train) - n_val), "val": RowData(train, len(train) - n_val)}
 
 
+@buildable("data")
 class ActivationFiles(DataModule):
     """A DataModule over activation files, so that the paths are top-level keys: data.train_path, data.val_path."""
 

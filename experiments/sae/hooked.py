@@ -18,8 +18,10 @@ from runner import ConfigError, check_whole
 from runner.data import DataModule, TensorData
 from runner.run import Callback
 from runner.trained import TRUSTED_TARGETS
+from runner.trust import buildable
 
 
+@buildable("data")
 class HookedData(DataModule):
     """Train on live activations of `module` in the model of run `checkpoint` (or of a transformers model reading
     `inputs`: experiments.sae.pretrained); validate on its validation inputs.
@@ -96,6 +98,7 @@ class HookedData(DataModule):
         return super().train_loader(rank, world_size, device, accumulate)
 
 
+@buildable("callback")
 class SpliceEval(Callback):
     """Callback: the source model's validation loss with the SAE's reconstruction spliced into `module` (positions
     from `skip_positions` on), the KL divergence of its next-token distribution from the clean model's, and the

@@ -21,6 +21,7 @@ import torch
 from experiments.sae.base import SAE
 from runner import ConfigError
 from runner.progress import parse_duration
+from runner.trust import buildable
 
 
 def _window(pre: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:
@@ -67,6 +68,7 @@ class StepFunction(torch.autograd.Function):
         return None, -kernel.sum(0) / ctx.bandwidth, None
 
 
+@buildable("model")
 class JumpReLUSAE(SAE):
     """JumpReLU codes with a per-latent threshold and an L0 penalty, its coefficient warmed up linearly from 0."""
 

@@ -18,6 +18,7 @@ import torch
 from experiments.sae.model import BatchTopKSAE, TopKSAE
 from experiments.sae.sparse import Pre
 from runner import ConfigError
+from runner.trust import buildable
 
 
 def prefix_ends(group_sizes: Sequence[float], n_latents: int) -> tuple[int, ...]:
@@ -39,6 +40,7 @@ def prefix_ends(group_sizes: Sequence[float], n_latents: int) -> tuple[int, ...]
     return tuple(ends)
 
 
+@buildable("model")
 class MatryoshkaSAE(BatchTopKSAE):
     """Nested prefix losses over latent groups; codes from BatchTopK (the parent, threshold at inference) or TopK.
 

@@ -10,6 +10,7 @@ from experiments.sae.base import SAE, geometric_median  # noqa: F401 (geometric_
 from experiments.sae.sparse import Pre, pick, pick_columns, pick_flat, plain, top_indices
 from runner import ConfigError
 from runner.progress import parse_duration
+from runner.trust import buildable
 
 
 def auxk_loss(
@@ -41,6 +42,7 @@ def auxk_loss(
     return (aux - residual).pow(2).sum(1).mean() / sst
 
 
+@buildable("model")
 class TopKSAE(SAE):
     """Keeps the k largest pre-activations (ReLU'd) per sample; AuxK trains dead latents on the residual."""
 
@@ -81,6 +83,7 @@ class TopKSAE(SAE):
         return {"auxk_loss": auxk.detach(), "auxk_term": self.auxk_coeff * auxk}
 
 
+@buildable("model")
 class ReLUSAE(SAE):
     """ReLU codes with an L1 penalty (weighted by decoder norms), its coefficient warmed up linearly from 0."""
 
@@ -112,6 +115,7 @@ class ReLUSAE(SAE):
         return {"l1_loss": l1.detach(), "l1_term": self.l1_coeff * ramp * l1}
 
 
+@buildable("model")
 class BatchTopKSAE(SAE):
     """Keeps the k x batch largest activations across the batch; inference uses a learned global threshold."""
 

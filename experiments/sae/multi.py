@@ -19,6 +19,7 @@ from torch import nn
 
 from experiments.sae.base import SAE
 from runner import ConfigError
+from runner.trust import buildable
 
 
 def family(
@@ -60,6 +61,7 @@ def hook_name(module: str) -> str:
     return module.replace(".", "_")
 
 
+@buildable("model", base="model", saes="model")
 class MultiSAE(nn.Module):
     """Several SAEs, each built with the data's width `d_in`, trained together on each batch.
 

@@ -74,17 +74,39 @@ def test_a_source_run_whose_config_names_untrusted_code_is_refused_before_runnin
     assert not MARKER.exists()
 
 
-def test_trusted_targets_lets_a_users_own_package_in(source_run: Path, tmp_path: Path) -> None:
+def test_trusted_targets_lets_a_users_own_package_in_for_the_classes_that_opt_in(
+    source_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a trusted package's class that did not opt in (torch.nn.Linear) is refused: trust names where to look, the mark
+    # says what may be built
     folder = _tampered(
         source_run, tmp_path, "model", {"_target_": "torch.nn.Linear", "in_features": 64, "out_features": 10}
     )
-    with pytest.raises(ConfigError, match=r"model._target_=torch.nn.Linear"):
-        load_trained(folder)
+    with pytest.raises(ConfigError, match=r"model._target_=torch.nn.Linear does not opt in"):
+        load_trained(folder, trusted=["experiments", "runner.data", "torch.nn"])
+    package = tmp_path / "pkg" / "users_linear_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "from torch import nn\n\nfrom runner.trust import buildable\n\n\n"
+        "@buildable('model')\nclass Linear(nn.Linear):\n    pass\n\n\nclass Unmarked(Linear):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.setitem(sys.modules, "users_linear_pkg", None)  # undone at the end: no module left imported
+    del sys.modules["users_linear_pkg"]
+    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    cfg.model._target_ = "users_linear_pkg.Linear"
+    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
     (folder / "model.safetensors").unlink()
     save_weights(torch.nn.Linear(64, 10), folder / "model.safetensors")
-    model, cfg = load_trained(folder, trusted=["experiments", "runner.data", "torch.nn"])
+    model, cfg = load_trained(folder, trusted=["experiments", "runner.data", "users_linear_pkg"])
     assert isinstance(model, torch.nn.Linear) and not model.training
     assert cfg.data._target_ == "runner.data.DataModule"
+    # the mark is not inherited: a subclass may do what its base does not
+    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    cfg.model._target_ = "users_linear_pkg.Unmarked"
+    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
+    with pytest.raises(ConfigError, match=r"model._target_=users_linear_pkg.Unmarked does not opt in"):
+        load_trained(folder, trusted=["experiments", "runner.data", "users_linear_pkg"])
 
 
 def test_the_launch_folder_s_runner_yaml_trusts_a_package_and_a_run_folder_s_never_does(
@@ -96,7 +118,8 @@ def test_the_launch_folder_s_runner_yaml_trusts_a_package_and_a_run_folder_s_nev
     project = tmp_path / "project"  # what runner init makes: the user's package and runner.yaml beside it
     (project / "trusted_project_pkg").mkdir(parents=True)
     (project / "trusted_project_pkg" / "__init__.py").write_text(
-        "from experiments.digits import MLPClassifier\n\n\nclass Model(MLPClassifier):\n    pass\n"
+        "from experiments.digits import MLPClassifier\nfrom runner.trust import buildable\n\n\n"
+        "@buildable('model')\nclass Model(MLPClassifier):\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(project))
     monkeypatch.setitem(sys.modules, "trusted_project_pkg", None)  # undone at the end: no module left imported
@@ -158,17 +181,21 @@ SPELLED = {
     "not a string": ("model", {"_target_": ["runner.data.torch.load"], "f": "PAYLOAD"}),
     "runner's precision": ("precision", {**EVIL_LOAD, "_target_": "runner.precision.torch.load"}),
     "a callback": ("callbacks", {"ema": {**EVIL_LOAD, "_target_": "runner.callbacks.ema.torch.load"}}),
-    "a callback's argument": ("callbacks", {"ema": {"_target_": "runner.callbacks.ema.EMA", "decay": EVIL_LOAD}}),
+    "a callback's argument": (
+        "callbacks",
+        {"truth": {"_target_": "experiments.sae.callbacks.GroundTruthRecovery", "thresholds": EVIL_LOAD}},
+    ),
 }
 
 
 REASONS = (
     "reaches the module `torch` through",
-    "goes through `experiments.digits.Path`, which is neither a module nor a class",
+    "goes through `experiments.digits.Path`, which is not a module",
     "reaches the module `importlib` through `experiments.digits.importlib`",
     "is not a dotted path of public names",
     "is not under the trusted module paths",  # functools.partial
     "is a list, not a dotted path",
+    "takes plain data",  # a component given where the parameter takes data (issue 41)
 )
 
 
@@ -230,7 +257,7 @@ def test_a_resolver_that_writes_is_refused_before_it_runs(source_run: Path, tmp_
         "model",
         {"_target_": "experiments.digits.MLPClassifier", "hidden": f"${{runner_fresh:{made}}}"},
     )
-    with pytest.raises(ConfigError, match=r"calls the resolvers \['runner_fresh'\]"):
+    with pytest.raises(ConfigError, match=r"calls resolvers that do more than read: runner_fresh \(at model.hidden\)"):
         load_trained(folder)
     assert not made.exists()
 
@@ -299,3 +326,242 @@ def test_a_run_folder_cannot_widen_the_trust_of_the_runs_it_names(
     assert main([str(outer)]) == 2
     assert "refusing to build the model of" in capsys.readouterr().err
     assert not MARKER.exists()
+
+
+# --- Issue 41: least authority. A run folder builds only what opted in to its slot, with plain data for arguments ---
+# Each attack below wrote, deleted or made files through runner's own functions at 4b34ecc (any public function of a
+# trusted package was accepted, with any arguments). Each has a victim that must come out unchanged.
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("index.html", "manifest.json", "shard-00000.npy"):
+        (victim / name).write_text(f"the user's {name}")
+    return victim
+
+
+def _untouched(victim: Path) -> bool:
+    files = sorted(p.name for p in victim.iterdir())
+    return files == ["index.html", "manifest.json", "shard-00000.npy"] and all(
+        (victim / name).read_text() == f"the user's {name}" for name in files
+    )
+
+
+LEAST = {
+    "a page writer through a path factory in _args_": (
+        "model",
+        {
+            "_target_": "experiments.sae.pages.family_index",
+            "_args_": [{"_target_": "experiments.lm.data.cache_root", "_args_": ["VICTIM", "x"]}, ["pwned"]],
+        },
+        "experiments.sae.pages.family_index does not opt in",
+    ),
+    "the activation cache's writer": (
+        "data",
+        {"_target_": "experiments.sae.cache.write", "directory": "VICTIM", "key": {}, "source": None, "rows": 1},
+        "experiments.sae.cache.write does not opt in",
+    ),
+    "write_once with a partial fill": (
+        "data",
+        {
+            "_target_": "experiments.lm.data.write_once",
+            "folder": "NEW",
+            "fill": {"_target_": "experiments.sae.pages.family_index", "_partial_": True, "names": []},
+            "option": "x",
+        },
+        "experiments.lm.data.write_once does not opt in",
+    ),
+    "a writer as the data's splits": (
+        "data",
+        {
+            "_target_": "runner.data.DataModule",
+            "batch_size": 8,
+            "splits": {"_target_": "experiments.sae.pages.family_index", "out": "VICTIM", "names": []},
+        },
+        "data.splits._target_=experiments.sae.pages.family_index does not opt in",
+    ),
+    "a data class in the model's slot": (
+        "model",
+        {"_target_": "experiments.sae.hooked.HookedData", "checkpoint": "VICTIM", "module": "net.1"},
+        "HookedData opts in as data; here it stands for an nn.Module class",
+    ),
+    "a component where plain data goes": (
+        "model",
+        {"_target_": "experiments.digits.MLPClassifier", "hidden": {"_target_": "experiments.digits.MLPClassifier"}},
+        "model.hidden holds a _target_, but `hidden` of experiments.digits.MLPClassifier takes plain data",
+    ),
+    "a partial model": (
+        "model",
+        {"_target_": "experiments.digits.MLPClassifier", "_partial_": True},
+        "model._partial_ asks for a partial",
+    ),
+    "positional arguments that fit nothing": (
+        "model",
+        {"_target_": "experiments.digits.MLPClassifier", "_args_": list(range(9))},
+        "model._args_ do not fit MLPClassifier",
+    ),
+}
+
+
+def _placed(value: object, tmp_path: Path) -> object:
+    if isinstance(value, dict):
+        return {k: _placed(v, tmp_path) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_placed(v, tmp_path) for v in value]
+    return {"VICTIM": str(tmp_path / "victim"), "NEW": str(tmp_path / "new")}.get(value, value)  # type: ignore[call-overload]
+
+
+def _tool(name: str, folder: Path, compose_cfg: Callable[..., DictConfig]) -> int:
+    # each way a user reads a run folder, as its command line does: the exit code (2 for a refusal)
+    from runner import evaluate, export, features, generate
+
+    if name == "source.checkpoint":
+        try:
+            build(compose_cfg("+experiment=sae_digits", f"source.checkpoint={folder}"))
+        except ConfigError:
+            return 2
+        return 0
+    argv = {"export": [str(folder), "--format", "saelens"], "generate": [str(folder), "prompt=x"]}
+    module = {"evaluate": evaluate, "features": features, "export": export, "generate": generate}[name]
+    return module.main(argv.get(name, [str(folder)]))
+
+
+@pytest.mark.parametrize("attack", list(LEAST))
+def test_a_run_folder_builds_only_what_opted_in_to_its_slot_and_touches_no_file(
+    attack: str, source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from runner.evaluate import main
+
+    key, node, reason = LEAST[attack]
+    victim = _victim(tmp_path)
+    folder = _tampered(source_run, tmp_path, key, _placed(node, tmp_path))
+    assert main([str(folder)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: refusing to build the") and reason in error, error
+    assert "@runner.trust.buildable" in error
+    assert _untouched(victim) and not (tmp_path / "new").exists() and not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "features", "export", "generate", "source.checkpoint"])
+def test_every_reading_tool_refuses_the_page_writer_and_the_victim_survives(
+    tool: str, source_run: Path, tmp_path: Path, compose_cfg: Callable[..., DictConfig]
+) -> None:
+    victim = _victim(tmp_path)
+    key, node, _ = LEAST["a page writer through a path factory in _args_"]
+    folder = _tampered(source_run, tmp_path, key, _placed(node, tmp_path))
+    assert _tool(tool, folder, compose_cfg) == 2
+    assert _untouched(victim) and not list(tmp_path.rglob("pwned"))
+
+
+RESOLVED = {
+    "a top-level key interpolated into the model": ({"evil": "${runner_fresh:MADE}"}, "${evil}"),
+    "a resolver assembled by oc.decode": ({"a": "runner_fresh"}, "${oc.decode:'\\${${a}:MADE}'}"),
+    "a resolver whose name is interpolated": ({"a": "runner_fresh"}, "${${a}:MADE}"),
+    "a key that is never built": ({"trainer": {"evil": "${runner_fresh:MADE}"}}, 512),
+}
+
+
+@pytest.mark.parametrize("attack", list(RESOLVED))
+def test_every_resolver_of_the_whole_folder_config_is_checked_before_any_resolves(
+    attack: str, source_run: Path, tmp_path: Path
+) -> None:
+    from runner.resolvers import register
+
+    register()  # runner_fresh, as in any runner process
+
+    made = tmp_path / "made by the config"
+    top, hidden = RESOLVED[attack]
+    folder = _tampered(source_run, tmp_path, "model", {"_target_": "experiments.digits.MLPClassifier"})
+    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    cfg.model.hidden = hidden.replace("MADE", str(made)) if isinstance(hidden, str) else hidden
+    cfg = OmegaConf.merge(cfg, OmegaConf.create(_placed(top, tmp_path)))
+    text = OmegaConf.to_yaml(cfg).replace("MADE", str(made))
+    (folder / ".hydra" / "config.yaml").write_text(text)
+    with pytest.raises(
+        ConfigError, match=r"calls resolvers that do more than read: .*(runner_fresh|\$\{a\}|oc.decode)"
+    ):
+        load_trained(folder)
+    assert not made.exists()
+    if attack != "a key that is never built":  # the control: unchecked, resolving the model makes the folder
+        OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "config.yaml").model, resolve=True)
+        assert made.exists()
+
+
+@pytest.fixture(scope="module")
+def sae_run(source_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished sae_digits run (3 steps) on source_run: its data is HookedData, which may write a cache."""
+    directory = tmp_path_factory.mktemp("sae")
+    finished_run(
+        directory,
+        "logger=none",
+        "+experiment=sae_digits",
+        f"source.checkpoint={source_run}",
+        "trainer.max_duration=3st",
+        "data.buffer_size=512",
+        "callbacks=none",
+    )
+    return directory
+
+
+def test_positional_arguments_do_not_get_around_the_confined_cache(sae_run: Path, tmp_path: Path) -> None:
+    # the cache folder given by position (its 8th parameter): bound to its name, it is confined like data.cache=
+    cfg = OmegaConf.to_container(OmegaConf.load(sae_run / ".hydra" / "config.yaml"))
+    data = cfg["data"]
+    cache = tmp_path / "cache the folder chose"
+    names = ["checkpoint", "module", "buffer_size", "samples_per_epoch", "d", "trusted_targets", "skip_positions"]
+    data["_args_"] = [*(data.pop(name) for name in names), str(cache)]
+    data.pop("cache")
+    data["trusted_targets"] = data["_args_"][5]  # and the folder's own trust, by position, is the reader's too
+    data["_args_"][5] = ["torch", "experiments", "runner.data"]
+    del data["trusted_targets"]
+    folder = tmp_path / "evil sae"
+    shutil.copytree(sae_run, folder)
+    OmegaConf.save(OmegaConf.create(cfg), folder / ".hydra" / "config.yaml")
+    model, built = load_trained(folder)
+    assert built.data.cache is None and list(built.data.trusted_targets) == ["experiments", "runner.data"]
+    assert "_args_" not in built.data and not cache.exists()
+    assert type(model).__name__ == "TopKSAE"
+
+
+def test_every_shipped_option_and_experiment_builds_in_its_slot(compose_cfg: Callable[..., DictConfig]) -> None:
+    # the shipped configs (and run folders written since 2026-11-21, which name the same targets or the older
+    # experiments.sae.data.ActivationFiles) still load: no false refusal, slot by slot
+    from runner import trust
+    from runner.trained import TRUSTED_TARGETS
+
+    conf = Path(__file__).parents[2] / "runner" / "conf"
+    needs = {"sae_digits": 1, "sae_lm": 1, "sae_hf": 2}  # the presets that read a source name it
+    source = ("source.checkpoint=x", "source.module=y")
+    experiments = sorted(p.stem for p in (conf / "experiment").glob("*.yaml"))
+    composed = [compose_cfg(f"+experiment={e}", *source[: needs.get(e, 0)]) for e in experiments]
+    composed += [compose_cfg(f"model={p.stem}") for p in sorted((conf / "model").glob("*.yaml"))]
+    composed += [
+        compose_cfg("+experiment=sae_lm", f"data={p.stem}", source[0]) for p in sorted((conf / "data").glob("*.yaml"))
+    ]
+    composed += [compose_cfg(f"precision={p.stem}") for p in sorted((conf / "precision").glob("*.yaml"))]
+    for cfg in composed:
+        for slot, trusted in (
+            ("model", TRUSTED_TARGETS),
+            ("data", TRUSTED_TARGETS),
+            ("precision", ["runner.precision"]),
+        ):
+            node = OmegaConf.to_container(cfg[slot], resolve=False)
+            trust.check(node, slot, trusted, slot, "the shipped config")
+    metric = {"perplexity", "sae_ground_truth", "sae_splice"}
+    for path in sorted((conf / "callbacks").glob("*.yaml")):
+        for name, node in (OmegaConf.to_container(OmegaConf.load(path)) or {}).items():
+            verdict = trust.problems(node, "callback", [*TRUSTED_TARGETS, "runner.callbacks"], name)
+            assert not verdict.forged and not verdict.untrusted, (name, verdict)
+            assert (not verdict.unmarked) == (name in metric), (name, verdict)  # the others are left out, unbuilt
+    old = {"_target_": "experiments.sae.data.ActivationFiles", "train_path": "a.npy", "batch_size": 8}
+    assert trust.check(old, "data", TRUSTED_TARGETS, "data", "a run folder of 2026-11-21") == old
+
+
+def test_buildable_refuses_a_mark_that_does_not_fit() -> None:
+    from runner.trust import buildable
+
+    with pytest.raises(TypeError, match="not an nn.Module class"):
+        buildable("model")(print)
+    with pytest.raises(TypeError, match=r"has no parameter\(s\) \['splits'\]"):
+        buildable("model", splits="splits")(torch.nn.Identity)
+    with pytest.raises(ValueError, match="unknown slot"):
+        buildable("writer")
