@@ -4,8 +4,10 @@ them (`transformer.h.8`, `model.layers.6`, `gpt_neox.layers.6`); it reads text t
 (`source.inputs`), in windows that start with its BOS token, and its special tokens (BOS, EOS, PAD...) are masked out
 of the SAE's rows and left as they are when the SAE is spliced in.
 
-Weights load from .safetensors only and never with the model's own code (trust_remote_code stays off): a folder
-from elsewhere cannot run anything."""
+Weights load from .safetensors only and never with the model's own code: a folder is data. Its config.json and
+tokenizer_config.json are read as JSON first and refused when they ask for code of their own (`auto_map`) or name a
+model_type transformers does not implement; every load passes trust_remote_code=False (and local_files_only for a
+folder), with standard input closed, so no prompt of transformers' can be answered yes."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from torch import nn
 
 from experiments.lm.corpus import corpus_files, held_out_files, read_text
 from experiments.lm.data import Windows, cache_root, content_key, load_tokens, write_once
+from experiments.sae.hf_code import first_line, no_prompt, refuse_own_code
 from runner import ConfigError, check_whole, require
 from runner.data import DataModule
 from runner.rundir import CONFIG
@@ -105,13 +108,18 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     if unknown:
         raise ConfigError(f"source.inputs: unknown key(s) {unknown}; known: {sorted(INPUTS)}")
     options = {**INPUTS, **(inputs or {})}
-    name = str(checkpoint)[len(HUB) :] if str(checkpoint).startswith(HUB) else str(checkpoint)
+    hub = str(checkpoint).startswith(HUB)
+    name = str(checkpoint)[len(HUB) :] if hub else str(checkpoint)
     what = f"source.checkpoint={checkpoint}"
+    folder, revision = refuse_own_code(name, hub, what)
+    # a folder is read from disk alone; a hub name's files are read at the commit whose configs were just checked
+    where = {"trust_remote_code": False, "local_files_only": not hub, "revision": revision}
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=False)
+        with no_prompt():
+            config = AutoConfig.from_pretrained(name, **where)
     except (OSError, ValueError) as error:
         raise ConfigError(
-            f"{what}: transformers cannot read its config ({_first_line(error)}). Name a folder written by "
+            f"{what}: transformers cannot read its config ({first_line(error)}). Name a folder written by "
             "save_pretrained, or hf:NAME for a hub model (that needs network or the hub's cache); models that need "
             "their own code (trust_remote_code) are refused"
         ) from None
@@ -121,10 +129,13 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar per load of a model's tensors says nothing to an SAE's user
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, config=config, use_safetensors=True, dtype=dtype)
+        with no_prompt():
+            model = AutoModelForCausalLM.from_pretrained(
+                name, config=config, use_safetensors=True, dtype=dtype, **where
+            )
     except (OSError, ValueError) as error:
         raise ConfigError(
-            f"{what}: no causal LM with .safetensors weights loads from it ({_first_line(error)}). runner never "
+            f"{what}: no causal LM with .safetensors weights loads from it ({first_line(error)}). runner never "
             "unpickles weights (pytorch_model.bin): convert them once with "
             "model.save_pretrained(folder, safe_serialization=True)"
         ) from None
@@ -132,22 +143,18 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
         if bars:
             hf_logging.enable_progress_bar()
     model.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    try:
+        with no_prompt():
+            tokenizer = AutoTokenizer.from_pretrained(name, **where)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"{what}: transformers cannot load its tokenizer ({first_line(error)}). Save the model's tokenizer "
+            "beside it with tokenizer.save_pretrained(folder); tokenizers that need their own code are refused"
+        ) from None
     tokenizer.model_max_length = 1 << 62  # whole files are tokenized at once, then cut into windows
-    folder = Path(name) if Path(name).is_dir() else Path(_hub_file(name)).parent
     data, facts = _windows(tokenizer, options, int(config.vocab_size))
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     return Pretrained(model, tokenizer, data, special, folder, facts)
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def _hub_file(name: str) -> str:
-    from transformers.utils import cached_file  # noqa: PLC0415
-
-    return cached_file(name, "config.json")
 
 
 class BosWindows(Windows):
