@@ -1,7 +1,8 @@
 """`python -m runner.export RUN_DIR --format saelens|sparsify [--out DIR]`: a finished run's model in another tool's
 folder layout, where the model knows how to write one (`export(fmt, out, cfg)`: runner's SAEs write SAELens's and
-sparsify's, experiments/sae/export.py). DIR defaults to RUN_DIR/export-FORMAT and must be empty or new. The model is
-built from the run's own config under the same trust rules as evaluation (runner.trained.load_trained).
+sparsify's, experiments/sae/export.py). DIR defaults to RUN_DIR/export-FORMAT and must be empty or new; it is written
+beside it and renamed into place once whole, and a symlink in the run folder never leads it elsewhere (runner.outdir).
+The model is built from the run's own config under the same trust rules as evaluation (runner.trained.load_trained).
 Exit codes: 0, or 2 with a one-line message (a wrong folder, format, model or output)."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 from runner import ConfigError
+from runner.outdir import clear_temporaries, output_folder, staged, write_failed
+from runner.rundir import DiskFull
 from runner.trained import load_trained
 
 
@@ -26,7 +29,18 @@ def main(argv: list[str] | None = None) -> int:
         model, cfg = load_trained(args.run_dir)
         if not hasattr(model, "export"):
             raise ConfigError(f"{run_dir}'s model ({type(model).__name__}) has no export (runner's SAEs have)")
-        folders = model.export(args.format, args.out or run_dir / f"export-{args.format}", cfg)
+        if not args.format.isidentifier():  # it names the default folder
+            raise ConfigError(f"--format {args.format}: give saelens or sparsify")
+        out = output_folder(run_dir, args.out, f"export-{args.format}", "--out ")
+        if out.is_dir():
+            clear_temporaries(out)  # a killed export of an earlier version wrote into the folder itself
+            if any(out.iterdir()):
+                raise ConfigError(f"--out {out} already holds files: give an empty or new folder (nothing was written)")
+        try:  # beside `out`, renamed into place once whole: a killed export leaves nothing in the way of the next
+            with staged(out) as partial:
+                folders = [out / Path(f).relative_to(partial) for f in model.export(args.format, partial, cfg)]
+        except (OSError, DiskFull) as error:
+            raise write_failed(error, f"writing the export to {out}", f"nothing was written to {out}") from None
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

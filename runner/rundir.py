@@ -31,12 +31,14 @@ class DiskFull(ConfigError):
     leave the earlier files whole, so resume=auto goes on from the newest checkpoint once there is room."""
 
 
-def disk_full(what: str, kept: str = "what was written before is intact") -> DiskFull:
-    """The error for a write that found no space left (`what`: what was being written), naming the way out."""
-    return DiskFull(
-        f"disk full: {what} failed (no space left on device); {kept}. Free space on that disk, then continue the "
-        "run with resume=auto hydra.run.dir=<the run folder>"
-    )
+def disk_full(
+    what: str,
+    kept: str = "what was written before is intact",
+    then: str = "continue the run with resume=auto hydra.run.dir=<the run folder>",
+) -> DiskFull:
+    """The error for a write that found no space left (`what`: what was being written), naming the way out (`then`:
+    what to do once there is room; the tools that read a run folder say to run them again)."""
+    return DiskFull(f"disk full: {what} failed (no space left on device); {kept}. Free space on that disk, then {then}")
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -49,12 +51,14 @@ def write_atomic(path: str | Path, data: bytes, fsync: bool = False) -> Path:
 
     With `fsync` the data is on disk before the rename, so a crash (not only a killed process) leaves the old file or
     the new one. The temporary name is unique to this process, so parallel writers cannot clobber each other's; it is
-    removed on any failure. A full disk raises DiskFull.
+    removed on any failure. Neither name is followed if it is a symlink (the rename replaces a link at `path`). A full
+    disk raises DiskFull.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a killed process of the same pid, or planted: a link is removed, not followed
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=_new_file) as f:
             f.write(data)
             if fsync:
                 f.flush()
@@ -69,6 +73,12 @@ def write_atomic(path: str | Path, data: bytes, fsync: bool = False) -> Path:
         earlier = error.__context__
         raise (earlier if isinstance(earlier, DiskFull) else disk_full(f"writing {path}")) from None
     return path
+
+
+def _new_file(path: str, flags: int) -> int:
+    # a file made here, never one already there nor a symlink's target: a folder handed over by someone else (a run
+    # folder is data) cannot carry the bytes elsewhere; the rename then replaces a link at `path`, never follows it
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
 def fsync_dir(path: str | Path) -> None:

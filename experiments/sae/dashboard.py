@@ -27,6 +27,7 @@ from experiments.sae.features import (
 from experiments.sae.pages import family_index, write_pages
 from experiments.sae.source import SourceModel
 from runner import ConfigError
+from runner.outdir import within
 from runner.rundir import SUMMARY, read_json
 from runner.trained import TRUSTED_TARGETS
 
@@ -182,7 +183,8 @@ def write(
             "metrics": metrics,
         }
         views = _weights_views(sae, inputs)
-        written.append(write_pages(out / prefix.rstrip("/"), sae, stats[prefix].result(), inputs, views, head))
+        folder = within(out, prefix.rstrip("/"))  # a family's SAE names come from the run's config
+        written.append(write_pages(folder, sae, stats[prefix].result(), inputs, views, head))
     if len(family) > 1:
         family_index(out, [p.rstrip("/") for p, _ in family])
         written.insert(0, out / "index.html")

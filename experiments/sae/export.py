@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
 from runner import ConfigError
+from runner.rundir import write_atomic
 
 FORMATS = ("saelens", "sparsify")
 
@@ -65,17 +66,19 @@ def export(sae: nn.Module, fmt: str, out: Path, hook: str | None = None, model: 
         raise ConfigError(
             f"sparsify has top-k SAEs only; this is {type(sae).__name__} ({kind} at inference): --format saelens"
         )
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder: give an empty or new folder (nothing was written)")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} already holds files: give an empty or new folder (nothing was written)")
     out.mkdir(parents=True, exist_ok=True)
     weights = raw_unit_weights(sae)
     if fmt == "saelens":
-        save_file(weights, str(out / "sae_weights.safetensors"))
+        write_atomic(out / "sae_weights.safetensors", save(weights))
         _write(out / "cfg.json", _saelens_cfg(sae, kind, hook, model))
     else:
         names = {"W_enc": "encoder.weight", "b_enc": "encoder.bias", "W_dec": "W_dec", "b_dec": "b_dec"}
         tensors = {names[k]: (v.t().contiguous() if k == "W_enc" else v) for k, v in weights.items()}
-        save_file(tensors, str(out / "sae.safetensors"))
+        write_atomic(out / "sae.safetensors", save(tensors))
         _write(out / "cfg.json", _sparsify_cfg(sae))
     return out
 
@@ -114,4 +117,5 @@ def _sparsify_cfg(sae: nn.Module) -> dict[str, Any]:
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    # renamed into place (as the weights): a symlink at the name is replaced, never written through
+    write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,8 @@ import torch
 from torch import nn
 
 from experiments.sae.features import HIST_BINS, HIST_LOW, HIST_PER_DECADE, QUANTILES
+from runner.outdir import clear_temporaries, make_dir
+from runner.rundir import write_atomic
 
 STATIC = Path(__file__).resolve().parent / "static"
 CHUNK = 256  # latents per data file
@@ -24,8 +25,8 @@ CHUNK = 256  # latents per data file
 
 def _script(path: Path, call: str, payload: Any) -> None:
     # a data file the pages load with a <script> tag (fetch() is refused from file://); ensure_ascii: no character
-    # of the corpus reaches the file unescaped
-    path.write_text(f"{call}({json.dumps(payload, ensure_ascii=True, separators=(',', ':'))});\n")
+    # of the corpus reaches the file unescaped; renamed into place, so a symlink at its name is replaced, not followed
+    write_atomic(path, f"{call}({json.dumps(payload, ensure_ascii=True, separators=(',', ':'))});\n".encode())
 
 
 def _rounded(t: torch.Tensor, digits: int = 4) -> list:
@@ -82,11 +83,12 @@ def write_pages(
     """Write one SAE's pages to `folder`: the static files, the index data and its latents' data files, from its
     statistics `r` (LatentStats.result), the `inputs` they came from, the weights' `views` and the index's `head`;
     returns the index page."""
-    (folder / "data").mkdir(parents=True, exist_ok=True)
+    for made in (folder, folder / "data"):  # real folders: a symlink planted at either name is replaced
+        clear_temporaries(make_dir(made))  # and what a killed run left in them removed
     for old in (folder / "data").glob("latents-*.js"):
         old.unlink()  # a smaller SAE written over a bigger one leaves no stale chunk
     for name in ("index.html", "app.js"):
-        shutil.copyfile(STATIC / name, folder / name)
+        write_atomic(folder / name, (STATIC / name).read_bytes())
     n, top_tokens = sae.n_latents, []
     for start in range(0, n, CHUNK):
         chunk = {i: _latent(inputs, r, views, i) for i in range(start, min(n, start + CHUNK))}
@@ -121,8 +123,6 @@ def write_pages(
 def family_index(out: Path, names: list[str]) -> None:
     """A family's folder: one link per SAE (its pages are in the folder of its name)."""
     links = "\n".join(f'<li><a href="{html.escape(n)}/index.html">{html.escape(n)}</a></li>' for n in names)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "index.html").write_text(
-        "<!doctype html>\n<meta charset=utf-8>\n<title>SAE family</title>\n<h1>SAEs of this run</h1>\n"
-        f"<ul>\n{links}\n</ul>\n"
-    )
+    page = "<!doctype html>\n<meta charset=utf-8>\n<title>SAE family</title>\n<h1>SAEs of this run</h1>\n"
+    page += f"<ul>\n{links}\n</ul>\n"
+    write_atomic(make_dir(out) / "index.html", page.encode())
