@@ -145,8 +145,10 @@ def main(cfg: DictConfig) -> float | None:
     run_dir, rank = Path(hydra_cfg.runtime.output_dir), environment()["rank"]
     try:  # a bad `threads` (0, -3) is a ConfigError from here, before the folder is claimed: exit 2 (a sweep's too)
         threads = threads_per_job(cfg.get("threads"), parallel_jobs(hydra_cfg.launcher) if in_sweep else 1)
-    except ConfigError:
+    except ConfigError as error:
         remove_refused(run_dir)
+        if not in_sweep:  # said here: raised, it comes after a line of Hydra's ("Error executing job with ...")
+            _fail(error, 2)
         raise
     if threads is not None:
         torch.set_num_threads(threads)
@@ -165,8 +167,7 @@ def main(cfg: DictConfig) -> float | None:
     if reason == StopReason.NONFINITE:
         message = RuntimeError(
             f"stopped after {run.settings.max_nonfinite_steps} optimizer steps in a row with a non-finite loss "
-            "or gradient norm (trainer.max_nonfinite_steps). Lower the learning rate, enable "
-            "trainer.gradient_clip_val, or check the data for NaN/inf."
+            f"or gradient norm (trainer.max_nonfinite_steps). {_nonfinite_advice(run.settings.gradient_clip_val)}"
         )
         if not in_sweep:  # in a sweep, one diverged trial must not end the others
             _fail(message, reason.exit_code)
@@ -180,6 +181,19 @@ def main(cfg: DictConfig) -> float | None:
             )
         sys.exit(reason.exit_code)
     return objective(reason, run.state.best.value, cfg.mode)
+
+
+def _nonfinite_advice(clip: float | None) -> str:
+    """What to change after a run stopped on non-finite losses: a clip to set only where none is."""
+    if clip is None:
+        return "Lower the learning rate, enable trainer.gradient_clip_val (e.g. 1.0), or check the data for NaN/inf."
+    # Clipped already: a clip bounds the gradient, and Adam's step is about the learning rate whatever the gradient's
+    # size, so the rate is the lever (a smaller clip only helps plain SGD), unless the data itself is not finite.
+    return (
+        f"The gradients were clipped already (trainer.gradient_clip_val={clip:g}): lower the learning rate "
+        "(optimizer.lr; a longer warmup helps too), or check the data for NaN/inf. Only with optimizer=sgd does a "
+        "smaller clip also bound each step."
+    )
 
 
 def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s: float) -> float | None:

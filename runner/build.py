@@ -154,8 +154,6 @@ def _build(cfg: DictConfig) -> Run:
             f"{cfg.trainer.accumulate_grad_batches} with data.drop_last={data.drop_last}"
         )
     trainer = cfg.trainer
-    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val <= 0:
-        raise ConfigError(f"trainer.gradient_clip_val must be > 0 or null (off), got {trainer.gradient_clip_val}")
     if trainer.max_nonfinite_steps < 1:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
     task = instantiate(cfg.model, **decided_by_data(cfg.model, data)).to(dist.device)

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.hints import check_value, fits, plain_value, set_at, typed
+from runner.resolvers import check_interpolations
 
 # What runner reads under `trainer` (runner/conf/config.yaml documents each), and the type of each; durations are
 # parsed by runner.progress, whose errors name the units (a duration given as a number reads as a bad duration).
@@ -60,6 +61,12 @@ OPTIMIZER_RANGES = {
     "momentum": (0.0, 1.0, False, "0.9"),
     "dampening": (0.0, 1.0, True, "0.0"),
 }
+
+
+# Seeds every generator of a run takes: torch.manual_seed takes 64 bits, numpy's np.random.seed (a DataLoader
+# worker's) 32, and runner derives seeds from `seed` by adding to it (the data order of epoch e: seed + e), which a
+# seed near 2**64 would overflow in the middle of a run. Within 32 bits every seed derived from it stays inside both.
+MAX_SEED = 2**32 - 1
 
 
 # Names from other libraries that difflib cannot see are the same setting.
@@ -212,9 +219,21 @@ def check_values(cfg: DictConfig) -> None:
             f"{', '.join(missing)} must be set (the config leaves {'them' if len(missing) > 1 else 'it'} as ???): "
             f"add {' '.join(f'{k}=...' for k in missing)} to the command line"
         )
+    check_interpolations(cfg)
     seed = cfg.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError(f"seed must be a whole number >= 0, got {seed!r}: e.g. seed=0")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(
+            f"seed must be a whole number in [0, {MAX_SEED}] (2**32 - 1, what numpy and torch both take), got "
+            f"{seed!r}: e.g. seed=0"
+        )
+    clip = cfg.get("trainer", {}).get("gradient_clip_val")
+    # nan passed `clip <= 0` and made every gradient NaN (clipping scales by clip / norm), so the weights with it; an
+    # infinite clip clips nothing, 0 zeroes every gradient: neither is what anyone means (null turns clipping off)
+    if fits(clip, float) and not (math.isfinite(clip) and clip > 0):
+        raise ConfigError(
+            f"trainer.gradient_clip_val must be > 0 or null (off), got {clip!r}: a finite number, the largest global "
+            "gradient norm a step keeps, e.g. trainer.gradient_clip_val=1.0"
+        )
     _check_optimizer(cfg.get("optimizer", {}))
     device = cfg.get("distributed", {}).get("device")
     if isinstance(device, str) and device != "auto":

@@ -30,7 +30,7 @@ from runner import ConfigError, check_whole, trust
 from runner.build import build_data
 from runner.log.console import ConsoleLogger
 from runner.run import Precision
-from runner.rundir import CONFIG, MODEL, write_json
+from runner.rundir import CONFIG, MODEL, DiskFull, disk_full, write_json
 from runner.trained import TRUSTED_TARGETS, load_trained, measuring_callbacks, trusted_here
 from runner.validation import evaluate_loader
 
@@ -84,7 +84,12 @@ def evaluate_run(
         "weights_sha256": hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None,
         "metrics": {key.replace("val/", f"{split}/", 1): value for key, value in metrics.items()},
     }
-    write_json(run_dir / f"eval-{split}.json", result)
+    out = run_dir / f"eval-{split}.json"
+    try:
+        write_json(out, result)
+    except DiskFull:  # its advice is training's (resume=auto); an evaluation is simply run again
+        kept = f"nothing was written (an earlier {out.name}, if any, is as it was)"
+        raise disk_full(f"writing {out}", kept, "run the same command again") from None
     return result
 
 

@@ -42,6 +42,8 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
     for key in WHOLE:
         if isinstance(options[key], bool) or not isinstance(options[key], int) or options[key] < (key != "seed"):
             raise ConfigError(f"{key}={options[key]!r}: give a whole number{' >= 1' if key != 'seed' else ''}")
+    if options["seed"] > 2**64 - 1:  # what torch.Generator.manual_seed takes (more: an overflow traceback)
+        raise ConfigError(f"seed={options['seed']}: give a whole number in [0, 2**64 - 1], e.g. seed=0")
     if not isinstance(options["temperature"], (int, float)) or not 0 < options["temperature"] < float("inf"):
         raise ConfigError(f"temperature={options['temperature']!r}: give a number > 0, e.g. temperature=0.8")
     top_k = options["top_k"]

@@ -1,15 +1,20 @@
 """The config's own resolvers (runner_now, runner_fresh, runner_hydra_subdir, runner_direction), registered
-explicitly by the entry points that compose a config: the CLI, the SLURM launcher's tasks, tests."""
+explicitly by the entry points that compose a config: the CLI, the SLURM launcher's tasks, tests; and the check that
+every interpolation of a composed config resolves (runner.checks asks it first)."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, UnsupportedInterpolationType
 
+from runner import ConfigError
 from runner.refused import missing, note_made
 from runner.rundir import CLASH
 
@@ -86,3 +91,44 @@ def register() -> None:
     OmegaConf.register_new_resolver("runner_hydra_subdir", _hydra_subdir, replace=True)
     OmegaConf.register_new_resolver("runner_fresh", _fresh, replace=True)
     OmegaConf.register_new_resolver("runner_direction", _direction, replace=True)
+
+
+def _unresolved(node: Any, path: str) -> Iterator[tuple[str, str, InterpolationResolutionError]]:
+    # (key, its interpolation, the error) of each interpolation that cannot be resolved: an unset ${oc.env:NAME}
+    # was a traceback from deep inside OmegaConf wherever the key was first read.
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node)) if isinstance(node, ListConfig) else ()
+    for key in keys:
+        child, at = node._get_node(key), f"{path}.{key}" if path else str(key)
+        if path == "" and key == "hydra":
+            continue  # Hydra's own, resolved by Hydra before the job started
+        if not child._is_interpolation():
+            yield from _unresolved(child, at)
+            continue
+        try:
+            node[key]
+        except InterpolationResolutionError as error:
+            yield at, child._value(), error
+
+
+def check_interpolations(cfg: DictConfig) -> None:
+    """A ConfigError naming the first key of the job config whose interpolation cannot be resolved, and the fix."""
+    for key, raw, error in _unresolved(cfg, ""):
+        said = str(error).splitlines()[0]
+        if variable := re.search(r"Environment variable '(.*)' not found", said):
+            name = variable.group(1)
+            raise ConfigError(
+                f"{key}={raw}: the environment variable {name} is not set: set it (export {name}=...) before the "
+                f"command, or give a default after a comma: ${{oc.env:{name},default}}. oc.env gives text: a number "
+                f"or a list is {key}='${{oc.decode:${{oc.env:{name},default}}}}' (quoted: Hydra reads nested "
+                "interpolations only in quotes)"
+            )
+        if isinstance(error, InterpolationKeyError):
+            absent = re.search(r"key '(.*)' not found", said)
+            why = f"{absent.group(1) if absent else raw} is not a key of the config"
+            fix = "name a key in full, e.g. ${model.seq_len} (`python -m runner ... --cfg job` prints every key)"
+        elif isinstance(error, UnsupportedInterpolationType):
+            why = f"there is no resolver {said.rpartition(' ')[2]!r}"
+            fix = "e.g. ${oc.env:NAME,default} reads the environment, ${oc.select:key,default} another key"
+        else:
+            why, fix = said, "give the value itself"
+        raise ConfigError(f"{key}={raw} cannot be resolved ({why}): {fix}")

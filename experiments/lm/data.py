@@ -104,9 +104,14 @@ def content_key(prefix: str, texts: list[bytes]) -> str:
     return digest.hexdigest()
 
 
-def encode_corpus(files: list[Path], val_every: int, cache_dir: str | None = None) -> tuple[Path, dict[str, Any]]:
+def encode_corpus(
+    files: list[str | Path] | str | Path, val_every: int, cache_dir: str | None = None
+) -> tuple[Path, dict[str, Any]]:
     """Encode the files as bytes into <cache>/<content hash>/{train,val}.u8 (every `val_every`-th file held out for
-    validation, files separated by a NUL byte) unless that folder exists; return it and the corpus's facts."""
+    validation, files separated by a NUL byte) unless that folder exists; return it and the corpus's facts. One path
+    (a str or a Path) is one file."""
+    # a str is iterable too: iterated, it was a list of one-character paths (an AttributeError on the first)
+    files = [Path(files)] if isinstance(files, str | os.PathLike) else [Path(f) for f in files]
     texts = [read_text(f) for f in files]
     key = content_key(f"{_FORMAT}:{val_every}:", texts)
     folder = cache_root(cache_dir, "text_bytes") / key[:16]

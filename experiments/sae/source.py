@@ -56,6 +56,7 @@ class SourceModel:
                 f"source.skip_positions={skip_positions!r}: give how many first positions to leave out, >= 0"
             )
         self.pretrained: pretrained.Pretrained | None = None
+        self.checkpoint, self.read = str(checkpoint), (None, None)
         if pretrained.is_pretrained(checkpoint):
             self.pretrained = pretrained.load(str(checkpoint), inputs)
             self.model, self.data = self.pretrained.model, self.pretrained.data
@@ -67,14 +68,19 @@ class SourceModel:
         else:
             self.model, cfg = load_trained(checkpoint, trusted_targets)
             self.data: DataModule = build_data(cfg)
+            # what that run read, when it read another model's activations: the way out if it is no source (_no_loss)
+            self.read = cfg.data.get("checkpoint"), cfg.data.get("module")
         self.device = torch.device(device)
         self.model.to(self.device)
         modules = dict(self.model.named_modules())
         self.names = hook_points(module)
         for name in self.names:
             if name not in modules:
-                names = ", ".join(n for n in modules if n)
-                raise ConfigError(f"source.module={name!r} is not a module of {type(self.model).__name__}: {names}")
+                names = ", ".join(n for n in modules if n) or "it has none but itself"
+                raise ConfigError(
+                    f"source.module={name!r} is not a module of {type(self.model).__name__}: {names}"
+                    + self._read_instead()
+                )
         self.modules, self.skip = {name: modules[name] for name in self.names}, skip_positions
         self.name = self.names[0]  # the module that splicing replaces unless told another
         self.widths: dict[str, int] = {}  # each module's width, known from the first activations
@@ -170,6 +176,12 @@ class SourceModel:
             for name in self.names:
                 hooks.enter_context(self._hook(name, grab(name)))
             self._loss(batch)
+        if len(captured) < len(self.names):  # the forward ended without running them
+            idle = ", ".join(name for name in self.names if name not in captured)
+            raise ConfigError(
+                f"source.module={idle}: the validation_step of {type(self.model).__name__} never runs it, so it gives "
+                "no activations: hook a module that validation runs through"
+            )
         self.widths = {name: captured[name].shape[-1] for name in self.names}
         return captured[self.name] if len(self.names) == 1 else torch.cat([captured[n] for n in self.names], dim=-1)
 
@@ -215,11 +227,31 @@ class SourceModel:
         outputs: list[Any] = []
         root = self.model.register_forward_hook(lambda _m, _i, out: outputs.append(out))
         try:
-            loss = self.model.validation_step(batch)["loss"]
+            out = self.model.validation_step(batch)
         finally:
             root.remove()
+        if "loss" not in out:
+            raise ConfigError(self._no_loss(out))
+        loss = out["loss"]
         logits = outputs[-1] if outputs and torch.is_tensor(outputs[-1]) and outputs[-1].is_floating_point() else None
         return loss, logits
+
+    def _read_instead(self) -> str:
+        # An SAE's run given as a source (an SAE on an SAE: a KeyError inside the source's forward before): the model
+        # that run read its activations from is the one to give
+        inner, module = self.read
+        if inner is None:
+            return ""
+        preset = " with +experiment=sae_hf" if pretrained.is_pretrained(inner) else ""
+        return f"; an SAE's run? give the model it read: source.checkpoint={inner} source.module={module}{preset}"
+
+    def _no_loss(self, out: dict[str, Any]) -> str:
+        # an SAE's validation gives reconstruction statistics, and calls no module (its weights hang off the root)
+        return (
+            f"source.checkpoint={self.checkpoint}: the validation_step of its {type(self.model).__name__} gives no "
+            f"loss (only {', '.join(out)}), and an SAE's source is a model whose loss it is spliced into"
+            + (self._read_instead() or ": give the run of a model whose validation gives its loss (+experiment=lm)")
+        )
 
 
 def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

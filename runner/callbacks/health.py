@@ -40,6 +40,9 @@ class TrainingHealth(Callback):
         modules: list[str] | None = None,
         histograms: bool = True,
     ) -> None:
+        for name, count in (("top", top), ("warmup", warmup)):  # top=-1 sent all layers but one, as a slice does
+            if count < 0:
+                raise ConfigError(f"callbacks.health.{name} must be a whole number >= 0, got {count}")
         self.path, self.every, self.top, self.histograms = Path(run_dir) / "health.jsonl", every, top, histograms
         self.explode, self.vanish, self.warmup = explode, vanish, warmup
         self.module_names = list(modules or [])

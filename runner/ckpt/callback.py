@@ -72,10 +72,15 @@ class Checkpoint(Callback):
     ) -> None:
         if keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be >= 1 (resume needs one), got {keep_last}")
+        if keep_best < 0:  # was read as 0: a typo for a count silently kept no best checkpoint
+            raise ConfigError(
+                f"checkpoint.keep_best must be >= 0 (how many best checkpoints to keep apart; 0: none), got "
+                f"{keep_best}: e.g. checkpoint.keep_best=3"
+            )
         self.dir, self.interval = Path(dir), parse_duration(interval)
         if self.interval.value <= 0:
             raise ConfigError(f"checkpoint.interval={interval} must be longer than zero")
-        self.keep_last, self.keep_best, self.save_last = keep_last, max(0, keep_best), save_last
+        self.keep_last, self.keep_best, self.save_last = keep_last, keep_best, save_last
         self.monitor = monitor if keep_best > 0 else None
         self.order = Best(mode)  # which values are better (it checks that mode is 'min' or 'max')
         # (value, step) of every checkpoint saved with a fresh monitored value: every rank decides the same saves

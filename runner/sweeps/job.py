@@ -58,11 +58,25 @@ def objective(stop_reason: str | None, best: float | None, mode: str) -> float |
 
 def threads_per_job(threads: int | None, parallel_jobs: int, cores: int | None = None) -> int | None:
     """Torch threads for one job: `threads` if set, else the cores shared by the jobs that run at once (None: keep).
-    A ConfigError for a `threads` that is not a whole number >= 1 (torch refuses 0 and negative counts)."""
+    A ConfigError for a `threads` that is not a whole number >= 1 (torch refuses 0 and negative counts), or that is
+    more than the machine's logical CPUs."""
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigError(
                 f"threads must be a whole number >= 1, or null (torch's default), got {threads!r}: e.g. threads=4"
+            )
+        # Torch's threads share out one operation's work and wait for each other at its end: past one per logical
+        # CPU they only take turns (threads=5000 ran at 5 samples/s) and exhaust the machine's threads (100000 crashed
+        # with a segfault, exit 139). os.cpu_count() and not this process's CPUs (sched_getaffinity): a count that
+        # suits the machine is not refused for an affinity the launcher may set differently next time.
+        logical = os.cpu_count() or 1
+        if threads > logical:
+            usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+            yours = f", {usable} of them usable by this process" if usable < logical else ""
+            raise ConfigError(
+                f"threads={threads} is more than this machine's {logical} logical CPU cores{yours}: threads past "
+                f"one per core only wait for each other; give threads={min(usable, logical)} or fewer, or "
+                "threads=null (torch's default)"
             )
         return threads
     if parallel_jobs == 1:

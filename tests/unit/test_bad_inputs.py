@@ -5,6 +5,7 @@ In-process, as tests/unit/test_cli_errors.py; the CLI itself (hydra.run.dir, thr
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
@@ -99,6 +100,44 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         ["+experiment=sae", "logger=none", "data=activations_file", "data.train_path={tmp}/random.npy"],
         ["random.npy cannot be read: it is not a valid .npy file"],
     ),
+    # accepted before: a NaN clip made every weight NaN; inf clipped nothing; keep_best=-1 was read as 0, top=-1 as
+    # "all layers but the last"
+    "nan-gradient-clip": (
+        [*DIGITS, "trainer.gradient_clip_val=nan"],
+        ["trainer.gradient_clip_val must be > 0 or null (off), got nan", "e.g. trainer.gradient_clip_val=1.0"],
+    ),
+    "infinite-gradient-clip": ([*DIGITS, "trainer.gradient_clip_val=inf"], ["gradient_clip_val must be > 0", "inf"]),
+    "zero-gradient-clip": ([*DIGITS, "trainer.gradient_clip_val=0"], ["gradient_clip_val must be > 0", "got 0"]),
+    "negative-keep-best": (
+        [*DIGITS, "checkpoint.keep_best=-1"],
+        ["checkpoint.keep_best must be >= 0", "got -1", "checkpoint.keep_best=3"],
+    ),
+    "negative-health-top": (
+        [*DIGITS, "callbacks=[health]", "callbacks.health.top=-1"],
+        ["callbacks.health.top must be a whole number >= 0, got -1"],
+    ),
+    # tracebacks before: torch.manual_seed overflowed; OmegaConf raised from deep inside the first read of the key
+    "seed-past-64-bits": (
+        [*DIGITS, "seed=18446744073709551616"],
+        ["seed must be a whole number in [0, 4294967295]", "got 18446744073709551616", "seed=0"],
+    ),
+    "seed-past-32-bits": ([*DIGITS, "seed=4294967296"], ["seed must be a whole number in [0, 4294967295]"]),
+    "unset-environment-variable": (
+        [*DIGITS, "optimizer.lr=${{oc.env:RUNNER_UNSET_FOR_TESTS}}"],  # (str.format: {{ is {)
+        [
+            "optimizer.lr=${oc.env:RUNNER_UNSET_FOR_TESTS}: the environment variable RUNNER_UNSET_FOR_TESTS is not set",
+            "${oc.env:RUNNER_UNSET_FOR_TESTS,default}",
+        ],
+    ),
+    "unset-environment-variable-in-a-list": (
+        [*DIGITS, "model.hidden=[${{oc.env:RUNNER_UNSET_FOR_TESTS}}]"],
+        ["model.hidden.0=${oc.env:RUNNER_UNSET_FOR_TESTS}: the environment variable"],
+    ),
+    "interpolation-of-no-key": (
+        [*DIGITS, "optimizer.lr=${{nope.lr}}"],
+        ["optimizer.lr=${nope.lr} cannot be resolved (nope.lr is not a key of the config)", "--cfg job"],
+    ),
+    "unknown-resolver": ([*DIGITS, "optimizer.lr=${{nope:1}}"], ["there is no resolver 'nope'", "oc.env"]),
 }
 
 
@@ -140,6 +179,25 @@ def test_data_paths_given_as_one_string_is_one_path(built: Callable) -> None:
 def test_threads_that_torch_would_refuse_are_a_config_error(threads: object) -> None:
     with pytest.raises(ConfigError, match=r"threads must be a whole number >= 1, or null .*e\.g\. threads=4"):
         threads_per_job(threads, 1)
+
+
+def test_more_threads_than_the_machine_s_cores_are_a_config_error() -> None:
+    # threads=5000 trained at 5 samples/s, threads=100000 segfaulted (exit 139)
+    cores = os.cpu_count()
+    assert threads_per_job(cores, 1) == cores  # one per logical core: still a choice to make
+    for threads in (cores + 1, 5000, 100000):
+        with pytest.raises(ConfigError, match=rf"threads={threads} is more than this machine's {cores} logical CPU"):
+            threads_per_job(threads, 1)
+
+
+def test_encode_corpus_given_one_path_as_a_string_encodes_that_file(tmp_path: Path) -> None:
+    # a str was iterated as a list of one-character paths (an AttributeError on the first)
+    from experiments.lm.data import encode_corpus
+
+    folder, facts = encode_corpus(str(JSON_PY), 0, cache_dir=str(tmp_path))
+    assert facts["files"] == 1 and (folder / "train.u8").read_bytes() == JSON_PY.read_bytes()
+    assert encode_corpus(JSON_PY, 0, cache_dir=str(tmp_path))[0] == folder  # a Path: the same one file
+    assert encode_corpus([str(JSON_PY)], 0, cache_dir=str(tmp_path))[0] == folder
 
 
 @pytest.fixture
@@ -235,3 +293,46 @@ def test_a_stream_says_once_where_a_file_stops_being_utf8(tmp_path: Path, capsys
         next(windows)
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
     assert len(warnings) == 1 and f"{bad} is not UTF-8 text at byte 9000" in warnings[0], warnings
+
+
+# ---- what the CLI says: exit 2 before the run starts (nothing made), exit 3 with advice that fits the run ----------
+def test_an_unset_environment_variable_exits_2_naming_it(
+    run_cli: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built: Callable
+) -> None:
+    monkeypatch.delenv("RUNNER_UNSET_FOR_TESTS", raising=False)
+    code, err = run_cli(*DIGITS, "optimizer.lr=${oc.env:RUNNER_UNSET_FOR_TESTS}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("error: optimizer.lr=${oc.env:RUNNER_UNSET_FOR_TESTS}: the "), err
+    assert not (tmp_path / "run").exists()
+    # oc.env gives text (lr='0.004' is refused): a number's default is decoded, as the message says
+    assert "optimizer.lr='${oc.decode:${oc.env:RUNNER_UNSET_FOR_TESTS,default}}' (quoted" in err, err
+    _, run = built(*DIGITS, "optimizer.lr='${oc.decode:${oc.env:RUNNER_UNSET_FOR_TESTS,0.004}}'")
+    assert run.optimizer.param_groups[0]["lr"] == 0.004
+
+
+def test_too_many_threads_exit_2_naming_the_cores(run_cli: Callable, tmp_path: Path) -> None:
+    code, err = run_cli(*DIGITS, "threads=100000", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2, err
+    # one line: said before Hydra adds its own "Error executing job with overrides"
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: threads=100000 is more than this machine's {os.cpu_count()} logical CPU cores")
+    assert "or fewer, or threads=null" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("clip", "advice"),
+    [
+        ([], "Lower the learning rate, enable trainer.gradient_clip_val (e.g. 1.0), or check the data for NaN/inf."),
+        (["trainer.gradient_clip_val=0.5"], "clipped already (trainer.gradient_clip_val=0.5): lower the learning rate"),
+    ],
+)
+def test_a_diverged_run_exits_3_with_advice_that_fits_its_clip(
+    run_cli: Callable, tmp_path: Path, clip: list[str], advice: str
+) -> None:
+    diverging = ["optimizer.lr=1e30", "trainer.max_nonfinite_steps=2", "trainer.max_duration=20st"]
+    quick = ["callbacks=none", "checkpoint=none", "trainer.log_interval=1st", f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_cli(*DIGITS, *diverging, *quick, *clip)
+    assert code == 3, err
+    assert "stopped after 2 optimizer steps in a row with a non-finite loss" in err and advice in err, err
+    assert clip == [] or "enable trainer.gradient_clip_val" not in err  # (it is set: the advice said to set it)

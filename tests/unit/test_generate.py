@@ -62,6 +62,7 @@ def test_the_command_prints_seeded_samples_and_refuses_bad_arguments(
         ("colour=red", "'colour=red': give KEY=VALUE"),
         ("prompt_ids=[1,", "prompt_ids=[1,: cannot read the value"),
         ("device=cuda:7", "device=cuda:7: this machine has"),
+        ("seed=18446744073709551616", "seed=18446744073709551616: give a whole number in [0, 2**64 - 1]"),
     ]:
         assert main([str(lm_run), bad]) == 2, bad
         assert message in capsys.readouterr().err, bad

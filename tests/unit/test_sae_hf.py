@@ -104,6 +104,28 @@ def test_a_transformers_sourced_run_resumes_exactly_and_reuses_its_activation_ca
         train(compose_cfg(*other, run_dir=tmp_path / "other"))
 
 
+def test_an_sae_run_as_another_sae_s_source_is_refused_naming_the_model_it_read(
+    compose_cfg: Callable, hf: dict, tmp_path: Path
+) -> None:
+    # An SAE on a transformers model, then an SAE on that SAE's run: a KeyError from inside the source's forward
+    from helpers import finished_run
+
+    first = tmp_path / "sae"
+    first.mkdir()
+    finished_run(first, *_sae_hf(hf, "gpt2"), "logger=none", "checkpoint=none", "callbacks=none")
+    fix = f"give the model it read: source.checkpoint={hf['models']['gpt2']} source.module=transformer.h.1 with "
+    fix += "+experiment=sae_hf"
+    for module, problem in [
+        ("net.1", "source.module='net.1' is not a module of TopKSAE: it has none but itself"),
+        ("''", f"source.checkpoint={first}: the validation_step of its TopKSAE gives no loss"),  # its root
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            train(compose_cfg("+experiment=sae_digits", f"source.checkpoint={first}", f"source.module={module}"))
+        message = str(caught.value)
+        assert problem in message and fix in message and len(message.splitlines()) == 1, message
+        assert not (tmp_path / "run").exists()
+
+
 def test_a_folder_with_pickled_weights_only_is_refused(hf: dict, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

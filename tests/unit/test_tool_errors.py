@@ -3,6 +3,8 @@ that names the argument or file and what to give instead; never a traceback, nev
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from pathlib import Path
 
@@ -73,6 +75,27 @@ def test_evaluate_given_weights_in_a_run_folder_evaluates_them_as_weights_would(
         assert got["weights_sha256"] == expected["weights_sha256"]  # a folder's weights file, hashed
         assert f"wrote {digits_run / 'eval-test.json'}" in capsys.readouterr().out
     assert not (digits_run / "model.safetensors").is_dir()
+
+
+def test_evaluate_on_a_full_disk_says_to_run_it_again(digits_run: Path, capsys, monkeypatch) -> None:
+    # Its advice was training's: "continue the run with resume=auto", which evaluate does not take
+    earlier = digits_run / "eval-test.json"
+    before = earlier.read_bytes() if earlier.exists() else None
+
+    def full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)  # write_atomic's rename into place: the disk filled as it wrote
+    message = refused(
+        evaluate.main,
+        [str(digits_run), "split=test"],
+        capsys,
+        "disk full: writing .*eval-test.json failed .*nothing was written .*run the same command again",
+    )
+    monkeypatch.undo()
+    assert "resume=auto" not in message
+    assert (earlier.read_bytes() if earlier.exists() else None) == before  # nothing lost, nothing half-written
+    assert not list(digits_run.glob(".eval-test.json.*"))
 
 
 # ---- runner init --------------------------------------------------------------------------------------------------
