@@ -10,11 +10,23 @@ import contextlib
 import io
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from runner import ConfigError
+
+T = TypeVar("T")
+
+
+def loaded(load: Callable[[], T], failed: str, fix: str) -> T:
+    """What transformers' `load()` returns, with standard input closed (no_prompt); its OSError or ValueError as one
+    ConfigError: `failed` (what could not be loaded), the error's first line, then `fix`."""
+    try:
+        with no_prompt():
+            return load()
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{failed} ({first_line(error)}). {fix}") from None
 
 
 def first_line(error: BaseException) -> str:

@@ -23,7 +23,7 @@ from torch import nn
 
 from experiments.lm.corpus import corpus_files, held_out_files, read_text
 from experiments.lm.data import Windows, cache_root, content_key, load_tokens, write_once
-from experiments.sae.hf_code import first_line, no_prompt, refuse_own_code
+from experiments.sae.hf_code import loaded, refuse_own_code
 from runner import ConfigError, check_whole, require
 from runner.data import DataModule
 from runner.rundir import CONFIG
@@ -114,43 +114,36 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     folder, revision = refuse_own_code(name, hub, what)
     # a folder is read from disk alone; a hub name's files are read at the commit whose configs were just checked
     where = {"trust_remote_code": False, "local_files_only": not hub, "revision": revision}
-    try:
-        with no_prompt():
-            config = AutoConfig.from_pretrained(name, **where)
-    except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"{what}: transformers cannot read its config ({first_line(error)}). Name a folder written by "
-            "save_pretrained, or hf:NAME for a hub model (that needs network or the hub's cache); models that need "
-            "their own code (trust_remote_code) are refused"
-        ) from None
+    config = loaded(
+        lambda: AutoConfig.from_pretrained(name, **where),
+        f"{what}: transformers cannot read its config",
+        "Name a folder written by save_pretrained, or hf:NAME for a hub model (that needs network or the hub's "
+        "cache); models that need their own code (trust_remote_code) are refused",
+    )
     dtype = getattr(torch, str(options["torch_dtype"]), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"source.inputs.torch_dtype={options['torch_dtype']!r}: float32, bfloat16 or float16")
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar per load of a model's tensors says nothing to an SAE's user
     try:
-        with no_prompt():
-            model = AutoModelForCausalLM.from_pretrained(
+        model = loaded(
+            lambda: AutoModelForCausalLM.from_pretrained(
                 name, config=config, use_safetensors=True, dtype=dtype, **where
-            )
-    except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"{what}: no causal LM with .safetensors weights loads from it ({first_line(error)}). runner never "
-            "unpickles weights (pytorch_model.bin): convert them once with "
-            "model.save_pretrained(folder, safe_serialization=True)"
-        ) from None
+            ),
+            f"{what}: no causal LM with .safetensors weights loads from it",
+            "runner never unpickles weights (pytorch_model.bin): convert them once with "
+            "model.save_pretrained(folder, safe_serialization=True)",
+        )
     finally:
         if bars:
             hf_logging.enable_progress_bar()
     model.eval().requires_grad_(False)
-    try:
-        with no_prompt():
-            tokenizer = AutoTokenizer.from_pretrained(name, **where)
-    except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"{what}: transformers cannot load its tokenizer ({first_line(error)}). Save the model's tokenizer "
-            "beside it with tokenizer.save_pretrained(folder); tokenizers that need their own code are refused"
-        ) from None
+    tokenizer = loaded(
+        lambda: AutoTokenizer.from_pretrained(name, **where),
+        f"{what}: transformers cannot load its tokenizer",
+        "Save the model's tokenizer beside it with tokenizer.save_pretrained(folder); tokenizers that need their own "
+        "code are refused",
+    )
     tokenizer.model_max_length = 1 << 62  # whole files are tokenized at once, then cut into windows
     data, facts = _windows(tokenizer, options, int(config.vocab_size))
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
