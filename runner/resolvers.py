@@ -111,7 +111,8 @@ def _unresolved(node: Any, path: str) -> Iterator[tuple[str, str, InterpolationR
 
 
 def check_interpolations(cfg: DictConfig) -> None:
-    """A ConfigError naming the first key of the job config whose interpolation cannot be resolved, and the fix."""
+    """A ConfigError naming the first key of the job config whose interpolation cannot be resolved for a reason of
+    the config's own (an unset environment variable, a key or resolver that does not exist), and the fix."""
     for key, raw, error in _unresolved(cfg, ""):
         said = str(error).splitlines()[0]
         if variable := re.search(r"Environment variable '(.*)' not found", said):
@@ -129,6 +130,6 @@ def check_interpolations(cfg: DictConfig) -> None:
         elif isinstance(error, UnsupportedInterpolationType):
             why = f"there is no resolver {said.rpartition(' ')[2]!r}"
             fix = "e.g. ${oc.env:NAME,default} reads the environment, ${oc.select:key,default} another key"
-        else:
-            why, fix = said, "give the value itself"
+        else:  # a resolver's own error (${hydra:...} outside a Hydra job: a library caller): said where it is read
+            continue
         raise ConfigError(f"{key}={raw} cannot be resolved ({why}): {fix}")

@@ -167,8 +167,13 @@ def read_run_config(run_dir: Path) -> Any:
     from omegaconf import DictConfig, OmegaConf
 
     config = run_dir / CONFIG
+    if not config.is_file():  # a FIFO or a device would hang the read or never end it
+        raise ConfigError(f"{config} is not a file: is {run_dir} the folder of a runner run?")
     try:
-        cfg = OmegaConf.load(config)
+        text = _bounded_yaml(config)
+        cfg = OmegaConf.create(text)
+    except ConfigError:
+        raise
     except Exception as error:  # not UTF-8, not YAML, a bare value: omegaconf and yaml raise several kinds
         raise ConfigError(f"{config} is not a readable YAML config ({' '.join(str(error).split())})") from None
     if not isinstance(cfg, DictConfig):
@@ -176,6 +181,27 @@ def read_run_config(run_dir: Path) -> Any:
     if "run_dir" in cfg:
         cfg.run_dir = str(run_dir)
     return cfg
+
+
+MAX_CONFIG_BYTES = 16 << 20  # a composed config is kilobytes; this bounds what a run folder from elsewhere costs
+
+
+def _bounded_yaml(config: Path) -> str:
+    # A run folder may be anybody's: a YAML alias (*x) names a node again, and a kilobyte of nested aliases expands to
+    # billions of nodes when the config is built. OmegaConf.save never writes one, so a config that has one is refused.
+    import yaml
+
+    with open(config, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{config} is over {MAX_CONFIG_BYTES >> 20} MB: not a config runner wrote")
+    text = data.decode("utf-8")
+    if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+        raise ConfigError(
+            f"{config} uses YAML aliases (*name), which runner never writes: refused (a few lines of them "
+            "can expand to billions of values)"
+        )
+    return text
 
 
 LOCK = ".lock"

@@ -52,13 +52,28 @@ def _confined(node: Any, trusted: Sequence[str]) -> Any:
     # And a rebuilt run writes no cache where its config says (a folder of anybody's choosing): caches hold training
     # rows, which a rebuilt run does not read; text_bytes' tokens go to the default cache, named by their content.
     if isinstance(node, dict):
-        return {k: CONFINED[k](trusted) if k in CONFINED else _confined(v, trusted) for k, v in node.items()}
+        return {
+            k: CONFINED[k](trusted) if k in CONFINED else _cached(v) if k == "checkpoint" else _confined(v, trusted)
+            for k, v in node.items()
+        }
     if isinstance(node, list):
         return [_confined(value, trusted) for value in node]
     return node
 
 
 CONFINED = {"trusted_targets": list, "cache": lambda _: None, "cache_dir": lambda _: None}
+# A transformers source a run folder names on the hub (checkpoint: hf:NAME) is read from the hub's cache alone: its
+# name is the folder's word, and a request for it would tell whoever wrote the folder that it was opened (or fetch
+# their model)
+HUB, HUB_CACHED = "hf:", "hf-cache:"
+
+
+def _cached(checkpoint: Any) -> Any:
+    return (
+        HUB_CACHED + checkpoint[len(HUB) :]
+        if isinstance(checkpoint, str) and checkpoint.startswith(HUB)
+        else checkpoint
+    )
 
 
 def load_trained(
@@ -80,10 +95,10 @@ def load_trained(
     what = "source.checkpoint" if weights is None else "weights"
     weights = Path(weights) if weights is not None else run_dir / MODEL if path.is_dir() else path
     config = run_dir / CONFIG
-    for needed in (weights, config):
-        if not needed.exists():
+    for needed in (weights, config):  # files (a weights folder: a checkpoint's), never a FIFO or /dev/zero
+        if not (needed.is_file() or (needed is weights and needed.is_dir())):
             raise ConfigError(
-                f"{needed} does not exist: give the folder of a finished runner run (or its "
+                f"{needed} does not exist (or is no file): give the folder of a finished runner run (or its "
                 "model.safetensors), e.g. source.checkpoint=outputs/2026-01-01/12-00-00"
             )
     cfg = read_run_config(run_dir)

@@ -224,6 +224,9 @@ def problems(node: Any, slot: str, trusted: Sequence[str], path: str) -> Verdict
     """Every reason the resolved config tree `node` (at `path`) may not be built as `slot`: its target not trusted, not
     opted in, or opted in for another slot; a component where plain data goes; a forged spelling."""
     verdict = Verdict()
+    # A resolved value that still reads `${...}` (an escaped `\${...}` in the file) would be resolved again when it is
+    # built (instantiate resolves its config): any resolver, unchecked, and oc.create's mapping a _target_ unchecked
+    verdict.forged += [f"{where} holds `${{`, which building would resolve again" for where, _ in _strings(node, path)]
     if not isinstance(node, dict) or "_target_" not in node:
         verdict.forged.append(f"{path} is no component ({SLOTS[slot][0]} with a _target_)")
         verdict.node = node

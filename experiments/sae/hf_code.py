@@ -34,9 +34,9 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def refuse_own_code(name: str, hub: bool, what: str) -> tuple[Path, str | None]:
+def refuse_own_code(name: str, hub: bool, what: str, offline: bool = False) -> tuple[Path, str | None]:
     """The folder holding `name`'s config.json and the hub commit it was read at, or a ConfigError if it needs code
-    of its own."""
+    of its own; `offline`: a hub name's files from the hub's cache alone."""
     # (a hub name's folder: its cache snapshot.) Checked before transformers sees them: it would otherwise import the
     # folder's .py files (auto_map), or go looking for them (a model_type it does not implement).
     from transformers import __version__  # noqa: PLC0415 - an optional extra
@@ -46,7 +46,7 @@ def refuse_own_code(name: str, hub: bool, what: str) -> tuple[Path, str | None]:
         "models that need their own code (trust_remote_code) are refused: a model folder is data, and runner never "
         "runs the .py files in it"
     )
-    config_file, tokenizer_file, revision = _config_files(name, hub, what)
+    config_file, tokenizer_file, revision = _config_files(name, hub, what, offline)
     config = _json_object(config_file, what)
     for file in (config_file, tokenizer_file):
         found = config if file is config_file else _json_object(file, what) if file else {}
@@ -66,7 +66,7 @@ def refuse_own_code(name: str, hub: bool, what: str) -> tuple[Path, str | None]:
     return config_file.parent, revision
 
 
-def _config_files(name: str, hub: bool, what: str) -> tuple[Path, Path | None, str | None]:
+def _config_files(name: str, hub: bool, what: str, offline: bool) -> tuple[Path, Path | None, str | None]:
     # (config.json, tokenizer_config.json or None, the hub commit they were read at): a folder's own files, or a hub
     # name's from the network or the hub's cache, both at one commit
     if not hub:
@@ -75,17 +75,25 @@ def _config_files(name: str, hub: bool, what: str) -> tuple[Path, Path | None, s
     from transformers.utils.hub import cached_file, extract_commit_hash  # noqa: PLC0415 - an optional extra
 
     try:
-        config = cached_file(name, "config.json")
+        config = cached_file(name, "config.json", local_files_only=offline)
         revision = extract_commit_hash(config, None)
         # a repository without a tokenizer_config.json gives None (the flag is transformers' own, private spelling)
         tokenizer = cached_file(
-            name, "tokenizer_config.json", revision=revision, _raise_exceptions_for_missing_entries=False
+            name,
+            "tokenizer_config.json",
+            revision=revision,
+            local_files_only=offline,
+            _raise_exceptions_for_missing_entries=False,
         )
     except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"{what}: its config cannot be fetched from the hub ({first_line(error)}): hf:NAME needs network or the "
-            "hub's cache (HF_HOME), and a hub name; or name a folder written by save_pretrained"
-        ) from None
+        fix = (
+            "a hub model that a run folder names is read from the hub's cache alone, never fetched on the folder's "
+            "word: fetch it once yourself (source.checkpoint=hf:NAME in a run of your own), or name a folder"
+            if offline
+            else "hf:NAME needs network or the hub's cache (HF_HOME), and a hub name; or name a folder written by "
+            "save_pretrained"
+        )
+        raise ConfigError(f"{what}: its config cannot be fetched from the hub ({first_line(error)}): {fix}") from None
     return Path(config), Path(tokenizer) if tokenizer else None, revision
 
 

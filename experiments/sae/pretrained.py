@@ -27,8 +27,8 @@ from experiments.sae.hf_code import loaded, refuse_own_code
 from runner import ConfigError, check_whole, require
 from runner.data import DataModule
 from runner.rundir import CONFIG
+from runner.trained import HUB, HUB_CACHED
 
-HUB = "hf:"
 _FORMAT = 1  # of the token cache's files: a change makes new keys, never reads an old layout
 # What source.inputs may hold, with the defaults a transformers source reads with.
 INPUTS: dict[str, Any] = {
@@ -51,7 +51,7 @@ def is_pretrained(checkpoint: str | Path) -> bool:
     """Whether `checkpoint` names a transformers model: hf:NAME, or a folder with a config.json that runner did not
     write (a run folder has .hydra/config.yaml)."""
     path = Path(str(checkpoint))
-    if str(checkpoint).startswith(HUB):
+    if str(checkpoint).startswith((HUB, HUB_CACHED)):
         return True
     return path.is_dir() and (path / "config.json").is_file() and not (path / CONFIG).is_file()
 
@@ -108,12 +108,13 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     if unknown:
         raise ConfigError(f"source.inputs: unknown key(s) {unknown}; known: {sorted(INPUTS)}")
     options = {**INPUTS, **(inputs or {})}
-    hub = str(checkpoint).startswith(HUB)
-    name = str(checkpoint)[len(HUB) :] if hub else str(checkpoint)
+    cached = str(checkpoint).startswith(HUB_CACHED)  # a hub name a run folder gave: no request, the cache alone
+    hub = cached or str(checkpoint).startswith(HUB)
+    name = str(checkpoint).split(":", 1)[1] if hub else str(checkpoint)
     what = f"source.checkpoint={checkpoint}"
-    folder, revision = refuse_own_code(name, hub, what)
+    folder, revision = refuse_own_code(name, hub, what, offline=cached)
     # a folder is read from disk alone; a hub name's files are read at the commit whose configs were just checked
-    where = {"trust_remote_code": False, "local_files_only": not hub, "revision": revision}
+    where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
     config = loaded(
         lambda: AutoConfig.from_pretrained(name, **where),
         f"{what}: transformers cannot read its config",

@@ -534,9 +534,11 @@ def test_every_shipped_option_and_experiment_builds_in_its_slot(compose_cfg: Cal
     experiments = sorted(p.stem for p in (conf / "experiment").glob("*.yaml"))
     composed = [compose_cfg(f"+experiment={e}", *source[: needs.get(e, 0)]) for e in experiments]
     composed += [compose_cfg(f"model={p.stem}") for p in sorted((conf / "model").glob("*.yaml"))]
-    composed += [
-        compose_cfg("+experiment=sae_lm", f"data={p.stem}", source[0]) for p in sorted((conf / "data").glob("*.yaml"))
-    ]
+    home = {"text": ("+experiment=lm",), "tokens": ("+experiment=lm",), "digits": ("+experiment=digits",)}
+    home |= {"activations": ("+experiment=sae_lm", source[0])}
+    for p in sorted((conf / "data").glob("*.yaml")):  # each data option under a preset whose model it fits
+        preset = home[p.stem.split("_")[0]] if p.stem != "activations_synthetic" else ("+experiment=sae",)
+        composed.append(compose_cfg(*preset, f"data={p.stem}"))
     composed += [compose_cfg(f"precision={p.stem}") for p in sorted((conf / "precision").glob("*.yaml"))]
     for cfg in composed:
         for slot, trusted in (
@@ -544,11 +546,12 @@ def test_every_shipped_option_and_experiment_builds_in_its_slot(compose_cfg: Cal
             ("data", TRUSTED_TARGETS),
             ("precision", ["runner.precision"]),
         ):
-            node = OmegaConf.to_container(cfg[slot], resolve=False)
+            node = OmegaConf.to_container(cfg[slot], resolve=True)  # as load_trained checks it
             trust.check(node, slot, trusted, slot, "the shipped config")
     metric = {"perplexity", "sae_ground_truth", "sae_splice"}
     for path in sorted((conf / "callbacks").glob("*.yaml")):
-        for name, node in (OmegaConf.to_container(OmegaConf.load(path)) or {}).items():
+        cfg = compose_cfg("+experiment=sae_lm", source[0], f"callbacks={path.stem}")
+        for name, node in (OmegaConf.to_container(cfg.callbacks, resolve=True) or {}).items():
             verdict = trust.problems(node, "callback", [*TRUSTED_TARGETS, "runner.callbacks"], name)
             assert not verdict.forged and not verdict.untrusted, (name, verdict)
             assert (not verdict.unmarked) == (name in metric), (name, verdict)  # the others are left out, unbuilt
@@ -565,3 +568,92 @@ def test_buildable_refuses_a_mark_that_does_not_fit() -> None:
         buildable("model", splits="splits")(torch.nn.Identity)
     with pytest.raises(ValueError, match="unknown slot"):
         buildable("writer")
+
+
+# Found by a red-team pass over the above (issue 41): each ran code, called out, or hung before its fix.
+PAYLOAD = "{_target_:numpy.savetxt,fname:MARK,X:[],header:pwned,comments:''}"
+ESCAPED = {  # an escaped \${...} reads as text to the resolver check, then instantiate resolved it again
+    "model": ("model", "dropout"),
+    "data": ("data", "seed"),
+    "precision": ("precision", "flush_denormal"),
+    "a metric callback": ("callbacks", "truth"),
+}
+
+
+@pytest.mark.parametrize("slot", list(ESCAPED))
+def test_a_value_that_would_be_resolved_again_when_built_is_refused(
+    slot: str, source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from runner.evaluate import main
+
+    mark = tmp_path / "written by numpy.savetxt"
+    value = "\\${oc.create:" + PAYLOAD.replace("MARK", str(mark)) + "}"
+    key, name = ESCAPED[slot]
+    folder = tmp_path / "evil run"
+    shutil.copytree(source_run, folder)
+    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    if key == "callbacks":
+        cfg.callbacks = {name: {"_target_": "experiments.sae.callbacks.GroundTruthRecovery", "thresholds": value}}
+    elif key == "precision":
+        cfg.precision = {"_target_": "runner.precision.FP32", name: value}
+    else:
+        cfg[key][name] = value
+    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
+    assert main([str(folder)]) == 2
+    assert "holds `${`, which building would resolve again" in capsys.readouterr().err
+    assert not mark.exists()
+
+
+def test_a_hub_model_a_run_folder_names_is_read_from_the_cache_alone(
+    sae_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # a request for hf:attacker/... would tell the folder's author it was opened (and fetch their model)
+    import socket
+
+    from runner.evaluate import main
+
+    pytest.importorskip("transformers")
+    calls: list[object] = []
+
+    def connect(self: socket.socket, address: object) -> None:
+        calls.append(address)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    folder = tmp_path / "beacon"
+    shutil.copytree(sae_run, folder)
+    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    cfg.data.checkpoint = "hf:attacker/beacon-user-opened-my-folder"
+    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
+    assert main([str(folder)]) == 2
+    error = capsys.readouterr().err
+    assert "source.checkpoint=hf-cache:attacker/beacon" in error and "the hub's cache alone" in error, error
+    assert calls == []
+
+
+def test_files_that_never_end_are_refused_before_they_are_read(
+    source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import os
+
+    from runner.features import main
+
+    fifo = tmp_path / "fifo run"
+    shutil.copytree(source_run, fifo)
+    (fifo / ".hydra" / "config.yaml").unlink()
+    os.mkfifo(fifo / ".hydra" / "config.yaml")  # opened for reading, it waits for a writer forever
+    zero = tmp_path / "zero run"
+    shutil.copytree(source_run, zero)
+    (zero / "model.safetensors").unlink()
+    (zero / "model.safetensors").symlink_to("/dev/zero")
+    for folder, what in ((fifo, "config.yaml"), (zero, "model.safetensors")):
+        assert main([str(folder)]) == 2
+        assert f"{what} does not exist (or is no file)" in capsys.readouterr().err
+    bomb = tmp_path / "bomb run"
+    shutil.copytree(source_run, bomb)
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 12)]
+    with open(bomb / ".hydra" / "config.yaml", "a") as f:  # 1 KB that expands to 10 x 5^11 values
+        f.write("\n".join(lines) + "\n")
+    assert main([str(bomb)]) == 2
+    assert "uses YAML aliases" in capsys.readouterr().err
