@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
 import io
 import json
 import sys
@@ -25,8 +26,53 @@ def loaded(load: Callable[[], T], failed: str, fix: str) -> T:
     try:
         with no_prompt():
             return load()
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:  # ImportError: a backend package transformers lacks here
         raise ConfigError(f"{failed} ({first_line(error)}). {fix}") from None
+
+
+@contextlib.contextmanager
+def hub_offline(on: bool = True) -> Iterator[None]:
+    """huggingface_hub's offline mode inside (when `on`): no request at all. local_files_only alone does not stop
+    every one: transformers looks for an adapter with settings of its own, and the hub fetches an agent registry
+    (writing it under HF_HOME) while it builds a request's headers."""
+    from huggingface_hub import constants  # noqa: PLC0415 - an optional extra
+
+    was = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = was or on
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = was
+
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def model_weights(folder: Path, root: Path, what: str) -> list[Path]:
+    """The files a model folder's weights load from (model.safetensors, else the shards its index names), each a
+    file in it: a name in the index or a link that leads out of `root` (the folder; a hub snapshot's repository) is
+    a ConfigError. None yet (a hub model not fetched): an empty list."""
+    if (folder / WEIGHTS).exists() or (folder / WEIGHTS).is_symlink():
+        names = [WEIGHTS]
+    elif (folder / INDEX).is_file():
+        mapping = _json_object(folder / INDEX, what).get("weight_map")
+        names = sorted(set(mapping.values())) if isinstance(mapping, dict) else [None]
+        if not names or not all(isinstance(n, str) and n == Path(n).name and n not in (".", "..") for n in names):
+            raise ConfigError(
+                f"{what}: {INDEX}'s weight_map names {names[:3]}: a sharded model's weights are files in its folder, "
+                "named without a path; write it again with save_pretrained"
+            )
+    else:
+        return []  # transformers says what is missing
+    files = [folder / name for name in names]
+    for file in files:
+        real = file.resolve()
+        if not real.is_file() or not real.is_relative_to(root.resolve()):
+            raise ConfigError(
+                f"{what}: {file} leads to {real}, which is not a file in the model's folder: a model folder is data, "
+                "and its weights are files in it (copy them in)"
+            )
+    return files
 
 
 def first_line(error: BaseException) -> str:
@@ -48,13 +94,37 @@ def refuse_own_code(name: str, hub: bool, what: str, offline: bool = False) -> t
     )
     config_file, tokenizer_file, revision = _config_files(name, hub, what, offline)
     config = _json_object(config_file, what)
-    for file in (config_file, tokenizer_file):
-        found = config if file is config_file else _json_object(file, what) if file else {}
+    tokenizer = _json_object(tokenizer_file, what) if tokenizer_file else {}
+    for file, found in ((config_file, config), (tokenizer_file, tokenizer)):
         if "auto_map" in found:
             raise ConfigError(
                 f"{what}: {file.name} has auto_map ({json.dumps(found['auto_map'])}), which asks transformers to "
                 f"import code shipped with the model; {refused}. Use a model that transformers implements itself, "
                 "or one saved again by save_pretrained from a transformers class"
+            )
+    if (config_file.parent / "adapter_config.json").exists():
+        raise ConfigError(
+            f"{what}: the folder holds a peft adapter (adapter_config.json), which transformers would load onto a "
+            "model the adapter names: give the folder of a whole model (merge the adapter and save_pretrained)"
+        )
+    attention = config.get("attn_implementation", config.get("_attn_implementation"))
+    if attention not in (None, "eager", "sdpa", "flex_attention"):
+        raise ConfigError(
+            f"{what}: config.json asks for the attention implementation {attention!r}, which transformers may fetch "
+            "from the hub as a kernel and run, and a model folder is data: remove it (runner uses transformers' "
+            "default, sdpa or eager)"
+        )
+    if "quantization_config" in config:
+        raise ConfigError(
+            f"{what}: config.json holds a quantization_config, whose kernels transformers may fetch and run, and a "
+            "model folder is data: save the model unquantized (save_pretrained after dequantizing) to use it"
+        )
+    for file, found in ((config_file, config), (tokenizer_file, tokenizer)):
+        named = found.get("tokenizer_class")
+        if named is not None and not _is_tokenizer(named):
+            raise ConfigError(
+                f"{what}: {file.name} names the tokenizer_class {named!r}, which is no tokenizer of transformers "
+                f"{__version__}; {refused}"
             )
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
@@ -95,6 +165,18 @@ def _config_files(name: str, hub: bool, what: str, offline: bool) -> tuple[Path,
         )
         raise ConfigError(f"{what}: its config cannot be fetched from the hub ({first_line(error)}): {fix}") from None
     return Path(config), Path(tokenizer) if tokenizer else None, revision
+
+
+def _is_tokenizer(name: Any) -> bool:
+    # transformers finds a tokenizer_class by its name among its own attributes, whatever they are (a model class
+    # loaded a second model as the "tokenizer"); only its tokenizer classes are
+    import transformers  # noqa: PLC0415 - an optional extra
+
+    try:
+        found = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    except ImportError:  # a tokenizer whose backend package is not installed here: transformers says which
+        return True
+    return inspect.isclass(found) and issubclass(found, transformers.PreTrainedTokenizerBase)
 
 
 def _json_object(path: Path, what: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from experiments.lm.corpus import corpus_files, held_out_files, read_text
 from experiments.lm.data import Windows, cache_root, content_key, load_tokens, write_once
-from experiments.sae.hf_code import loaded, refuse_own_code
+from experiments.sae.hf_code import hub_offline, loaded, model_weights, refuse_own_code
 from runner import ConfigError, check_whole, require
 from runner.data import DataModule
 from runner.rundir import CONFIG
@@ -66,6 +66,7 @@ class Pretrained:
     special: torch.Tensor  # token ids whose positions are masked out
     folder: Path  # where its files are (a hub model's cache snapshot)
     inputs: dict[str, Any]  # what it reads, for a cache's identity
+    weights: list[Path]  # the files its weights load from (model.safetensors, or its index's shards)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean next-token loss of a batch of windows, and the logits it came from."""
@@ -82,7 +83,7 @@ class Pretrained:
 
     def weight_files(self) -> list[Path]:
         """The files its weights came from."""
-        return sorted(self.folder.glob("*.safetensors"))
+        return self.weights
 
     def vocab(self) -> list[str]:
         """Each token id's text, for the feature pages."""
@@ -101,9 +102,6 @@ class Pretrained:
 def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     """The transformers model named by `checkpoint`, frozen, with its tokenizer and the windows of `inputs`."""
     require("transformers", "hf", f"source.checkpoint={checkpoint} (a transformers model)")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - an optional extra
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415
-
     unknown = sorted(set(inputs or {}) - set(INPUTS))
     if unknown:
         raise ConfigError(f"source.inputs: unknown key(s) {unknown}; known: {sorted(INPUTS)}")
@@ -112,9 +110,31 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     hub = cached or str(checkpoint).startswith(HUB)
     name = str(checkpoint).split(":", 1)[1] if hub else str(checkpoint)
     what = f"source.checkpoint={checkpoint}"
-    folder, revision = refuse_own_code(name, hub, what, offline=cached)
-    # a folder is read from disk alone; a hub name's files are read at the commit whose configs were just checked
-    where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
+    with hub_offline(not hub or cached):  # no request (transformers and the hub ask on their own) but for hf:NAME
+        folder, revision = refuse_own_code(name, hub, what, offline=cached)
+        weights = None if hub else model_weights(folder, folder, what)  # a hub model's come with the model's load
+        # a folder is read from disk alone; a hub name's files are read at the commit whose configs were just checked
+        where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
+        model, tokenizer, config = _load(name, where, options, what)
+    if weights is None:
+        weights = model_weights(folder, folder.parents[1], what)  # a snapshot's files link into the repository's blobs
+    tokenizer.model_max_length = 1 << 62  # whole files are tokenized at once, then cut into windows
+    data, facts = _windows(tokenizer, options, int(config.vocab_size))
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    return Pretrained(model, tokenizer, data, special, folder, facts, weights)
+
+
+def _adapter(where: dict[str, Any]) -> dict[str, Any]:
+    # transformers looks for a peft adapter beside the model with settings of its own (a request to the hub for a
+    # local folder's name); hf_code refuses a folder that has one, so the look is local
+    return {"local_files_only": where["local_files_only"], "revision": where["revision"]}
+
+
+def _load(name: str, where: dict[str, Any], options: dict[str, Any], what: str) -> tuple[nn.Module, Any, Any]:
+    # the model (frozen), its tokenizer and its config, by transformers, each with standard input closed
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase  # noqa: PLC0415
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
     config = loaded(
         lambda: AutoConfig.from_pretrained(name, **where),
         f"{what}: transformers cannot read its config",
@@ -129,7 +149,7 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     try:
         model = loaded(
             lambda: AutoModelForCausalLM.from_pretrained(
-                name, config=config, use_safetensors=True, dtype=dtype, **where
+                name, config=config, use_safetensors=True, dtype=dtype, **where, adapter_kwargs=_adapter(where)
             ),
             f"{what}: no causal LM with .safetensors weights loads from it",
             "runner never unpickles weights (pytorch_model.bin): convert them once with "
@@ -138,17 +158,15 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    model.eval().requires_grad_(False)
     tokenizer = loaded(
         lambda: AutoTokenizer.from_pretrained(name, **where),
         f"{what}: transformers cannot load its tokenizer",
         "Save the model's tokenizer beside it with tokenizer.save_pretrained(folder); tokenizers that need their own "
         "code are refused",
     )
-    tokenizer.model_max_length = 1 << 62  # whole files are tokenized at once, then cut into windows
-    data, facts = _windows(tokenizer, options, int(config.vocab_size))
-    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
-    return Pretrained(model, tokenizer, data, special, folder, facts)
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):  # a tokenizer_class naming another of transformers' names
+        raise ConfigError(f"{what}: its tokenizer loads as a {type(tokenizer).__name__}, not a tokenizer")
+    return model.eval().requires_grad_(False), tokenizer, config
 
 
 class BosWindows(Windows):

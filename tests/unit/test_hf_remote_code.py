@@ -35,6 +35,19 @@ FORGED = {
         r"tokenizer_config.json has auto_map .*modeling_evil.*trust_remote_code",
     ),
     "unknown_model_type": ({"model_type": "evil"}, {}, r"model_type='evil'.*trust_remote_code"),
+    # found by a red-team pass: each reached further into transformers than a folder should
+    "a hub attention kernel": (
+        {"attn_implementation": "kernels-community/flash-attn2"},
+        {},
+        r"attention implementation 'kernels-community/flash-attn2'",
+    ),
+    "a quantization config": ({"quantization_config": {"quant_method": "hqq"}}, {}, r"holds a quantization_config"),
+    "a model class as the tokenizer": (
+        {},
+        {"tokenizer_class": "GPT2LMHeadModel"},
+        r"tokenizer_class 'GPT2LMHeadModel', which is no tokenizer",
+    ),
+    "a loader as the tokenizer": ({"tokenizer_class": "AutoTokenizer"}, {}, r"tokenizer_class 'AutoTokenizer'"),
 }
 
 
@@ -156,3 +169,62 @@ def test_no_prompt_is_answered_while_a_model_loads_even_by_a_transformers_that_i
         ask(None, "local/forged", has_local_code=False, has_remote_code=True)
     assert len(answer_yes) == 1  # not asked again: input() is closed inside
     assert builtins.input("?") == "y"  # and given back after
+
+
+def _shards(folder: Path, weight_map: dict[str, str]) -> Path:
+    # the honest weights moved out of the folder, and an index that names where they went
+    outside = folder.parent / "outside"
+    outside.mkdir()
+    (folder / "model.safetensors").rename(outside / "w.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return outside
+
+
+@pytest.mark.parametrize("how", ["an absolute path", "a relative path out", "a symlink out"])
+def test_weights_outside_the_folder_are_refused_before_they_are_read(hf: dict, tmp_path: Path, how: str) -> None:
+    from experiments.sae.pretrained import load
+
+    folder = tmp_path / "model"
+    shutil.copytree(hf["model"], folder)
+    if how == "a symlink out":
+        (tmp_path / "outside").mkdir()
+        (folder / "model.safetensors").rename(tmp_path / "outside" / "w.safetensors")
+        (folder / "model.safetensors").symlink_to(tmp_path / "outside" / "w.safetensors")
+        error = r"model.safetensors leads to .*outside/w.safetensors, which is not a file in the model's folder"
+    else:
+        name = str(tmp_path / "outside" / "w.safetensors") if how == "an absolute path" else "../outside/w.safetensors"
+        _shards(folder, {"transformer.wte.weight": name})
+        error = r"model.safetensors.index.json's weight_map names .*outside/w.safetensors.*named without a path"
+    with pytest.raises(ConfigError, match=error):
+        load(str(folder), hf["inputs"])
+
+
+def test_a_folder_loads_with_no_request_and_names_only_the_weights_it_loads(
+    hf: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # transformers asked the hub for an adapter of a cached model, and the hub for its agent registry (writing it
+    # under HF_HOME), with local_files_only set; a file beside the weights (here one that never ends) is no weight
+    import socket
+
+    from huggingface_hub import constants
+
+    from experiments.sae.pretrained import load
+
+    calls: list[object] = []
+
+    def connect(self: socket.socket, address: object) -> None:
+        calls.append(address)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    folder = tmp_path / "model"
+    shutil.copytree(hf["model"], folder)
+    (folder / "junk.safetensors").symlink_to("/dev/zero")
+    loaded = load(str(folder), hf["inputs"])
+    assert loaded.weight_files() == [folder / "model.safetensors"]
+    assert calls == [] and constants.HF_HUB_OFFLINE is False  # offline inside the load only
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "attacker/base"}))
+    with pytest.raises(ConfigError, match="holds a peft adapter"):
+        load(str(folder), hf["inputs"])
+    assert calls == []
