@@ -166,9 +166,8 @@ def _callbacks(cfg: DictConfig, trusted: Sequence[str], config: Path) -> dict[st
         if verdict.forged:
             trust.check(node, "callback", trusted, key, str(config))
         if verdict.untrusted:
-            print(
-                f"{key} not run: {verdict.untrusted[0]} (runner.evaluate runs metric callbacks only)", file=sys.stderr
-            )
+            print(f"{key} not run: {verdict.untrusted[0]} (add its package to trusted_targets)", file=sys.stderr)
+        if verdict.untrusted or verdict.unmarked:
             continue
         kept[name] = _confined(verdict.node, trusted)
     return kept

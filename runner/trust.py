@@ -175,7 +175,15 @@ def _components(value: Any, slot: str, trusted: Sequence[str], path: str, verdic
         return {k: _components(v, slot, trusted, f"{path}.{k}", verdict) for k, v in value.items()}
     if isinstance(value, list):
         return [_components(v, slot, trusted, f"{path}[{i}]", verdict) for i, v in enumerate(value)]
+    _resolved_once(value, path, verdict)
     return value
+
+
+def _resolved_once(value: Any, path: str, verdict: Verdict) -> None:
+    # A resolved value that still reads `${...}` (an escaped `\${...}` in the file) would be resolved again when it is
+    # built (instantiate resolves its config): any resolver, unchecked, and oc.create's mapping a _target_ unchecked.
+    # Only what is built is asked: a callback left out may hold any text.
+    verdict.forged += [f"{where} holds `${{`, which building would resolve again" for where, _ in _strings(value, path)]
 
 
 def _component(node: dict, slot: str, trusted: Sequence[str], path: str, verdict: Verdict, root: bool) -> Any:
@@ -200,6 +208,8 @@ def _component(node: dict, slot: str, trusted: Sequence[str], path: str, verdict
             arguments[name] = _components(value, mark.components[name], trusted, f"{path}.{name}", verdict)
         elif _holds_target(value):
             verdict.forged.append(f"{path}.{name} holds a _target_, but `{name}` of {target} takes plain data")
+        else:
+            _resolved_once(value, f"{path}.{name}", verdict)
     return {**{k: v for k, v in node.items() if k in _HYDRA_KEYS and k != "_args_"}, **arguments}
 
 
@@ -224,9 +234,6 @@ def problems(node: Any, slot: str, trusted: Sequence[str], path: str) -> Verdict
     """Every reason the resolved config tree `node` (at `path`) may not be built as `slot`: its target not trusted, not
     opted in, or opted in for another slot; a component where plain data goes; a forged spelling."""
     verdict = Verdict()
-    # A resolved value that still reads `${...}` (an escaped `\${...}` in the file) would be resolved again when it is
-    # built (instantiate resolves its config): any resolver, unchecked, and oc.create's mapping a _target_ unchecked
-    verdict.forged += [f"{where} holds `${{`, which building would resolve again" for where, _ in _strings(node, path)]
     if not isinstance(node, dict) or "_target_" not in node:
         verdict.forged.append(f"{path} is no component ({SLOTS[slot][0]} with a _target_)")
         verdict.node = node
