@@ -90,6 +90,8 @@ def evaluate_run(
     except DiskFull:  # its advice is training's (resume=auto); an evaluation is simply run again
         kept = f"nothing was written (an earlier {out.name}, if any, is as it was)"
         raise disk_full(f"writing {out}", kept, "run the same command again") from None
+    except OSError as error:  # a folder planted at its name, a read-only run folder
+        raise ConfigError(f"cannot write {out} ({error.strerror}): nothing was written") from None
     return result
 
 

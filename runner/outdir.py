@@ -34,10 +34,12 @@ def output_folder(run_dir: Path, typed: str | Path | None, default: str, flag: s
 
 
 def _checked(out: Path, run_dir: Path, default: bool, flag: str) -> Path:
-    run = Path(os.path.abspath(run_dir))
-    real = out.resolve()
-    if default or Path(os.path.abspath(out)).is_relative_to(run):
-        if not real.is_relative_to(run.resolve()):
+    run, real = Path(os.path.abspath(run_dir)).resolve(), out.resolve()
+    # inside the run folder however it is spelled (RUN through a link, or its real path): some folder on the way to
+    # `out` is the run folder or in it, and from there on the run folder's links are its author's
+    typed = Path(os.path.abspath(out))
+    if default or any(p.resolve().is_relative_to(run) for p in (typed, *typed.parents) if p.exists()):
+        if not real.is_relative_to(run):
             raise ConfigError(
                 f"{out} leads to {real}, outside the run folder {run_dir}, through a symlink in the run folder: a run "
                 "folder is data (whoever made it chose its links), so the tools do not write through them. Give "

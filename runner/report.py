@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 from typing import Any
 
+from runner import ConfigError
+from runner.outdir import make_dir, output_folder
+from runner.rundir import write_atomic
 from runner.sweeps.results import (
     collect,
     find_jobs,
@@ -60,11 +64,17 @@ def plot(rows: list[dict[str, Any]], metric: str, path: Path) -> int:
         ax.grid(alpha=0.3)
         if len(curves) <= MAX_LEGEND:
             ax.legend(fontsize="small")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=PLOT_DPI)
+        _save(fig, path)
     finally:
         plt.close(fig)
     return len(curves)
+
+
+def _save(fig: Any, path: Path) -> None:
+    # by write_atomic, never through a link at the file's name (a run folder may be anybody's)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=PLOT_DPI)
+    write_atomic(path, buffer.getvalue())
 
 
 def _panels(curve: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -112,8 +122,7 @@ def plot_run(run_dir: Path, path: Path) -> int:
             ax.set_visible(False)
         fig.suptitle(str(run_dir))
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=PLOT_DPI)
+        _save(fig, path)
     finally:
         plt.close(fig)
     return len(panels)
@@ -174,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("plots skipped: matplotlib is not installed (pip install 'runner[report]')", file=sys.stderr)
         return 0
+    try:  # the plots folder resolved inside DIR (or --out): a link at plots/ is replaced, never followed
+        plots = make_dir(output_folder(args.dir, args.out, ".", "--out ") / "plots")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if find_jobs(args.dir) == [args.dir] and not args.plot:  # one run: all its curves in one figure
-        path = out / "plots" / "curves.png"
+        path = plots / "curves.png"
         drawn = plot_run(args.dir, path)
         if drawn:
             console.print(f"curves: {path} ({drawn} metrics)", highlight=False, soft_wrap=True)
@@ -183,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"curves: {args.dir} has logged no metrics yet", file=sys.stderr)
         return 0
     for metric in args.plot or list(dict.fromkeys([monitor, "train/loss"])):
-        path = out / "plots" / f"{metric.replace('/', '_')}.png"
+        path = plots / f"{metric.replace('/', '_')}.png"
         drawn = plot(rows, metric, path)
         if drawn:
             console.print(f"plot: {path} ({drawn} job(s))", highlight=False, soft_wrap=True)

@@ -3,7 +3,10 @@ own .hydra/config.yaml, and only where every `_target_` there is trusted (an SAE
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,8 @@ def _confined(node: Any, trusted: Sequence[str]) -> Any:
     # And a rebuilt run writes no cache where its config says (a folder of anybody's choosing): caches hold training
     # rows, which a rebuilt run does not read; text_bytes' tokens go to the default cache, named by their content.
     if isinstance(node, dict):
+        if isinstance(node.get("inputs"), dict):  # a transformers source's text: its token cache, when it names none
+            node = {**node, "inputs": {"cache_dir": None, **node["inputs"]}}
         return {
             k: CONFINED[k](trusted) if k in CONFINED else _cached(v) if k == "checkpoint" else _confined(v, trusted)
             for k, v in node.items()
@@ -61,7 +66,18 @@ def _confined(node: Any, trusted: Sequence[str]) -> Any:
     return node
 
 
-CONFINED = {"trusted_targets": list, "cache": lambda _: None, "cache_dir": lambda _: None}
+def _scratch(_: Any = None) -> str:
+    # A rebuilt run's text caches (text_bytes' encoded corpus, a transformers source's tokens) go to a folder of this
+    # process's own, removed when it ends: a run folder's config names what it reads, never where runner writes (its
+    # paths could name every readable file, copied into ~/.cache/runner)
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="runner-rebuilt-"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], True)
+    return _SCRATCH[0]
+
+
+_SCRATCH: list[str] = []
+CONFINED = {"trusted_targets": list, "cache": lambda _: None, "cache_dir": _scratch}
 # A transformers source a run folder names on the hub (checkpoint: hf:NAME) is read from the hub's cache alone: its
 # name is the folder's word, and a request for it would tell whoever wrote the folder that it was opened (or fetch
 # their model)

@@ -674,3 +674,25 @@ def test_a_callback_left_out_may_hold_any_text(source_run: Path, tmp_path: Path)
     OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
     assert main([str(folder), "split=val"]) == 0
     assert not mark.exists()
+
+
+def test_a_rebuilt_run_s_corpus_is_cached_in_a_folder_of_the_process_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # data.paths may name any readable file: encoded into ~/.cache/runner, a forged folder copied them there
+    from runner.evaluate import main
+
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    for i in range(2):
+        (secret / f"{i}.txt").write_text(f"PRIVATE KEY {i} " * 200)
+    run = tmp_path / "lm"
+    run.mkdir()
+    model = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=16"]
+    finished_run(
+        run, "+experiment=lm", *model, "trainer.max_duration=2st", "logger=none", f"data.paths=[{secret}/*.txt]"
+    )
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user cache"))
+    assert main([str(run)]) == 0
+    assert "val/loss" in capsys.readouterr().out
+    assert not (tmp_path / "user cache").exists()

@@ -191,3 +191,38 @@ def test_a_full_disk_during_the_pages_says_so_and_a_rerun_writes_them(
     assert features.main(args) == 0
     assert (out / "data" / "index.js").is_file()
     assert (out / "index.html").read_bytes() == (STATIC / "index.html").read_bytes()
+
+
+# ---- found by a third red-team pass ---------------------------------------------------------------------------------
+def test_the_run_folder_spelled_through_a_link_is_still_the_run_folder(
+    forged: Path, victim: Path, tmp_path: Path, capsys
+) -> None:
+    # RUN given through a link, out= through the real path into a link the run folder planted: still its link
+    before = _snapshot(victim)
+    (forged / "sub").symlink_to(victim)
+    (tmp_path / "alias").symlink_to(forged)
+    refused(features.main, [str(tmp_path / "alias"), f"out={forged / 'sub'}", "tokens=64"], capsys, "outside the run")
+    assert _snapshot(victim) == before
+
+
+def test_report_writes_its_plots_only_inside_the_folder(forged: Path, victim: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    from runner import report
+
+    before = _snapshot(victim)
+    (forged / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n{"step": 2, "train/loss": 0.5}\n')
+    (forged / "plots").symlink_to(victim)  # a link at the folder's name: replaced by a real folder
+    assert report.main([str(forged)]) == 0
+    assert _snapshot(victim) == before and not (forged / "plots").is_symlink()
+    (forged / "plots" / "curves.png").unlink()
+    (forged / "plots" / "curves.png").symlink_to(victim / "index.html")  # a link at the file's name: replaced
+    assert report.main([str(forged)]) == 0
+    assert _snapshot(victim) == before and (forged / "plots" / "curves.png").read_bytes().startswith(b"\x89PNG")
+    capsys.readouterr()
+
+
+def test_a_folder_planted_at_the_evaluation_file_is_one_line(forged: Path, capsys) -> None:
+    from runner import evaluate
+
+    (forged / "eval-val.json").mkdir()
+    refused(evaluate.main, [str(forged)], capsys, "cannot write .*eval-val.json .*nothing was written")
