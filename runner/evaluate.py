@@ -29,8 +29,9 @@ from omegaconf import OmegaConf
 from runner import ConfigError, check_whole, trust
 from runner.build import build_data
 from runner.log.console import ConsoleLogger
+from runner.outdir import write_failed
 from runner.run import Precision
-from runner.rundir import CONFIG, MODEL, DiskFull, disk_full, write_json
+from runner.rundir import CONFIG, MODEL, DiskFull, write_json
 from runner.trained import TRUSTED_TARGETS, load_trained, measuring_callbacks, trusted_here
 from runner.validation import evaluate_loader
 
@@ -87,11 +88,9 @@ def evaluate_run(
     out = run_dir / f"eval-{split}.json"
     try:
         write_json(out, result)
-    except DiskFull:  # its advice is training's (resume=auto); an evaluation is simply run again
+    except (OSError, DiskFull) as error:  # a full disk (advice: run it again, not resume=auto), a folder at its name
         kept = f"nothing was written (an earlier {out.name}, if any, is as it was)"
-        raise disk_full(f"writing {out}", kept, "run the same command again") from None
-    except OSError as error:  # a folder planted at its name, a read-only run folder
-        raise ConfigError(f"cannot write {out} ({error.strerror}): nothing was written") from None
+        raise write_failed(error, f"writing {out}", kept) from None
     return result
 
 

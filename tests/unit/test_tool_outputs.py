@@ -225,4 +225,6 @@ def test_a_folder_planted_at_the_evaluation_file_is_one_line(forged: Path, capsy
     from runner import evaluate
 
     (forged / "eval-val.json").mkdir()
-    refused(evaluate.main, [str(forged)], capsys, "cannot write .*eval-val.json .*nothing was written")
+    refused(
+        evaluate.main, [str(forged)], capsys, "writing .*eval-val.json failed: .*Is a directory.*nothing was written"
+    )
