@@ -52,21 +52,19 @@ def _trusted_node(cfg: DictConfig, key: str, config: Path, trusted: Sequence[str
 def _confined(node: Any, trusted: Sequence[str]) -> Any:
     # A component that reads another run folder (an SAE's source: HookedData, SpliceEval) takes the reader's trust,
     # never the one this folder's config gives it: else a folder could name a run whose torch.load it trusts itself.
-    # And a rebuilt run writes no cache where its config says (a folder of anybody's choosing): caches hold training
-    # rows, which a rebuilt run does not read; text_bytes' tokens go to the default cache, named by their content.
+    # And a rebuilt run writes no cache where its config says (a folder of anybody's choosing): an activation cache
+    # holds training rows, which a rebuilt run does not read; text caches go to a scratch folder (_scratch), and a hub
+    # name to the hub's cache alone (CONFINED).
     if isinstance(node, dict):
         if isinstance(node.get("inputs"), dict):  # a transformers source's text: its token cache, when it names none
             node = {**node, "inputs": {"cache_dir": None, **node["inputs"]}}
-        return {
-            k: CONFINED[k](trusted) if k in CONFINED else _cached(v) if k == "checkpoint" else _confined(v, trusted)
-            for k, v in node.items()
-        }
+        return {k: CONFINED[k](v, trusted) if k in CONFINED else _confined(v, trusted) for k, v in node.items()}
     if isinstance(node, list):
         return [_confined(value, trusted) for value in node]
     return node
 
 
-def _scratch(_: Any = None) -> str:
+def _scratch() -> str:
     # A rebuilt run's text caches (text_bytes' encoded corpus, a transformers source's tokens) go to a folder of this
     # process's own, removed when it ends: a run folder's config names what it reads, never where runner writes (its
     # paths could name every readable file, copied into ~/.cache/runner)
@@ -77,7 +75,6 @@ def _scratch(_: Any = None) -> str:
 
 
 _SCRATCH: list[str] = []
-CONFINED = {"trusted_targets": list, "cache": lambda _: None, "cache_dir": _scratch}
 # A transformers source a run folder names on the hub (checkpoint: hf:NAME) is read from the hub's cache alone: its
 # name is the folder's word, and a request for it would tell whoever wrote the folder that it was opened (or fetch
 # their model)
@@ -90,6 +87,15 @@ def _cached(checkpoint: Any) -> Any:
         if isinstance(checkpoint, str) and checkpoint.startswith(HUB)
         else checkpoint
     )
+
+
+# Each key a rebuilt run's config may not decide for itself -> (its value, the reader's trust) -> what is used instead
+CONFINED = {
+    "trusted_targets": lambda _, trusted: list(trusted),
+    "cache": lambda *_: None,
+    "cache_dir": lambda *_: _scratch(),
+    "checkpoint": lambda value, _: _cached(value),
+}
 
 
 def load_trained(

@@ -216,9 +216,10 @@ def _component(node: dict, slot: str, trusted: Sequence[str], path: str, verdict
 def _by_name(obj: Any, args: Any, arguments: dict, path: str, verdict: Verdict) -> dict:
     # Positional arguments bound to the parameters they fill, so that every rule keyed by a parameter's name (a
     # component, a confined cache folder) sees them: `_args_` is a spelling, not a way around those rules.
-    parameters = inspect.signature(obj).parameters
+    signature = inspect.signature(obj)
+    parameters = signature.parameters
     try:
-        bound = inspect.signature(obj).bind_partial(*(args if isinstance(args, list) else [args]))
+        bound = signature.bind_partial(*(args if isinstance(args, list) else [args]))
     except TypeError as error:
         verdict.forged.append(f"{path}._args_ do not fit {obj.__qualname__} ({error})")
         return arguments
