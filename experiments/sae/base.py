@@ -6,6 +6,12 @@ unit norm after every optimizer step, with the gradient component parallel to ea
 encoder initialised as the decoder's transpose (with `encoder_init=fit`, scaled to best reconstruct the first batch;
 with a number, columns of that norm); the decoder bias initialised to the geometric median of the first training batch.
 Dead latents are those that have not fired within `dead_window` (optimizer steps or samples).
+
+A transcoder (`d_out` set) reads one module's output and reconstructs another's: each data row holds the input's d_in
+columns then the target's d_out columns, side by side (how a source model hooked at two modules gives them). Its
+encoder reads the input uncentred (no b_dec: that lives in the target's space), the target gets a scale of its own,
+and with `skip` a linear map from the input (W_skip, zero at start) is added to the reconstruction. Everything else,
+every code type's activation and loss, is the SAE's with the target in place of the input.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ def geometric_median(points: torch.Tensor, iterations: int = 100, tol: float = 1
     return median
 
 
+def _unit_scale(x: torch.Tensor) -> torch.Tensor:
+    # the factor that makes E||x|| = sqrt(width)
+    return x.shape[1] ** 0.5 / torch.linalg.vector_norm(x, dim=1).mean().clamp_min(1e-8)
+
+
 class SAE(nn.Module):
     """Base class: encoder, decoder, recipe and dead-latent tracking. Subclasses choose the activation and the loss."""
 
@@ -48,6 +59,8 @@ class SAE(nn.Module):
         sparse_decode: bool = True,
         b_enc_init: float = 0.0,
         encoder_init: str | float = "unit",
+        d_out: int | None = None,
+        skip: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(d_in, bool) or not isinstance(d_in, int) or d_in < 1:
@@ -56,6 +69,13 @@ class SAE(nn.Module):
                 "(source.module=[...]) need model=sae_multi, which makes an SAE for each"
             )
         check_whole(n_latents, "model.n_latents")
+        if d_out is not None:
+            check_whole(d_out, "model.d_out")
+        if skip not in (True, False) or (skip and d_out is None):
+            raise ConfigError(
+                f"model.skip={skip!r}: a skip connection maps a transcoder's input to its target; it needs a target "
+                "(source.target=<module>, or data with d_out), and true or false"
+            )
         if not abs(b_enc_init) <= torch.finfo(torch.float32).max:  # a float32 parameter (a NaN fails too)
             raise ConfigError(f"model.b_enc_init must be a finite number, got {b_enc_init}: e.g. model.b_enc_init=0.0")
         norm = encoder_init if isinstance(encoder_init, (int, float)) and not isinstance(encoder_init, bool) else None
@@ -64,21 +84,29 @@ class SAE(nn.Module):
                 f"model.encoder_init={encoder_init!r}: give unit, fit or the encoder columns' starting norm (e.g. 0.5)"
             )
         self.d_in, self.n_latents, self.encoder_init = d_in, n_latents, encoder_init
+        self.transcoder, self.d_out, self.skip = d_out is not None, d_out or d_in, bool(skip)
         self.normalize_input, self.unit_norm_decoder = normalize_input, unit_norm_decoder
         self.geometric_median_init, self.sparse_decode = geometric_median_init, sparse_decode
         window = parse_duration(dead_window)
         if window.unit not in ("st", "sa", "tok"):
             raise ConfigError(f"model.dead_window={dead_window}: give it in optimizer steps (st) or samples (sa)")
         self.dead_unit, self.dead_window = ("st" if window.unit == "st" else "sa"), window.value
-        W_dec = F.normalize(torch.randn(n_latents, d_in), dim=1)
+        W_dec = F.normalize(torch.randn(n_latents, self.d_out), dim=1)
         self.W_dec = nn.Parameter(W_dec)
-        W_enc = W_dec.t() if tied_init else F.normalize(torch.randn(d_in, n_latents), dim=0)
+        # a transcoder's decoder lives in the target's space, not its encoder's: no tied start for it
+        tied = tied_init and not self.transcoder
+        W_enc = W_dec.t() if tied else F.normalize(torch.randn(d_in, n_latents), dim=0)
         # contiguous: a fused optimizer walks a parameter, its gradient and its state as flat memory; a transposed
         # W_enc beside the row-major state a checkpoint restores would mix up its entries (torch 2.13, CPU and CUDA)
         self.W_enc = nn.Parameter((W_enc * (norm or 1.0)).contiguous())
         self.b_enc = nn.Parameter(torch.full((n_latents,), float(b_enc_init)))  # < 0: ReLU codes start sparse
-        self.b_dec = nn.Parameter(torch.zeros(d_in))
+        self.b_dec = nn.Parameter(torch.zeros(self.d_out))
         self.register_buffer("input_scale", torch.ones(()))
+        if self.transcoder:  # registered only here: an SAE's checkpoints keep their keys
+            self.register_buffer("target_scale", torch.ones(()))
+            self.register_buffer("input_bias", torch.zeros(d_in), persistent=False)  # what the encoder centres by
+        if self.skip:
+            self.W_skip = nn.Parameter(torch.zeros(d_in, self.d_out))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
         # Per latent: steps (or samples) since it last fired, and the running counters that measure it.
         self.register_buffer("since_fired", torch.zeros(n_latents))
@@ -99,24 +127,29 @@ class SAE(nn.Module):
         return grad - (grad * w).sum(1, keepdim=True) * w
 
     @torch.no_grad()
-    def initialize_from(self, x: torch.Tensor) -> None:
-        """Data-dependent init from a sample of raw inputs: the input scale and the decoder bias. Under several
-        processes, from every rank's sample (in rank order: the global batch, as one process would see it)."""
+    def initialize_from(self, rows: torch.Tensor) -> None:
+        """Data-dependent init from a sample of raw data rows: the input (and target) scale and the decoder bias.
+        Under several processes, from every rank's sample (in rank order: the global batch, as one process would
+        see it)."""
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # once per run: the ranks' first batches, whatever their sizes, through pickling
             samples: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(samples, x.detach().cpu())
-            x = torch.cat(samples).to(x.device)
+            torch.distributed.all_gather_object(samples, rows.detach().cpu())
+            rows = torch.cat(samples).to(rows.device)
+        x, y = (part.float() for part in self.split(rows))
         if self.normalize_input:
-            self.input_scale.fill_(self.d_in**0.5 / torch.linalg.vector_norm(x.float(), dim=1).mean().clamp_min(1e-8))
+            self.input_scale.fill_(_unit_scale(x))
+            if self.transcoder:
+                self.target_scale.fill_(_unit_scale(y))
+        xn, yn = x * self.input_scale, y * self.out_scale
         if self.geometric_median_init:
-            self.b_dec.copy_(geometric_median(x.float() * self.input_scale))
+            self.b_dec.copy_(geometric_median(yn))
         if self.encoder_init == "fit":
-            self._fit_encoder_scale(x.float() * self.input_scale)
+            self._fit_encoder_scale(xn, yn)
         self.initialized.fill_(True)
 
     @torch.no_grad()
-    def _fit_encoder_scale(self, xn: torch.Tensor) -> None:
+    def _fit_encoder_scale(self, xn: torch.Tensor, yn: torch.Tensor) -> None:
         # Unit-norm encoder columns start the codes, hence the reconstruction, several times too large: on a GPT's
         # residual stream (128 -> 2048, k 32) Adam then spends the run shrinking them (held-out FVE 0.946; sparsify's
         # nn.Linear init, columns of norm ~0.58, gave 0.970). Scaled by the least-squares factor that best
@@ -124,7 +157,7 @@ class SAE(nn.Module):
         # latents at any scale and scale with it, so the reconstruction is linear in the factor.
         kept = {name: buffer.clone() for name, buffer in self.named_buffers()}  # BatchTopK's threshold: untouched
         recon = self.decode(*self.activate(self.pre_activations(xn))) - self.b_dec
-        fit = (recon * (xn - self.b_dec)).sum() / recon.pow(2).sum().clamp_min(1e-12)
+        fit = (recon * (yn - self.b_dec)).sum() / recon.pow(2).sum().clamp_min(1e-12)
         self.W_enc.mul_(torch.where(fit > 0, fit, 1.0))
         for name, buffer in self.named_buffers():
             buffer.copy_(kept[name])
@@ -203,10 +236,38 @@ class SAE(nn.Module):
         self.since_fired[latents] = 0
 
     # ---- forward --------------------------------------------------------------------------------------------
+    @property
+    def out_scale(self) -> torch.Tensor:
+        """What the target is multiplied by inside (an SAE's target is its input: input_scale)."""
+        return self.target_scale if self.transcoder else self.input_scale
+
+    @property
+    def pre_bias(self) -> torch.Tensor:
+        """What the encoder subtracts from normalised inputs: an SAE's b_dec, a transcoder's zeros."""
+        return self.input_bias if self.transcoder else self.b_dec
+
+    def split(self, batch: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, target) of a batch of raw rows: an SAE's target is its input; a transcoder's rows hold the input's
+        d_in columns, then the target's d_out."""
+        rows = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if not self.transcoder:
+            return rows, rows
+        if rows.shape[-1] != self.d_in + self.d_out:
+            raise ConfigError(
+                f"the data's rows have {rows.shape[-1]} columns, but a transcoder of model.d_in={self.d_in} and "
+                f"model.d_out={self.d_out} reads {self.d_in + self.d_out} (input, then target): leave model.d_in and "
+                "model.d_out null, the data decides them (source.target names the target module)"
+            )
+        return rows[..., : self.d_in], rows[..., self.d_in :]
+
+    def skip_part(self, xn: torch.Tensor) -> torch.Tensor | float:
+        """The skip connection's share of the reconstruction (normalised units), 0 without one."""
+        return xn @ self.W_skip if self.skip else 0.0
+
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
         """Encoder pre-activations of normalised inputs."""
         # addmm: the bias added inside the product, not in a second pass over the [B, n_latents] result
-        return torch.addmm(self.b_enc, x - self.b_dec, self.W_enc)
+        return torch.addmm(self.b_enc, x - self.pre_bias, self.W_enc)
 
     def activate(self, pre: Pre) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(values [B, k], indices [B, k]) of the active latents per row, or (dense codes [B, n], None)."""
@@ -239,46 +300,57 @@ class SAE(nn.Module):
         return self._dense(*self.codes(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Reconstruction of raw inputs, in their original units."""
-        return self.decode(*self.codes(x)) / self.input_scale
+        """Reconstruction (a transcoder: the predicted target) of raw inputs, in their original units."""
+        return (self.decode(*self.codes(x)) + self.skip_part(x * self.input_scale)) / self.out_scale
 
     def aux_loss(
         self, x: torch.Tensor, pre: Pre, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """Extra loss terms, named '*_term' (added to the loss), and their metrics, from the normalised inputs, the
-        pre-activations, the codes (as `activate` gives them) and the reconstruction; none by default."""
+        """Extra loss terms, named '*_term' (added to the loss), and their metrics, from the normalised target less
+        the skip connection's part (an SAE's: its inputs), the pre-activations, the codes (as `activate` gives them)
+        and their reconstruction of it; none by default."""
         return {}
 
+    def _normalised(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # (input, target) in the units the SAE works in; an SAE's target is the very same tensor
+        x, y = self.split(batch)
+        xn = x.float() * self.input_scale
+        return xn, (y.float() * self.target_scale if self.transcoder else xn)
+
     def _step(self, batch: torch.Tensor | tuple[torch.Tensor, ...], train: bool) -> dict[str, torch.Tensor]:
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        rows = batch[0] if isinstance(batch, (tuple, list)) else batch
         if train and not self._init_checked:  # `initialized` is read once, not every step (a GPU sync)
             if not self.initialized:
-                self.initialize_from(x)
+                self.initialize_from(rows)
             self._init_checked = True
-        xn = x.float() * self.input_scale
+        xn, yn = self._normalised(rows)
         # sparse_backward (TopK-style codes): gradients reach only the latents the codes and AuxK pick (sparse.py)
         pre = SparsePre(xn, self) if self.sparse_backward else self.pre_activations(xn)
         values, indices = self.activate(pre)
-        recon = self.decode(values, indices)
-        sse = (recon - xn).pow(2).sum(1).mean()
-        sst = (xn - xn.mean(0)).pow(2).sum(1).mean()
+        recon = sparse_recon = self.decode(values, indices)
+        target = yn
+        if self.skip:  # what the latents must explain is the target less the skip connection's part
+            linear = self.skip_part(xn)
+            recon, target = sparse_recon + linear, yn - linear
+        sse = (recon - yn).pow(2).sum(1).mean()
+        sst = (yn - yn.mean(0)).pow(2).sum(1).mean()
         out = {
             "recon_loss": sse / sst,
             "fve": 1 - sse / sst,
-            "nmse": sse / xn.pow(2).sum(1).mean(),
-            "mse": sse / self.d_in / self.input_scale**2,  # per element, in the original units
+            "nmse": sse / yn.pow(2).sum(1).mean(),
+            "mse": sse / self.d_out / self.out_scale**2,  # per element, in the original units
             "l0": (values > 0).sum(1).float().mean(),
         }
         if train:
             fired = values.detach() > 0
             if indices is None:
-                self._track(fired.any(0), x.shape[0])
+                self._track(fired.any(0), rows.shape[0])
             else:  # no host sync: scatter the per-row hits into a per-latent count
-                hits = torch.zeros(self.n_latents, device=x.device).index_add_(
+                hits = torch.zeros(self.n_latents, device=rows.device).index_add_(
                     0, indices.flatten(), fired.flatten().float()
                 )
-                self._track(hits > 0, x.shape[0])
-            out.update(self.aux_loss(xn, pre, values, indices, recon))
+                self._track(hits > 0, rows.shape[0])
+            out.update(self.aux_loss(target, pre, values, indices, sparse_recon))
         out["loss"] = out["recon_loss"] + sum(out.pop(k) for k in [k for k in out if k.endswith("_term")])
         out["dead_fraction"] = self.dead_mask().float().mean()
         return out
@@ -290,16 +362,16 @@ class SAE(nn.Module):
     def validation_step(self, batch) -> dict[str, torch.Tensor]:
         """Per-sample statistics in float64 that runner averages over the whole validation split (every rank's
         shard): the squared error, the inputs' first and second moments, L0; validation_summary makes the metrics."""
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        xn = x.float() * self.input_scale
+        xn, yn = self._normalised(batch)
         values, indices = self.activate(self.pre_activations(xn))
-        xn, recon = xn.double(), self.decode(values, indices).double()
+        recon = (self.decode(values, indices) + self.skip_part(xn)).double()
+        yn = yn.double()
         fired = values > 0
         rate = fired.double().mean(0) if indices is None else self._dense(fired.double(), indices).mean(0)
         return {
-            "sse": (recon - xn).pow(2).sum(1).mean(),
-            "x_mean": xn.mean(0),  # [d]
-            "x_sq": xn.pow(2).sum(1).mean(),
+            "sse": (recon - yn).pow(2).sum(1).mean(),
+            "x_mean": yn.mean(0),  # [d_out]: the target's (an SAE's: its inputs')
+            "x_sq": yn.pow(2).sum(1).mean(),
             "l0": (values > 0).sum(1).double().mean(),
             "dead_fraction": self.dead_mask().double().mean(),
             "firing_rate": rate,  # [n_latents]: the split's mean is each latent's firing rate over all its inputs
@@ -319,7 +391,7 @@ class SAE(nn.Module):
             "recon_loss": sse / sst,
             "fve": 1 - sse / sst,
             "nmse": sse / means["x_sq"],
-            "mse": sse / self.d_in / self.input_scale.double() ** 2,
+            "mse": sse / self.d_out / self.out_scale.double() ** 2,
             "l0": means["l0"],
             "dead_fraction": means["dead_fraction"],
             # latents that fired on none of the split's inputs (tokens, for a language model's activations)

@@ -106,9 +106,9 @@ class MatryoshkaSAE(BatchTopKSAE):
         `prefix_<m>_nmse` over the whole split)."""
         out = super().validation_step(batch)
         # The parent's step keeps its codes to itself: encoding again is one more forward on a validation batch.
-        xn = (batch[0] if isinstance(batch, (tuple, list)) else batch).float() * self.input_scale
-        recons = self.prefix_decodes(*self.activate(self.pre_activations(xn))).double()
-        return {**out, "prefix_sse": (recons - xn.double()).pow(2).sum(2).mean(1)}  # [n_prefixes]
+        xn, yn = self._normalised(batch)
+        recons = (self.prefix_decodes(*self.activate(self.pre_activations(xn))) + self.skip_part(xn)).double()
+        return {**out, "prefix_sse": (recons - yn.double()).pow(2).sum(2).mean(1)}  # [n_prefixes]
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The parent's metrics, each prefix's SSE / sum of squares over the split, and the sum of the prefixes'

@@ -60,7 +60,7 @@ class TopKSAE(SAE):
         if not 0 < k <= self.n_latents:
             raise ConfigError(f"model.k={k} must be in [1, n_latents={self.n_latents}]")
         self.k, self.auxk_coeff, self.sparse_backward = k, auxk_coeff, sparse_backward
-        self.k_aux = k_aux or self.d_in // 2
+        self.k_aux = k_aux or self.d_out // 2
 
     def activate(self, pre: Pre) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k values (ReLU'd) and their indices."""
@@ -134,7 +134,7 @@ class BatchTopKSAE(SAE):
         if not 0 < k <= self.n_latents:
             raise ConfigError(f"model.k={k} must be in [1, n_latents={self.n_latents}]")
         self.k, self.momentum, self.sparse_backward = k, threshold_momentum, sparse_backward
-        self.auxk_coeff, self.k_aux = auxk_coeff, k_aux or self.d_in // 2
+        self.auxk_coeff, self.k_aux = auxk_coeff, k_aux or self.d_out // 2
         self.register_buffer("threshold", torch.full((), -1.0))
 
     def activate(self, pre: Pre) -> tuple[torch.Tensor, None]:

@@ -33,7 +33,7 @@ class SparsePre:
     select from `plain(self)`, and take gradients through `pick`."""
 
     def __init__(self, x: torch.Tensor, sae: nn.Module) -> None:
-        self.x, self.W_enc, self.b_enc, self.b_dec = x, sae.W_enc, sae.b_enc, sae.b_dec
+        self.x, self.W_enc, self.b_enc, self.b_dec = x, sae.W_enc, sae.b_enc, sae.pre_bias
         with torch.no_grad():
             self.centered = x - self.b_dec  # SAE.pre_activations' arithmetic: the same values
             self.values = torch.addmm(self.b_enc, self.centered, self.W_enc)

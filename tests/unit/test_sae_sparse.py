@@ -107,7 +107,7 @@ def test_picks_differentiate_every_input_like_indexing(product: str, monkeypatch
     grads = {}
     for sparse in (False, True):
         sae = torch.nn.Module()
-        sae.W_enc, sae.b_enc, sae.b_dec = W_enc, b_enc, b_dec
+        sae.W_enc, sae.b_enc, sae.pre_bias = W_enc, b_enc, b_dec  # an SAE centres by b_dec
         pre = SparsePre(x, sae) if sparse else (x - b_dec) @ W_enc + b_enc
         torch.testing.assert_close(plain(pre), ((x - b_dec) @ W_enc + b_enc).detach())
         picks = pick(pre, indices), pick_flat(pre, flat), pick_columns(pre, columns)
