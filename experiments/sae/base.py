@@ -206,6 +206,17 @@ class SAE(nn.Module):
         else:
             self.since_fired.add_(rows).masked_fill_(codes_fired, 0)
 
+    def track(self, values: torch.Tensor, indices: torch.Tensor | None) -> None:
+        """Count which latents fired in a training micro-batch's codes (as `activate` gives them)."""
+        fired = values.detach() > 0
+        if indices is None:
+            self._track(fired.any(0), values.shape[0])
+        else:  # no host sync: scatter the per-row hits into a per-latent count
+            hits = torch.zeros(self.n_latents, device=values.device).index_add_(
+                0, indices.flatten(), fired.flatten().float()
+            )
+            self._track(hits > 0, values.shape[0])
+
     def dead_mask(self) -> torch.Tensor:
         """Latents that have not fired within dead_window."""
         return self.since_fired >= self.dead_window
@@ -342,14 +353,7 @@ class SAE(nn.Module):
             "l0": (values > 0).sum(1).float().mean(),
         }
         if train:
-            fired = values.detach() > 0
-            if indices is None:
-                self._track(fired.any(0), rows.shape[0])
-            else:  # no host sync: scatter the per-row hits into a per-latent count
-                hits = torch.zeros(self.n_latents, device=rows.device).index_add_(
-                    0, indices.flatten(), fired.flatten().float()
-                )
-                self._track(hits > 0, rows.shape[0])
+            self.track(values, indices)
             out.update(self.aux_loss(target, pre, values, indices, sparse_recon))
         out["loss"] = out["recon_loss"] + sum(out.pop(k) for k in [k for k in out if k.endswith("_term")])
         out["dead_fraction"] = self.dead_mask().float().mean()

@@ -1,0 +1,214 @@
+"""Cross-layer transcoder (CLT: Ameisen et al. 2025, "Circuit Tracing"): what attribution graphs are built from.
+
+One encoder per layer reads that layer's MLP input; the latents of layer l write, through decoders of their own, to
+the MLP outputs of layer l and of every later layer, and layer m's reconstruction is the sum of what layers 0..m write
+to it. Each layer's coder is an ordinary transcoder of experiments/sae (any code type: TopK, BatchTopK, ReLU, JumpReLU,
+Matryoshka) whose target is the concatenation of the MLP outputs it writes to, [y_l | ... | y_{L-1}]: its decoder row
+for a latent is that latent's writes to every later layer (kept at unit norm together), and its code type, AuxK and
+dead-latent clock work unchanged. The writes to later layers start at zero, so the CLT starts as L per-layer
+transcoders and learns what crosses layers.
+
+Data rows hold every layer's MLP input, then every layer's MLP output, [x_0 | ... | x_{L-1} | y_0 | ... | y_{L-1}]
+(one forward of the frozen model hooked at all of them, stopped after the last). Each layer's input and output have a
+scale of their own (E||x|| = sqrt(d)), kept here, not in the coders. The loss is the sum over layers of each layer's
+normalised error (SSE / SST, as an SAE's recon_loss).
+
+Memory: L encoders of d_in x n, and L (L + 1) / 2 decoder blocks of n x d_out, against L (d_in + d_out) n for
+per-layer transcoders of the same width: (L + 1) / 2 times the decoder weights (experiments/sae/README or the note of
+issue 42 gives the figures for GPT-2 small and Llama-8B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from experiments.sae.base import SAE, _unit_scale, geometric_median
+from experiments.sae.sparse import SparsePre
+from runner import ConfigError, check_whole
+from runner.trust import buildable
+
+
+@buildable("model", coder="model")
+class CrossLayerTranscoder(nn.Module):
+    """L per-layer coders whose decoders write to their own and every later layer's target."""
+
+    def __init__(
+        self,
+        coder: Callable[..., SAE] | None = None,
+        layers: int | None = None,
+        d_in: int | None = None,
+        d_out: int | None = None,
+        normalize_input: bool = True,
+        geometric_median_init: bool = True,
+    ) -> None:
+        super().__init__()
+        if coder is None:
+            raise ConfigError("model.coder: give each layer's code type (an SAE config, e.g. the sae_lm preset's)")
+        if layers is None or d_in is None or d_out is None:
+            raise ConfigError(
+                f"model.layers={layers}, d_in={d_in}, d_out={d_out}: a cross-layer transcoder reads every layer's MLP "
+                "input and output: give source.module=[<input of each layer>] and source.target=[<output of each>]"
+            )
+        for name, value in (("layers", layers), ("d_in", d_in), ("d_out", d_out)):
+            check_whole(value, f"model.{name}")
+        self.layers, self.d_in, self.d_out = layers, d_in, d_out
+        self.normalize_input, self.geometric_median_init = normalize_input, geometric_median_init
+        # The scales and the first batch's medians are the CLT's: a coder sees normalised units only.
+        self.coders = nn.ModuleList(
+            coder(d_in=d_in, d_out=(layers - layer) * d_out, normalize_input=False, geometric_median_init=False)
+            for layer in range(layers)
+        )
+        for layer, one in enumerate(self.coders):
+            if one.encoder_init == "fit":
+                raise ConfigError(
+                    "model.coder.encoder_init=fit fits one transcoder's first reconstruction; a CLT's layers share "
+                    "theirs: give unit or a norm (e.g. model.coder.encoder_init=0.5)"
+                )
+            if one.skip:
+                raise ConfigError("model.coder.skip=true: a cross-layer transcoder has no skip connection; set false")
+            with torch.no_grad():  # the writes to later layers start at zero: L per-layer transcoders at first
+                one.W_dec[:, d_out:] = 0.0
+        self.register_buffer("input_scale", torch.ones(layers))
+        self.register_buffer("target_scale", torch.ones(layers))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        self._init_checked = False
+
+    # ---- data --------------------------------------------------------------------------------------------------
+    def split(self, batch: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's input and target columns of a batch of raw rows."""
+        rows = batch[0] if isinstance(batch, (tuple, list)) else batch
+        width = self.layers * (self.d_in + self.d_out)
+        if rows.shape[-1] != width:
+            raise ConfigError(
+                f"the data's rows have {rows.shape[-1]} columns, but a cross-layer transcoder of {self.layers} layers "
+                f"(d_in={self.d_in}, d_out={self.d_out}) reads {width}: every layer's input, then every layer's output"
+            )
+        inputs = rows[..., : self.layers * self.d_in].split(self.d_in, dim=-1)
+        return list(inputs), list(rows[..., self.layers * self.d_in :].split(self.d_out, dim=-1))
+
+    @torch.no_grad()
+    def initialize_from(self, rows: torch.Tensor) -> None:
+        """Each layer's input and target scales, and its target's bias at the geometric median of the first batch."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            samples: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(samples, rows.detach().cpu())
+            rows = torch.cat(samples).to(rows.device)
+        inputs, targets = self.split(rows.float())
+        for layer, (x, y) in enumerate(zip(inputs, targets, strict=True)):
+            if self.normalize_input:
+                self.input_scale[layer], self.target_scale[layer] = _unit_scale(x), _unit_scale(y)
+            if self.geometric_median_init:  # the layer's own block of its coder's bias; the others start at 0
+                self.coders[layer].b_dec[: self.d_out] = geometric_median(y * self.target_scale[layer])
+        self.initialized.fill_(True)
+
+    # ---- forward -----------------------------------------------------------------------------------------------
+    def _writes(self, decoded: list[torch.Tensor]) -> list[torch.Tensor]:
+        # layer m's reconstruction (normalised units): the sum of block m - l of every layer l <= m's decode
+        return [sum(decoded[l][:, (m - l) * self.d_out : (m - l + 1) * self.d_out] for l in range(m + 1)) for m in
+                range(self.layers)]
+
+    def decoded(self, xn: torch.Tensor, layer: int, train: bool = False) -> tuple[Any, ...]:
+        """Layer `layer`'s (pre-activations, values, indices, decode) of its normalised input."""
+        coder = self.coders[layer]
+        pre = SparsePre(xn, coder) if train and coder.sparse_backward else coder.pre_activations(xn)
+        values, indices = coder.activate(pre)
+        return pre, values, indices, coder.decode(values, indices)
+
+    def forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every layer's predicted MLP output (raw units) from every layer's raw MLP input."""
+        decoded = [self.decoded(x.float() * self.input_scale[l], l)[3] for l, x in enumerate(inputs)]
+        return [y / self.target_scale[m] for m, y in enumerate(self._writes(decoded))]
+
+    def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The sum over layers of each layer's SSE / SST, each coder's auxiliary terms, and per-layer metrics."""
+        rows = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if not self._init_checked:
+            if not self.initialized:
+                self.initialize_from(rows)
+            self._init_checked = True
+        inputs, targets = self.split(rows)
+        xn = [x.float() * self.input_scale[l] for l, x in enumerate(inputs)]
+        yn = [y.float() * self.target_scale[m] for m, y in enumerate(targets)]
+        steps = [self.decoded(x, l, train=True) for l, x in enumerate(xn)]
+        recon = self._writes([step[3] for step in steps])
+        out: dict[str, torch.Tensor] = {}
+        losses, terms = [], []
+        for m in range(self.layers):
+            sse = (recon[m] - yn[m]).pow(2).sum(1).mean()
+            sst = (yn[m] - yn[m].mean(0)).pow(2).sum(1).mean()
+            losses.append(sse / sst)
+            out[f"layer{m}/fve"] = (1 - sse / sst).detach()
+        for l, (pre, values, indices, decode) in enumerate(steps):
+            coder = self.coders[l]
+            coder.track(values, indices)
+            # what layer l's latents must explain: each later target less what the other layers write to it
+            residual = torch.cat([yn[m] - recon[m] for m in range(l, self.layers)], dim=1) + decode
+            aux = coder.aux_loss(residual, pre, values, indices, decode)
+            terms += [aux.pop(k) for k in [k for k in aux if k.endswith("_term")]]
+            out.update({f"layer{l}/{k}": v for k, v in aux.items()})
+            out[f"layer{l}/l0"] = (values > 0).sum(1).float().mean()
+        out["recon_loss"] = torch.stack(losses).sum()
+        out["fve"] = 1 - torch.stack(losses).mean().detach()
+        out["l0"] = torch.stack([out[f"layer{l}/l0"] for l in range(self.layers)]).mean()
+        out["loss"] = out["recon_loss"] + sum(terms)
+        out["dead_fraction"] = torch.stack([c.dead_mask().float().mean() for c in self.coders]).mean()
+        return out
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """Each coder's decoder norm and dead-latent clock."""
+        for coder in self.coders:
+            coder.after_optimizer_step()
+
+    def logged(self, metrics: dict[str, float]) -> None:
+        """Tell each coder the last logged row (whether AuxK runs on a GPU)."""
+        for coder in self.coders:
+            coder.auxk_active = metrics.get("train/dead_fraction", 0.0) > 0
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Load weights and buffers; each coder's dead latents follow (SAE.load_state_dict)."""
+        result = super().load_state_dict(*args, **kwargs)
+        with torch.no_grad():
+            for coder in self.coders:
+                coder.dead.copy_(coder.dead_mask())
+        self._init_checked = False
+        return result
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Per layer, in float64: the squared error and the target's moments; firing rates of every latent."""
+        inputs, targets = self.split(batch)
+        out: dict[str, torch.Tensor] = {}
+        decoded, rates, l0 = [], [], []
+        for l, x in enumerate(inputs):
+            _, values, indices, decode = self.decoded(x.float() * self.input_scale[l], l)
+            decoded.append(decode)
+            fired = (values > 0).double()
+            rates.append(fired.mean(0) if indices is None else self.coders[l]._dense(fired, indices).mean(0))
+            l0.append(fired.sum(1).mean())
+        for m, recon in enumerate(self._writes(decoded)):
+            yn = (targets[m].float() * self.target_scale[m]).double()
+            out[f"sse_{m}"] = (recon.double() - yn).pow(2).sum(1).mean()
+            out[f"y_mean_{m}"], out[f"y_sq_{m}"] = yn.mean(0), yn.pow(2).sum(1).mean()
+        out["l0"] = torch.stack(l0).mean()
+        out["firing_rate"] = torch.cat(rates)
+        out["dead_fraction"] = torch.stack([c.dead_mask().double().mean() for c in self.coders]).mean()
+        return out
+
+    def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per layer FVE (SST about the split's mean); the loss as trained (their sum), the mean FVE, L0, and the
+        latents that never fired on the split."""
+        out: dict[str, torch.Tensor] = {}
+        losses = []
+        for m in range(self.layers):
+            sse, sst = means[f"sse_{m}"], means[f"y_sq_{m}"] - means[f"y_mean_{m}"].pow(2).sum()
+            losses.append(sse / sst)
+            out[f"layer{m}/fve"] = 1 - sse / sst
+        out["loss"] = out["recon_loss"] = torch.stack(losses).sum()
+        out["fve"] = 1 - torch.stack(losses).mean()
+        out["l0"], out["dead_fraction"] = means["l0"], means["dead_fraction"]
+        out["unfired_fraction"] = (means["firing_rate"] == 0).double().mean()
+        return out
