@@ -62,7 +62,7 @@ class CrossLayerTranscoder(nn.Module):
             coder(d_in=d_in, d_out=(layers - layer) * d_out, normalize_input=False, geometric_median_init=False)
             for layer in range(layers)
         )
-        for layer, one in enumerate(self.coders):
+        for one in self.coders:
             if one.encoder_init == "fit":
                 raise ConfigError(
                     "model.coder.encoder_init=fit fits one transcoder's first reconstruction; a CLT's layers share "
@@ -107,9 +107,11 @@ class CrossLayerTranscoder(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------------------------
     def _writes(self, decoded: list[torch.Tensor]) -> list[torch.Tensor]:
-        # layer m's reconstruction (normalised units): the sum of block m - l of every layer l <= m's decode
-        return [sum(decoded[l][:, (m - l) * self.d_out : (m - l + 1) * self.d_out] for l in range(m + 1)) for m in
-                range(self.layers)]
+        # layer m's reconstruction (normalised units): the sum of block m - i of every layer i <= m's decode
+        return [
+            sum(decoded[i][:, (m - i) * self.d_out : (m - i + 1) * self.d_out] for i in range(m + 1))
+            for m in range(self.layers)
+        ]
 
     def decoded(self, xn: torch.Tensor, layer: int, train: bool = False) -> tuple[Any, ...]:
         """Layer `layer`'s (pre-activations, values, indices, decode) of its normalised input."""
@@ -120,7 +122,7 @@ class CrossLayerTranscoder(nn.Module):
 
     def forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every layer's predicted MLP output (raw units) from every layer's raw MLP input."""
-        decoded = [self.decoded(x.float() * self.input_scale[l], l)[3] for l, x in enumerate(inputs)]
+        decoded = [self.decoded(x.float() * self.input_scale[i], i)[3] for i, x in enumerate(inputs)]
         return [y / self.target_scale[m] for m, y in enumerate(self._writes(decoded))]
 
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
@@ -131,9 +133,9 @@ class CrossLayerTranscoder(nn.Module):
                 self.initialize_from(rows)
             self._init_checked = True
         inputs, targets = self.split(rows)
-        xn = [x.float() * self.input_scale[l] for l, x in enumerate(inputs)]
+        xn = [x.float() * self.input_scale[i] for i, x in enumerate(inputs)]
         yn = [y.float() * self.target_scale[m] for m, y in enumerate(targets)]
-        steps = [self.decoded(x, l, train=True) for l, x in enumerate(xn)]
+        steps = [self.decoded(x, i, train=True) for i, x in enumerate(xn)]
         recon = self._writes([step[3] for step in steps])
         out: dict[str, torch.Tensor] = {}
         losses, terms = [], []
@@ -142,18 +144,18 @@ class CrossLayerTranscoder(nn.Module):
             sst = (yn[m] - yn[m].mean(0)).pow(2).sum(1).mean()
             losses.append(sse / sst)
             out[f"layer{m}/fve"] = (1 - sse / sst).detach()
-        for l, (pre, values, indices, decode) in enumerate(steps):
-            coder = self.coders[l]
+        for i, (pre, values, indices, decode) in enumerate(steps):
+            coder = self.coders[i]
             coder.track(values, indices)
-            # what layer l's latents must explain: each later target less what the other layers write to it
-            residual = torch.cat([yn[m] - recon[m] for m in range(l, self.layers)], dim=1) + decode
+            # what layer i's latents must explain: each later target less what the other layers write to it
+            residual = torch.cat([yn[m] - recon[m] for m in range(i, self.layers)], dim=1) + decode
             aux = coder.aux_loss(residual, pre, values, indices, decode)
             terms += [aux.pop(k) for k in [k for k in aux if k.endswith("_term")]]
-            out.update({f"layer{l}/{k}": v for k, v in aux.items()})
-            out[f"layer{l}/l0"] = (values > 0).sum(1).float().mean()
+            out.update({f"layer{i}/{k}": v for k, v in aux.items()})
+            out[f"layer{i}/l0"] = (values > 0).sum(1).float().mean()
         out["recon_loss"] = torch.stack(losses).sum()
         out["fve"] = 1 - torch.stack(losses).mean().detach()
-        out["l0"] = torch.stack([out[f"layer{l}/l0"] for l in range(self.layers)]).mean()
+        out["l0"] = torch.stack([out[f"layer{i}/l0"] for i in range(self.layers)]).mean()
         out["loss"] = out["recon_loss"] + sum(terms)
         out["dead_fraction"] = torch.stack([c.dead_mask().float().mean() for c in self.coders]).mean()
         return out
@@ -183,11 +185,11 @@ class CrossLayerTranscoder(nn.Module):
         inputs, targets = self.split(batch)
         out: dict[str, torch.Tensor] = {}
         decoded, rates, l0 = [], [], []
-        for l, x in enumerate(inputs):
-            _, values, indices, decode = self.decoded(x.float() * self.input_scale[l], l)
+        for i, x in enumerate(inputs):
+            _, values, indices, decode = self.decoded(x.float() * self.input_scale[i], i)
             decoded.append(decode)
             fired = (values > 0).double()
-            rates.append(fired.mean(0) if indices is None else self.coders[l]._dense(fired, indices).mean(0))
+            rates.append(fired.mean(0) if indices is None else self.coders[i]._dense(fired, indices).mean(0))
             l0.append(fired.sum(1).mean())
         for m, recon in enumerate(self._writes(decoded)):
             yn = (targets[m].float() * self.target_scale[m]).double()

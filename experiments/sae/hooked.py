@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from experiments.sae.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.cache import SHARD_ROWS, cached, identity
 from experiments.sae.multi import combined, hook_name, members
-from experiments.sae.source import Replacement, SourceModel
+from experiments.sae.source import Replacement, SourceModel, Splice
 from runner import ConfigError, check_whole
 from runner.data import DataModule, TensorData
 from runner.run import Callback
@@ -24,7 +24,8 @@ from runner.trust import buildable
 @buildable("data")
 class HookedData(DataModule):
     """Train on live activations of `module` in the model of run `checkpoint` (or of a transformers model reading
-    `inputs`: experiments.sae.pretrained); validate on its validation inputs.
+    `inputs`: experiments.sae.pretrained); validate on its validation inputs. With a `target` (a transcoder), each row
+    is `module`'s activation then `target`'s at the same position, [rows, d_in + d_out], from one forward.
 
     With `cache` (a folder: experiments.sae.cache), the training activations are the first `cache_rows` (default
     samples_per_epoch) of the source's stream, written there once and read back memory-mapped, in the sampler's
@@ -44,6 +45,7 @@ class HookedData(DataModule):
         cache_dtype: str = "float32",
         cache_shard_rows: int = SHARD_ROWS,
         inputs: dict | None = None,
+        target: str | None = None,
         **loader,
     ) -> None:
         if cache_rows is not None:
@@ -56,24 +58,25 @@ class HookedData(DataModule):
                 f"data.buffer_size={buffer_size} must hold at least two batches "
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
             )
-        source = SourceModel(checkpoint, module, "cpu", trusted_targets, skip_positions, inputs)
+        source = SourceModel(checkpoint, module, "cpu", trusted_targets, skip_positions, inputs, target)
         if source.data.val_loader() is None:
             raise ConfigError(
                 f"the source run {checkpoint} has no validation split, which the SAE validates (and splices) on: "
                 "train the source with one (the lm data: data.val_every >= 2 and 2 files or more in data.paths)"
             )
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
-        several = len(source.names) > 1
-        if d is not None and (several or val.shape[1] != d):
-            widths = " + ".join(map(str, source.widths.values()))
+        read = [name for name in source.names if name != target]  # the modules an SAE (or transcoder) reads
+        several = len(read) > 1
+        if d is not None and (several or source.widths[source.name] != d):
+            widths = " + ".join(str(source.widths[name]) for name in read)
             raise ConfigError(
-                f"{', '.join(source.names)} output{'' if several else 's'} {widths} features but model.d_in={d}: "
+                f"{', '.join(read)} output{'' if several else 's'} {widths} features but model.d_in={d}: "
                 "leave model.d_in out, the SAEs take their modules' widths"
             )
         if cache is None:
             train = HookedActivations(ActivationBuffer(source, buffer_size, loader.get("seed", 0)), samples_per_epoch)
         else:
-            hooked = source.names[0] if not several else source.names
+            hooked = source.names if len(source.names) > 1 else source.name  # a transcoder's target too
             hf = source.pretrained  # a transformers source: its weight files and the text it read name the cache too
             weights, facts = (hf.weight_files(), hf.inputs) if hf else (None, None)
             key = identity(checkpoint, hooked, skip_positions, cache_dtype, val.shape[1], weights, facts)
@@ -81,8 +84,10 @@ class HookedData(DataModule):
             loader["shuffle"] = True  # the cache holds the rows in the source's order; the sampler shuffles them
         super().__init__({"train": train, "val": TensorData(val)}, **loader)
         # The SAE's width is the module's; with several modules, a family (model=sae_multi) takes each one's width
-        # and columns, and a single SAE, given no width, says to use one.
-        self.model_args = {"hooks": dict(source.widths)} if several else {"d_in": val.shape[1]}
+        # and columns, and a single SAE, given no width, says to use one. A transcoder's output is the target's.
+        self.model_args = {"hooks": dict(source.widths)} if several else {"d_in": source.widths[source.name]}
+        if target is not None:
+            self.model_args["d_out"] = source.widths[target]
         if cache is not None:
             self.info = {"activation_cache": str(cache), "cached_rows": len(train)}
 
@@ -104,7 +109,9 @@ class SpliceEval(Callback):
     from `skip_positions` on), the KL divergence of its next-token distribution from the clean model's, and the
     fraction of loss recovered against two ablations of those positions: zero, (L_zero - L_sae) / (L_zero - L_clean),
     and their mean activation, (L_mean - L_sae) / (L_mean - L_clean). Each SAE of a family (model=sae_multi) gets its
-    own, as val/<name>/<metric>, and the unprefixed metrics are their means."""
+    own, as val/<name>/<metric>, and the unprefixed metrics are their means. With a `target` (a transcoder), the
+    target's output is what is replaced, by the transcoder of `module`'s, and what is ablated; the metrics keep
+    their names."""
 
     def __init__(
         self,
@@ -113,9 +120,10 @@ class SpliceEval(Callback):
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
         inputs: dict | None = None,
+        target: str | None = None,
     ) -> None:
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
-        self.skip, self.inputs = skip_positions, inputs
+        self.skip, self.inputs, self.target = skip_positions, inputs, target
         self.source: SourceModel | None = None
         self.ablated: dict[str, dict] = {}
         self.provides = tuple(
@@ -137,10 +145,12 @@ class SpliceEval(Callback):
         """Add the clean, ablated and spliced losses, the KL divergences and the fractions of loss recovered."""
         if self.source is None:
             self.source = SourceModel(
-                self.checkpoint, self.module, run.device, self.trusted_targets, self.skip, self.inputs
+                self.checkpoint, self.module, run.device, self.trusted_targets, self.skip, self.inputs, self.target
             )
             acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
             means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
+            if self.target is not None:  # a transcoder replaces its target: that is the module ablated
+                means = {self.target: means[self.target]}
             ablations: dict[str, Replacement] = {"clean": None}
             for name, mean in means.items():
                 ablations[f"{name}:zero"] = (name, torch.zeros_like)
@@ -150,15 +160,16 @@ class SpliceEval(Callback):
         family, hook_of = members(run.task), getattr(run.task, "hook_of", {})
         for _, sae in family:
             sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
-        where = {prefix: hook_of.get(prefix.rstrip("/"), self.source.name) for prefix, _ in family}
-        spliced = {prefix: (where[prefix], _through(sae)) for prefix, sae in family}
+        written = self.target or self.source.name
+        where = {prefix: hook_of.get(prefix.rstrip("/"), written) for prefix, _ in family}
+        spliced = {prefix: self._splice(where[prefix], sae) for prefix, sae in family}
         spliced = self.source.compare(spliced, functools.partial(run.working, "splicing"))
         for _, sae in family:
             sae.train()
         metrics["val/ce_clean"] = clean["ce"]
         # the ablations of the (first) hooked module, and with several, of each one under its name
-        several = [(f"{hook_name(m)}/", m) for m in self.source.names] if len(self.source.names) > 1 else []
-        for at, module in [("", self.source.name), *several]:
+        names = [] if self.target or len(self.source.names) == 1 else self.source.names
+        for at, module in [("", written), *((f"{hook_name(m)}/", m) for m in names)]:
             for name in ("zero", "mean"):
                 ablated = self.ablated[f"{module}:{name}"]
                 metrics.update({f"val/{at}{what}_{name}_ablated": value for what, value in ablated.items()})
@@ -168,13 +179,25 @@ class SpliceEval(Callback):
             per_sae[prefix] = {
                 "ce_spliced": got["ce"],
                 **({"kl_spliced": got["kl"]} if "kl" in got else {}),
-                "loss_recovered": (zero["ce"] - got["ce"]) / (zero["ce"] - clean["ce"]),
-                "loss_recovered_mean": (mean["ce"] - got["ce"]) / (mean["ce"] - clean["ce"]),
+                "loss_recovered": _recovered(zero["ce"], got["ce"], clean["ce"]),
+                "loss_recovered_mean": _recovered(mean["ce"], got["ce"], clean["ce"]),
             }
         for prefix, values in per_sae.items():
             metrics.update({f"val/{prefix}{name}": value for name, value in values.items()})
         if len(per_sae) > 1:
             metrics.update({f"val/{name}": value for name, value in combined(per_sae).items()})
+
+    def _splice(self, at: str, sae: nn.Module) -> Replacement:
+        # an SAE replaces its module's output by its reconstruction; a transcoder writes the target's from the input's
+        if self.target is None:
+            return at, _through(sae)
+        read, through = self.source.name, _through(sae)
+        return Splice([read], {at: lambda captured: through(captured[read])})
+
+
+def _recovered(ablated: float, spliced: float, clean: float) -> float:
+    # an ablation that costs nothing (an untrained model's MLP, to float32's precision) leaves the fraction undefined
+    return (ablated - spliced) / (ablated - clean) if ablated != clean else float("nan")
 
 
 def _through(sae: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

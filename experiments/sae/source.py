@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,9 +17,24 @@ from runner.build import build_data
 from runner.data import DataModule, batch_size_of, to_device
 from runner.trained import TRUSTED_TARGETS, load_trained
 
+Rows = Callable[[torch.Tensor], torch.Tensor]  # kept rows [n, d] of a module's output -> their replacement
+
+
+@dataclass(frozen=True)
+class Splice:
+    """What compare() puts in the model for one run: each module of `writes` outputs, at the kept positions, the rows
+    [n, d] its function gives from `captured`, the kept rows of the `reads` modules that have run so far in this
+    forward, in the forward's order (a transcoder reads an MLP's input and writes its output; a cross-layer one reads
+    every layer's, each captured when it runs, so from the stream the earlier writes already changed). A function
+    must not call a module the Splice hooks: its hook would run again inside (use a copy)."""
+
+    reads: Sequence[str]
+    writes: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]]
+
+
 # What compare() puts in a module's place: nothing (the clean model), a function of the first hooked module's output,
-# or (module name, function).
-Replacement = Callable[[torch.Tensor], torch.Tensor] | tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None
+# (module name, function of its output), or a Splice.
+Replacement = Rows | tuple[str, Rows] | Splice | None
 
 
 class _Captured(Exception):
@@ -40,7 +56,8 @@ class SourceModel:
     activation per position from `skip_positions` on: the first position's stream (the first token, attended to by
     everything) is an outlier the field leaves out of training and of splicing. A transformers source also leaves out
     its tokenizer's special tokens wherever they are (`mask`). Several modules give their activations of the same
-    positions side by side, [rows, d_1 + d_2 + ...], in the order named (`widths`)."""
+    positions side by side, [rows, d_1 + d_2 + ...], in the order named (`widths`). A `target` (a transcoder's: the
+    module whose output it predicts from `module`'s) is hooked after them: the rows are [module's | target's]."""
 
     def __init__(
         self,
@@ -50,6 +67,7 @@ class SourceModel:
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
         inputs: dict[str, Any] | None = None,
+        target: str | None = None,
     ) -> None:
         if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
             raise ConfigError(
@@ -73,17 +91,39 @@ class SourceModel:
         self.device = torch.device(device)
         self.model.to(self.device)
         modules = dict(self.model.named_modules())
-        self.names = hook_points(module)
+        self.names, self.target = hook_points(module), target
+        if target is not None:
+            self._check_target(target)
+            self.names.append(target)
         for name in self.names:
             if name not in modules:
                 names = ", ".join(n for n in modules if n) or "it has none but itself"
                 raise ConfigError(
-                    f"source.module={name!r} is not a module of {type(self.model).__name__}: {names}"
+                    f"{self._option(name)}={name!r} is not a module of {type(self.model).__name__}: {names}"
                     + self._read_instead()
                 )
-        self.modules, self.skip = {name: modules[name] for name in self.names}, skip_positions
+        self.skip = skip_positions
         self.name = self.names[0]  # the module that splicing replaces unless told another
         self.widths: dict[str, int] = {}  # each module's width, known from the first activations
+
+    def _check_target(self, target: str) -> None:
+        if not isinstance(target, str) or not target:
+            raise ConfigError(f"source.target={target}: name one module, whose output the transcoder predicts")
+        if len(self.names) > 1:
+            raise ConfigError(
+                f"source.module={self.names} with source.target={target}: a transcoder reads one module for now; "
+                "give one source.module (or leave source.target out for a family of SAEs, model=sae_multi)"
+            )
+        if target == self.names[0]:
+            raise ConfigError(
+                f"source.target={target} is source.module itself: a transcoder predicts another module's output "
+                f"(e.g. source.module=blocks.2.mlp_norm source.target=blocks.2.mlp); an SAE has no source.target "
+                "(source.target=null)"
+            )
+
+    def _option(self, name: str) -> str:
+        # the override that names a hooked module, for the messages that refuse it
+        return "source.target" if name == self.target else "source.module"
 
     def mask(self, batch: Any) -> torch.Tensor | None:
         """[B, T]: which positions of a batch give rows (a transformers source); None: all from skip_positions on."""
@@ -98,13 +138,18 @@ class SourceModel:
         return mask.flatten().nonzero().squeeze(1).cpu()
 
     def _kept(
-        self, out: torch.Tensor, mask: torch.Tensor | None = None, rows: torch.Tensor | None = None
+        self,
+        out: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        name: str | None = None,
     ) -> torch.Tensor:
+        name = name or self.name
         if mask is not None:
             if out.shape[:2] != mask.shape:
                 raise ConfigError(
-                    f"{self.name} outputs {list(out.shape)}, not the stream of the source's {list(mask.shape)} "
-                    "positions [windows, positions, d]: hook a block (source.module)"
+                    f"{name} outputs {list(out.shape)}, not the stream of the source's {list(mask.shape)} "
+                    f"positions [windows, positions, d]: hook a block ({self._option(name)})"
                 )
             # `rows`: the mask's flat indices, counted on the host; a mask on the GPU would be read back to count
             return out[mask] if rows is None else out.flatten(0, 1).index_select(0, rows)
@@ -117,19 +162,19 @@ class SourceModel:
             return out[:, self.skip :]
         if self.skip:
             raise ConfigError(
-                f"source.skip_positions={self.skip}, but {self.name} outputs {list(out.shape)}, not sequences "
+                f"source.skip_positions={self.skip}, but {name} outputs {list(out.shape)}, not sequences "
                 "[batch, positions, d]: set source.skip_positions=0"
             )
         return out
 
     def _spliced(
-        self, out: torch.Tensor, replace: Callable[[torch.Tensor], torch.Tensor], mask: torch.Tensor | None = None
+        self, out: torch.Tensor, replace: Rows, mask: torch.Tensor | None = None, name: str | None = None
     ) -> torch.Tensor:
         if mask is not None:  # masked positions keep the model's own stream
             new = out.clone()
-            new[mask] = replace(self._kept(out, mask)).to(out.dtype)
+            new[mask] = replace(self._kept(out, mask, name=name)).to(out.dtype)
             return new
-        kept = self._kept(out)
+        kept = self._kept(out, name=name)
         new = replace(kept.flatten(0, -2)).view_as(kept)
         return torch.cat([out[:, : self.skip], new], dim=1) if out.ndim == 3 and self.skip else new
 
@@ -141,7 +186,7 @@ class SourceModel:
                 return None if new is None else (new, *out[1:])
             return fn(out)
 
-        handle = self.modules[name].register_forward_hook(hook)
+        handle = self.model.get_submodule(name).register_forward_hook(hook)  # a Splice's may be any module
         try:
             yield
         finally:
@@ -158,6 +203,7 @@ class SourceModel:
         """The modules' outputs for one input batch, as [rows, d] (several: side by side); the model's forward stops
         once the last of them ran (the blocks after it, the head and the loss are never computed)."""
         captured: dict[str, torch.Tensor] = {}
+        shapes: dict[str, torch.Size] = {}  # each output's: all but the width are the positions it covers
         # The kept positions are read off the inputs as the loader gave them (on the host) and go along as indices:
         # picking rows by a mask on the GPU would wait for it at every refill of an SAE's ring, a step that does not log
         mask = self.mask(batch)
@@ -166,7 +212,16 @@ class SourceModel:
 
         def grab(name: str) -> Callable[[torch.Tensor], None]:
             def hook(out: torch.Tensor) -> None:
-                captured[name] = self._kept(out.detach(), mask, rows).flatten(0, -2)
+                shapes[name] = out.shape
+                first = next(iter(shapes))
+                if shapes[name][:-1] != shapes[first][:-1]:  # rows side by side must be the same positions
+                    raise ConfigError(
+                        f"{self._option(name)}={name} outputs {list(out.shape)} but {self._option(first)}={first} "
+                        f"outputs {list(shapes[first])}: not the same positions, so their rows do not pair up; "
+                        f"hook modules whose outputs are the same [batch, positions, d] (a transcoder: an MLP's input "
+                        f"and its output, e.g. source.module=blocks.2.mlp_norm source.target=blocks.2.mlp)"
+                    )
+                captured[name] = self._kept(out.detach(), mask, rows, name).flatten(0, -2)
                 if len(captured) == len(self.names):
                     raise _Captured
 
@@ -190,10 +245,10 @@ class SourceModel:
         self, replacements: dict[str, Replacement], working: Callable[[int, int | None], None] | None = None
     ) -> dict[str, dict]:
         """Over the validation split, for each named replacement of a module's output (None: the clean model; a
-        function: of the first hooked module's; (module, function): of that module's): the model's mean validation
-        loss ("ce") and, when the model's output is logits, the KL divergence of its next-token distribution from the
-        clean model's ("kl", nats per token, over the same tokens as the loss). `working(done, total)` hears after each
-        batch how far the pass has got."""
+        function: of the first hooked module's; (module, function): of that module's; a Splice: the outputs it
+        writes, from those it reads): the model's mean validation loss ("ce") and, when the model's output is logits,
+        the KL divergence of its next-token distribution from the clean model's ("kl", nats per token, over the same
+        tokens as the loss). `working(done, total)` hears after each batch how far the pass has got."""
         sums = {name: torch.zeros(2, dtype=torch.float64) for name in replacements}
         count, has_logits = 0, True
         loader = self.data.val_loader()
@@ -213,10 +268,25 @@ class SourceModel:
         return {name: {"ce": ce, **({"kl": kl} if has_logits else {})} for name, (ce, kl) in means.items()}
 
     def _run(self, batch: Any, replace: Replacement) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The loss of one batch with the module's output replaced, and the model's logits
-        name, fn = replace if isinstance(replace, tuple) else (self.name, replace)
-        mask = self.mask(batch)
-        with self._hook(name, (lambda out: self._spliced(out, fn, mask)) if fn else (lambda out: None)):
+        # The loss of one batch with the replacement's modules' outputs replaced, and the model's logits
+        splice = as_splice(replace, self.name)
+        if splice is None:
+            return self._loss(batch)
+        mask, captured = self.mask(batch), {}
+
+        def at(name: str) -> Callable[[torch.Tensor], torch.Tensor | None]:
+            def hook(out: torch.Tensor) -> torch.Tensor | None:
+                if name in splice.reads:  # before it is written: a module read and written reads the model's own
+                    captured[name] = self._kept(out, mask, name=name).flatten(0, -2)
+                if name not in splice.writes:
+                    return None
+                return self._spliced(out, lambda _own: splice.writes[name](captured), mask, name)
+
+            return hook
+
+        with contextlib.ExitStack() as hooks:
+            for name in dict.fromkeys([*splice.reads, *splice.writes]):
+                hooks.enter_context(self._hook(name, at(name)))
             return self._loss(batch)
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -252,6 +322,14 @@ class SourceModel:
             f"loss (only {', '.join(out)}), and an SAE's source is a model whose loss it is spliced into"
             + (self._read_instead() or ": give the run of a model whose validation gives its loss (+experiment=lm)")
         )
+
+
+def as_splice(replace: Replacement, name: str) -> Splice | None:
+    """A replacement as a Splice: a function alone replaces module `name`'s output by a function of it."""
+    if replace is None or isinstance(replace, Splice):
+        return replace
+    at, fn = replace if isinstance(replace, tuple) else (name, replace)
+    return Splice([at], {at: lambda captured: fn(captured[at])})
 
 
 def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

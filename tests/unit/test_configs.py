@@ -114,7 +114,7 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
         overrides += [f"data.train_path={inputs['tokens']}", "data.val_fraction=0.1"]
     if host == "sae_digits":
         overrides.append(f"source.checkpoint={inputs['source']}")
-    if host == "sae_lm":
+    if host in ("sae_lm", "transcoder_lm", "clt_lm"):
         overrides += [f"source.checkpoint={inputs['lm']}", "data.buffer_size=4096"]
     if host == "sae_hf":
         text = f"source.inputs.paths=[{','.join(inputs['text'])}]"
