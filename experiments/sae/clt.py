@@ -125,6 +125,25 @@ class CrossLayerTranscoder(nn.Module):
         decoded = [self.decoded(x.float() * self.input_scale[i], i)[3] for i, x in enumerate(inputs)]
         return [y / self.target_scale[m] for m, y in enumerate(self._writes(decoded))]
 
+    def splice_writes(self, reads: list[str], writes: list[str]) -> dict[str, Callable[[dict], torch.Tensor]]:
+        """For a Splice (experiments/sae/source.py): each layer's MLP output (`writes`, raw rows) from the captured
+        raw rows of the MLP inputs (`reads`) that ran before it; a layer's codes are computed once per forward."""
+        decoded: dict[int, torch.Tensor] = {}
+
+        def write(m: int) -> Callable[[dict], torch.Tensor]:
+            def fn(captured: dict[str, torch.Tensor]) -> torch.Tensor:
+                if m == 0:  # a new forward: the last one's codes are stale
+                    decoded.clear()
+                for i in range(m + 1):
+                    if i not in decoded:
+                        decoded[i] = self.decoded(captured[reads[i]].float() * self.input_scale[i], i)[3]
+                y = sum(decoded[i][:, (m - i) * self.d_out : (m - i + 1) * self.d_out] for i in range(m + 1))
+                return y / self.target_scale[m]
+
+            return fn
+
+        return {name: write(m) for m, name in enumerate(writes)}
+
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The sum over layers of each layer's SSE / SST, each coder's auxiliary terms, and per-layer metrics."""
         rows = batch[0] if isinstance(batch, (tuple, list)) else batch

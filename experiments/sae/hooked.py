@@ -45,7 +45,7 @@ class HookedData(DataModule):
         cache_dtype: str = "float32",
         cache_shard_rows: int = SHARD_ROWS,
         inputs: dict | None = None,
-        target: str | None = None,
+        target: str | Sequence[str] | None = None,
         **loader,
     ) -> None:
         if cache_rows is not None:
@@ -65,8 +65,8 @@ class HookedData(DataModule):
                 "train the source with one (the lm data: data.val_every >= 2 and 2 files or more in data.paths)"
             )
         val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
-        read = [name for name in source.names if name != target]  # the modules an SAE (or transcoder) reads
-        several = len(read) > 1
+        read = [name for name in source.names if name not in source.targets]  # what an SAE (or transcoder) reads
+        several = len(read) > 1 and not source.targets
         if d is not None and (several or source.widths[source.name] != d):
             widths = " + ".join(str(source.widths[name]) for name in read)
             raise ConfigError(
@@ -86,8 +86,14 @@ class HookedData(DataModule):
         # The SAE's width is the module's; with several modules, a family (model=sae_multi) takes each one's width
         # and columns, and a single SAE, given no width, says to use one. A transcoder's output is the target's.
         self.model_args = {"hooks": dict(source.widths)} if several else {"d_in": source.widths[source.name]}
-        if target is not None:
-            self.model_args["d_out"] = source.widths[target]
+        if len(source.targets) == 1:
+            self.model_args["d_out"] = source.widths[source.targets[0]]
+        elif source.targets:  # a cross-layer transcoder's layers: their inputs alike, their outputs alike
+            self.model_args = {
+                "layers": len(read),
+                **_same_width(source, read, "d_in"),
+                **_same_width(source, source.targets, "d_out"),
+            }
         if cache is not None:
             self.info = {"activation_cache": str(cache), "cached_rows": len(train)}
 
@@ -101,6 +107,16 @@ class HookedData(DataModule):
             train.buffer.to(device)
             device = torch.device("cpu")  # the loader's device only decides pinning: these batches are born on the GPU
         return super().train_loader(rank, world_size, device, accumulate)
+
+
+def _same_width(source: SourceModel, names: list[str], key: str) -> dict[str, int]:
+    widths = {source.widths[name] for name in names}
+    if len(widths) > 1:
+        raise ConfigError(
+            f"{', '.join(names)} output {sorted(widths)} features: a cross-layer transcoder's layers need one {key}; "
+            "hook modules of the same width at every layer"
+        )
+    return {key: widths.pop()}
 
 
 @buildable("callback")
@@ -120,7 +136,7 @@ class SpliceEval(Callback):
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
         inputs: dict | None = None,
-        target: str | None = None,
+        target: str | Sequence[str] | None = None,
     ) -> None:
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
         self.skip, self.inputs, self.target = skip_positions, inputs, target
@@ -149,9 +165,15 @@ class SpliceEval(Callback):
             )
             acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
             means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
-            if self.target is not None:  # a transcoder replaces its target: that is the module ablated
-                means = {self.target: means[self.target]}
+            targets = self.source.targets
+            if targets:  # a transcoder replaces its target: that is the module ablated
+                means = {name: means[name] for name in targets}
             ablations: dict[str, Replacement] = {"clean": None}
+            if len(targets) > 1:  # a CLT's replacement model replaces every layer's output at once: so are they ablated
+                zero = {t: lambda captured, t=t: torch.zeros_like(captured[t]) for t in targets}
+                mean = {t: lambda captured, t=t, m=means[t]: m.expand_as(captured[t]) for t in targets}
+                ablations.update({"targets:zero": Splice(targets, zero), "targets:mean": Splice(targets, mean)})
+                means = {}
             for name, mean in means.items():
                 ablations[f"{name}:zero"] = (name, torch.zeros_like)
                 ablations[f"{name}:mean"] = (name, lambda out, mean=mean: mean.expand_as(out))
@@ -160,7 +182,8 @@ class SpliceEval(Callback):
         family, hook_of = members(run.task), getattr(run.task, "hook_of", {})
         for _, sae in family:
             sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
-        written = self.target or self.source.name
+        targets = self.source.targets
+        written = "targets" if len(targets) > 1 else (targets or [self.source.name])[0]
         where = {prefix: hook_of.get(prefix.rstrip("/"), written) for prefix, _ in family}
         spliced = {prefix: self._splice(where[prefix], sae) for prefix, sae in family}
         spliced = self.source.compare(spliced, functools.partial(run.working, "splicing"))
@@ -168,7 +191,7 @@ class SpliceEval(Callback):
             sae.train()
         metrics["val/ce_clean"] = clean["ce"]
         # the ablations of the (first) hooked module, and with several, of each one under its name
-        names = [] if self.target or len(self.source.names) == 1 else self.source.names
+        names = [] if targets or len(self.source.names) == 1 else self.source.names
         for at, module in [("", written), *((f"{hook_name(m)}/", m) for m in names)]:
             for name in ("zero", "mean"):
                 ablated = self.ablated[f"{module}:{name}"]
@@ -189,8 +212,12 @@ class SpliceEval(Callback):
 
     def _splice(self, at: str, sae: nn.Module) -> Replacement:
         # an SAE replaces its module's output by its reconstruction; a transcoder writes the target's from the input's
-        if self.target is None:
+        targets = self.source.targets
+        if not targets:
             return at, _through(sae)
+        if len(targets) > 1:  # a cross-layer transcoder: every layer's output from the inputs captured so far
+            inputs = self.source.names[: len(targets)]
+            return Splice(inputs, sae.splice_writes(inputs, targets))
         read, through = self.source.name, _through(sae)
         return Splice([read], {at: lambda captured: through(captured[read])})
 

@@ -67,7 +67,7 @@ class SourceModel:
         trusted_targets: Sequence[str] = TRUSTED_TARGETS,
         skip_positions: int = 0,
         inputs: dict[str, Any] | None = None,
-        target: str | None = None,
+        target: str | Sequence[str] | None = None,
     ) -> None:
         if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
             raise ConfigError(
@@ -92,9 +92,8 @@ class SourceModel:
         self.model.to(self.device)
         modules = dict(self.model.named_modules())
         self.names, self.target = hook_points(module), target
-        if target is not None:
-            self._check_target(target)
-            self.names.append(target)
+        self.targets = [] if target is None else self._check_target(target)
+        self.names += self.targets
         for name in self.names:
             if name not in modules:
                 names = ", ".join(n for n in modules if n) or "it has none but itself"
@@ -106,8 +105,18 @@ class SourceModel:
         self.name = self.names[0]  # the module that splicing replaces unless told another
         self.widths: dict[str, int] = {}  # each module's width, known from the first activations
 
-    def _check_target(self, target: str) -> None:
-        if not isinstance(target, str) or not target:
+    def _check_target(self, target: str | Sequence[str]) -> list[str]:
+        # the target modules: one (a transcoder's), or one per source.module (a cross-layer transcoder's)
+        if not isinstance(target, str):
+            targets = hook_points(target)
+            if len(targets) != len(self.names) or len(targets) < 2 or set(targets) & set(self.names):
+                raise ConfigError(
+                    f"source.module={self.names} with source.target={targets}: a cross-layer transcoder reads each "
+                    "layer's MLP input and writes its output: give as many targets as modules, each layer's input "
+                    "in source.module and its output in source.target, in the order the model runs them"
+                )
+            return targets
+        if not target:
             raise ConfigError(f"source.target={target}: name one module, whose output the transcoder predicts")
         if len(self.names) > 1:
             raise ConfigError(
@@ -120,10 +129,11 @@ class SourceModel:
                 f"(e.g. source.module=blocks.2.mlp_norm source.target=blocks.2.mlp); an SAE has no source.target "
                 "(source.target=null)"
             )
+        return [target]
 
     def _option(self, name: str) -> str:
         # the override that names a hooked module, for the messages that refuse it
-        return "source.target" if name == self.target else "source.module"
+        return "source.target" if name in self.targets else "source.module"
 
     def mask(self, batch: Any) -> torch.Tensor | None:
         """[B, T]: which positions of a batch give rows (a transformers source); None: all from skip_positions on."""
@@ -222,6 +232,7 @@ class SourceModel:
                         f"and its output, e.g. source.module=blocks.2.mlp_norm source.target=blocks.2.mlp)"
                     )
                 captured[name] = self._kept(out.detach(), mask, rows, name).flatten(0, -2)
+                self._check_order(list(captured))
                 if len(captured) == len(self.names):
                     raise _Captured
 
@@ -239,6 +250,20 @@ class SourceModel:
             )
         self.widths = {name: captured[name].shape[-1] for name in self.names}
         return captured[self.name] if len(self.names) == 1 else torch.cat([captured[n] for n in self.names], dim=-1)
+
+    def _check_order(self, ran: list[str]) -> None:
+        # A transcoder's input must run before its target, and a cross-layer one's layers in the model's order: the
+        # splice writes each target from inputs captured earlier in the same forward.
+        if not self.targets:
+            return
+        inputs = self.names[: len(self.targets)]
+        expected = [name for pair in zip(inputs, self.targets, strict=True) for name in pair]
+        if ran != expected[: len(ran)]:
+            raise ConfigError(
+                f"source.module={inputs} and source.target={self.targets}: the model runs them as {ran}, not as "
+                f"{expected[: len(ran)]}: name each layer's input (source.module) and output (source.target) in the "
+                "order the model runs them, each input before its output and the layers first to last"
+            )
 
     @torch.no_grad()
     def compare(

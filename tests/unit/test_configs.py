@@ -116,6 +116,10 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
         overrides.append(f"source.checkpoint={inputs['source']}")
     if host in ("sae_lm", "transcoder_lm", "clt_lm"):
         overrides += [f"source.checkpoint={inputs['lm']}", "data.buffer_size=4096"]
+    if host == "clt_lm":  # the tiny GPT's 3 blocks, and small coders
+        overrides += ["source.module=[" + ",".join(f"blocks.{i}.mlp_norm" for i in range(3)) + "]"]
+        overrides += ["source.target=[" + ",".join(f"blocks.{i}.mlp" for i in range(3)) + "]"]
+        overrides += ["model.coder.n_latents=128", "model.coder.k=8"]
     if host == "sae_hf":
         text = f"source.inputs.paths=[{','.join(inputs['text'])}]"
         overrides += [f"source.checkpoint={inputs['hf']}", "source.module=transformer.h.1", text]
