@@ -228,7 +228,8 @@ class SAE(nn.Module):
 
         source = cfg.get("source") or {}
         module = source.get("module") if isinstance(source.get("module"), str) else None
-        return [export(self, fmt, out, module, source.get("checkpoint"))]
+        target = source.get("target") if isinstance(source.get("target"), str) else None
+        return [export(self, fmt, out, module, source.get("checkpoint"), target=target)]
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """Write this SAE's feature pages to `out` for runner.features (experiments/sae/dashboard.py); the pages."""

@@ -144,6 +144,25 @@ class CrossLayerTranscoder(nn.Module):
 
         return {name: write(m) for m, name in enumerate(writes)}
 
+    def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
+        """Each layer's feature pages (its latents' contexts on its MLP input; the logit lens of what they write to
+        their own layer) in a folder per layer under `out`, and a page linking them (experiments/sae/dashboard.py)."""
+        from experiments.sae.dashboard import write
+
+        def rows_of(rows: torch.Tensor, name: str) -> torch.Tensor:
+            layer = int(name.removeprefix("layer"))
+            return self.split(rows)[0][layer].float() * self.input_scale[layer]  # a coder works in normalised units
+
+        family = [(f"layer{layer}/", coder) for layer, coder in enumerate(self.coders)]
+        return write(family, cfg, run_dir, out, rows_of=rows_of, **options)
+
+    def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
+        """Refused: neither SAELens nor sparsify has a cross-layer transcoder format to write."""
+        raise ConfigError(
+            f"--format {fmt}: neither SAELens nor sparsify loads cross-layer transcoders; the run's model.safetensors "
+            "holds every layer's coder (coders.<layer>.W_enc, W_dec [latents, later layers x d_out], ...)"
+        )
+
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The sum over layers of each layer's SSE / SST, each coder's auxiliary terms, and per-layer metrics."""
         rows = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -81,7 +81,9 @@ class _Text:
         data = cfg.data
         trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
         skip, inputs = int(data.get("skip_positions", 0)), data.get("inputs")
-        self.source = SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs)
+        # a transcoder's rows hold its target's columns too: the pages read the input side of them
+        target = data.get("target")
+        self.source = SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs, target)
         self.tokens, self.windows, self.positions, self.splits, self.read = tokens, [], [], {}, 0
         if self.source.pretrained is not None:
             self.vocab = self.source.pretrained.vocab()
@@ -154,8 +156,9 @@ def write(
     rows_of: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
 ) -> list[Path]:
     """Look at each SAE of `family` ((metric prefix, SAE) pairs of a run of `cfg` in `run_dir`; a MultiSAE's give
-    `rows_of`, the columns each reads) over `tokens` rows and write its pages under `out` (one folder per SAE of a
-    family); returns the index pages written."""
+    `rows_of`, the columns each reads; a cross-layer transcoder's, each layer's normalised input) over `tokens` rows and
+    write its pages under `out` (one folder per SAE of a family); returns the index pages written. A transcoder's
+    latents are looked at where they read: its input's contexts; the logit lens reads what they write."""
     started, device_ = time.perf_counter(), torch.device(device)
     hooked = str(cfg.data.get("_target_", "")).endswith("HookedData")
     inputs: _Text | _Rows = _Text(cfg, device_, tokens) if hooked else _Rows(cfg, tokens)
@@ -167,7 +170,7 @@ def write(
         for acts in inputs.batches():
             for chunk in acts.to(device_).split(batch_rows):
                 for prefix, sae in family:
-                    x = rows_of(chunk, prefix.rstrip("/")) if rows_of else chunk
+                    x = rows_of(chunk, prefix.rstrip("/")) if rows_of else sae.split(chunk)[0]
                     stats[prefix].add(*sae.codes(x), first)
                 first += len(chunk)
     seconds = time.perf_counter() - started
@@ -198,10 +201,14 @@ def _weights_views(sae: nn.Module, inputs: Any) -> dict[str, Any]:
     views: dict[str, Any] = {"near": near, "near_cos": cos, "lens": None, "truth": None}
     if isinstance(inputs, _Text) and (found := inputs.unembedding()) is not None:
         unembed, gain, tied = found
-        views["lens"] = logit_lens(W_dec, unembed.cpu(), None if gain is None else gain.detach().cpu())
+        # a cross-layer transcoder's row writes to several layers: the lens reads its own layer's block, the first
+        own = W_dec[:, : unembed.shape[1]]
+        views["lens"] = logit_lens(own, unembed.cpu(), None if gain is None else gain.detach().cpu())
         views["tied"] = tied
     if isinstance(inputs, _Rows):
-        truth = getattr(inputs.data.splits.get("val"), "true_features", None)
+        val = inputs.data.splits.get("val")
+        # a transcoder's decoder writes the target's directions; an SAE's, the input's
+        truth = getattr(val, "true_targets" if getattr(sae, "transcoder", False) else "true_features", None)
         if truth is not None:
             views["truth"] = best_matches(W_dec, truth.cpu())
     return views

@@ -1,4 +1,5 @@
-"""Activation data for SAEs: synthetic activations with known features (files of activations: experiments.sae.files)."""
+"""Activation data for SAEs: synthetic activations with known features (files of activations: experiments.sae.files),
+and for transcoders synthetic (input, target) pairs made from the same sparse codes."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ class SyntheticFeatures:
 
     Optional correlation: features in consecutive groups of `group_size` share a Gaussian factor with weight
     `correlation` (a Gaussian copula), which keeps each feature's own probability and makes group mates co-occur.
+
+    With `d_out` (a transcoder's data) the same codes c also make a target: a row is [x | y] with x = c @ features and
+    y = c @ targets (K other unit directions in d_out dims) + x @ linear_map (linear * L, L [d, d_out] with entries
+    N(0, 1/d); none for linear=0): the part a skip transcoder's W_skip must learn. Optional `noise`: dense Gaussian
+    noise of that std added to every input coordinate. Without it the linear part is not identifiable: x @ L = c @ (E L)
+    is then itself a sum of feature directions, which a transcoder's decoder can learn instead of its skip map.
     """
 
     def __init__(
@@ -45,6 +52,9 @@ class SyntheticFeatures:
         correlation: float = 0.0,
         group_size: int = 8,
         seed: int = 0,
+        d_out: int | None = None,
+        linear: float = 0.0,
+        noise: float = 0.0,
     ) -> None:
         # synthetic_splits hands these on as **features, which runner.checks cannot type: checked here
         for name, value in (("d", d), ("n_features", n_features), ("group_size", group_size)):
@@ -61,12 +71,28 @@ class SyntheticFeatures:
             )
         if not 0 <= magnitude[0] <= magnitude[1]:
             raise ConfigError(f"data.splits.magnitude={list(magnitude)} must be [low, high] with 0 <= low <= high")
+        if d_out is not None:  # null: SAE data
+            check_whole(d_out, "data.splits.d_out (the target's width; null for SAE data)")
+        if not _number(linear) or linear < 0:
+            raise ConfigError(f"data.splits.linear={linear!r} must be a finite number >= 0 (the target's linear part)")
+        if not _number(noise) or noise < 0:
+            raise ConfigError(f"data.splits.noise={noise!r} must be a finite number >= 0 (the inputs' noise std)")
+        if linear > 0 and d_out is None:
+            raise ConfigError(f"data.splits.linear={linear} maps inputs to a target: set data.splits.d_out too")
         g = _generator(seed, "features")
         self.features = torch.nn.functional.normalize(torch.randn(n_features, d, generator=g), dim=1)
+        # The target's directions and linear map come from streams of their own: the features stay those of SAE data.
+        self.targets = self.linear_map = None
+        if d_out is not None:
+            g = _generator(seed, "targets")
+            self.targets = torch.nn.functional.normalize(torch.randn(n_features, d_out, generator=g), dim=1)
+        if linear > 0:
+            self.linear_map = linear * torch.randn(d, d_out, generator=_generator(seed, "linear")) / d**0.5
+        self._join()
         weights = decay ** torch.arange(n_features, dtype=torch.float64)
         self.probs = self._probabilities(weights, mean_active).float()
         self.low, self.high = magnitude
-        self.correlation, self.group_size, self.seed = correlation, group_size, seed
+        self.correlation, self.group_size, self.seed, self.noise = correlation, group_size, seed, noise
         if correlation > 0:
             normal = torch.distributions.Normal(0.0, 1.0)
             self.cutoffs = normal.icdf(self.probs.clamp(1e-7, 1 - 1e-7))
@@ -84,14 +110,31 @@ class SyntheticFeatures:
         return probs.clamp(max=1)
 
     def to(self, device: torch.device | str) -> SyntheticFeatures:
-        """Move the features and the activation probabilities to `device` (in place), where samples are then made."""
+        """Move the features, probabilities (and a target's truth) to `device` (in place), where samples are made."""
         self.features, self.probs = self.features.to(device), self.probs.to(device)
         if self.correlation > 0:
             self.cutoffs = self.cutoffs.to(device)
+        self.targets, self.linear_map = (t if t is None else t.to(device) for t in (self.targets, self.linear_map))
+        self._join()
         return self
 
+    def _join(self) -> None:
+        # [K, d + d_out]: one pass over these rows makes [x | c @ targets] (SAE data: the features themselves)
+        self.joined = self.features if self.targets is None else torch.cat([self.features, self.targets], 1)
+
+    def _finish(self, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        # In place in [x | c @ targets]: x += noise (drawn after the codes: they stay those of noise=0), then
+        # y += x @ linear_map
+        d = self.features.shape[1]
+        if self.noise > 0:
+            out[:, :d].add_(torch.randn(len(out), d, generator=generator, device=out.device), alpha=self.noise)
+        if self.linear_map is not None:
+            out[:, d:].addmm_(out[:, :d], self.linear_map)
+        return out
+
     def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
-        """n activation vectors [n, d], made on the generator's device (sample_sparse on the CPU, else sample_dense)."""
+        """n activation rows [n, d] ([x | y]: [n, d + d_out] with a target), made on the generator's device
+        (sample_sparse on the CPU, else sample_dense)."""
         return self.sample_sparse(n, generator) if generator.device.type == "cpu" else self.sample_dense(n, generator)
 
     def _active(self, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -112,7 +155,8 @@ class SyntheticFeatures:
         mags = self.low + (self.high - self.low) * torch.rand(len(rows), generator=generator)
         offsets = torch.zeros(n, dtype=torch.long)
         offsets[1:] = active.sum(1).cumsum(0)[:-1]
-        return torch.nn.functional.embedding_bag(cols, self.features, offsets, per_sample_weights=mags, mode="sum")
+        out = torch.nn.functional.embedding_bag(cols, self.joined, offsets, per_sample_weights=mags, mode="sum")
+        return self._finish(out, generator)
 
     def sample_dense(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """The same distribution with shapes known in advance (no read of the device): a magnitude is drawn for every
@@ -120,10 +164,32 @@ class SyntheticFeatures:
         TF32 where the user allows it for float32 matmuls)."""
         active = self._active(n, generator)
         mags = self.low + (self.high - self.low) * torch.rand(active.shape, generator=generator, device=active.device)
-        return (mags * active) @ self.features
+        return self._finish((mags * active) @ self.joined, generator)
 
 
-class SyntheticActivations(Dataset):
+class _Truth:
+    """The source's ground truth, for evaluation only: directions [K, d] that make the inputs, and for transcoder
+    data the directions [K, d_out] that make the targets and the linear map [d, d_out] (None where there is none)."""
+
+    source: SyntheticFeatures
+
+    @property
+    def true_features(self) -> torch.Tensor:
+        """The ground-truth input directions [K, d]."""
+        return self.source.features
+
+    @property
+    def true_targets(self) -> torch.Tensor | None:
+        """The ground-truth target directions [K, d_out] (None: SAE data)."""
+        return self.source.targets
+
+    @property
+    def true_linear(self) -> torch.Tensor | None:
+        """The target's linear part, linear * L [d, d_out] (None: no linear part)."""
+        return self.source.linear_map
+
+
+class SyntheticActivations(_Truth, Dataset):
     """`size` samples drawn in batches: a batch is generated from (seed, index of its first sample), so any epoch
     and any resumed position yields the same data, with no need to hold it all in memory.
 
@@ -134,11 +200,6 @@ class SyntheticActivations(Dataset):
 
     def __init__(self, source: SyntheticFeatures, size: int, seed: int) -> None:
         self.source, self.size, self.seed = source, size, seed
-
-    @property
-    def true_features(self) -> torch.Tensor:
-        """The ground-truth directions [K, d], for evaluation only."""
-        return self.source.features
 
     def __len__(self) -> int:
         return self.size
@@ -151,18 +212,13 @@ class SyntheticActivations(Dataset):
         return (self.source.sample(len(indices), generator),)
 
 
-class SyntheticValidation(TensorData):
+class SyntheticValidation(_Truth, TensorData):
     """A fixed validation set drawn on the CPU (the same samples whatever the training device), whose true features
     are the source's, wherever they live."""
 
     def __init__(self, source: SyntheticFeatures, size: int, seed: int) -> None:
         super().__init__(source.sample(size, _generator(seed, "val")))
         self.source = source
-
-    @property
-    def true_features(self) -> torch.Tensor:
-        """The ground-truth directions [K, d]."""
-        return self.source.features
 
 
 @buildable("splits")
@@ -174,7 +230,7 @@ def synthetic_splits(n_train: int = 4_194_304, n_val: int = 16_384, seed: int = 
         raise ConfigError(
             f"data.splits.n_val={n_val} and seed={seed} must be whole numbers >= 0 (n_val=0: no validation)"
         )
-    source = SyntheticFeatures(seed=seed, **features)  # d, n_features, mean_active, decay, magnitude, ...
+    source = SyntheticFeatures(seed=seed, **features)  # d, n_features, mean_active, ..., d_out, linear
     train = SyntheticActivations(source, n_train, seed)
     return {"train": train, "val": SyntheticValidation(source, n_val, seed)} if n_val else {"train": train}
 
@@ -186,7 +242,10 @@ class SyntheticData(DataModule):
 
     def __init__(self, splits: dict[str, Dataset], **loader: Any) -> None:
         super().__init__(splits, **loader)
-        self.model_args = {"d_in": splits["train"].source.features.shape[1]}  # the SAE's width is the task's d
+        source = splits["train"].source
+        self.model_args = {"d_in": source.features.shape[1]}  # the SAE's width is the task's d
+        if source.targets is not None:  # a transcoder's: it reads the d input columns and predicts the d_out others
+            self.model_args["d_out"] = source.targets.shape[1]
 
     def train_loader(
         self, rank: int = 0, world_size: int = 1, device: torch.device | None = None, accumulate: int = 1

@@ -1,14 +1,18 @@
-"""A trained SAE in the folder layout that SAELens or EleutherAI's sparsify loads (`python -m runner.export`).
+"""A trained SAE or transcoder in the folder layout that SAELens or EleutherAI's sparsify loads (runner.export).
 
-- SAELens: `cfg.json` + `sae_weights.safetensors` (W_enc [d, n], b_enc, W_dec [n, d], b_dec, and `threshold` for
-  jumprelu); `sae_lens.SAE.load_from_disk(DIR)` loads it.
-- sparsify: `cfg.json` + `sae.safetensors` (encoder.weight [n, d], encoder.bias, W_dec, b_dec);
-  `sparsify.SparseCoder.load_from_disk(DIR)` loads it.
+- SAELens: `cfg.json` + `sae_weights.safetensors` (W_enc [d_in, n], b_enc, W_dec [n, d_out], b_dec [d_out],
+  `threshold` for jumprelu, W_skip [d_out, d_in] for a skip transcoder); `sae_lens.SAE.load_from_disk(DIR)` loads it,
+  and its forward(x) is the reconstruction (a transcoder's: the predicted target).
+- sparsify: `cfg.json` + `sae.safetensors` (encoder.weight [n, d], encoder.bias, W_dec [n, d], b_dec, W_skip [d, d]
+  with skip_connection); `sparsify.SparseCoder.load_from_disk(DIR)` loads it, and `forward(x).sae_out` is the
+  reconstruction (a transcoder's target `y` only enters its losses).
 
-runner's SAE scales its inputs by `input_scale` s inside (E||x|| = sqrt(d)); the export takes and returns raw
-activations instead. Its codes are runner's divided by s, so the decoder rows stay as trained (unit norm) and b_enc,
-b_dec and any threshold are divided by s. The top-k picks the same latents, and the reconstruction is runner's to float
-rounding (tests/unit/test_sae_export.py; with the real packages, tests/e2e/test_sae_peers_load.py).
+runner's SAE scales its inputs by `input_scale` s_in inside (E||x|| = sqrt(d)) and its target by s_out (a transcoder's
+`target_scale`; an SAE's target is its input, s_out = s_in); the export takes raw inputs and returns the raw target
+instead. Its codes are runner's divided by s_out, so the decoder rows stay as trained (unit norm): W_enc and W_skip are
+multiplied by s_in / s_out (1 for an SAE), and b_enc, b_dec and any threshold divided by s_out. The top-k picks the same
+latents, and the output is runner's to float rounding (tests/unit/test_sae_export.py; with the real packages,
+tests/e2e/test_sae_peers_load.py).
 
 Which architecture becomes which:
 - TopK, and Matryoshka on TopK codes: `topk` in both tools.
@@ -16,6 +20,10 @@ Which architecture becomes which:
   their inference is).
 - JumpReLU: `jumprelu`. ReLU: SAELens `standard`.
 - sparsify has top-k only: anything else is refused, with the format that takes it.
+- Transcoders: SAELens's `transcoder` (ReLU) and `jumprelu_transcoder` (JumpReLU, BatchTopK), with a skip connection
+  `skip_transcoder` and `jumprelu_skip_transcoder`; their encoders read the input uncentred
+  (`apply_b_dec_to_input` false), as runner's do. SAELens has no top-k transcoder: sparsify's (`transcode`, and
+  `skip_connection`) takes it, but its coders' outputs are as wide as their inputs, so only where d_out = d_in.
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ from runner import ConfigError
 from runner.rundir import write_atomic
 
 FORMATS = ("saelens", "sparsify")
+# SAELens's transcoder classes, by (inference, skip connection); it has no top-k one
+TRANSCODERS = {
+    ("standard", False): "transcoder",
+    ("standard", True): "skip_transcoder",
+    ("jumprelu", False): "jumprelu_transcoder",
+    ("jumprelu", True): "jumprelu_skip_transcoder",
+}
 
 
 def architecture(sae: nn.Module) -> str:
@@ -42,50 +57,80 @@ def architecture(sae: nn.Module) -> str:
     return kind
 
 
+def _refuse(sae: nn.Module, fmt: str, kind: str) -> None:
+    # what a format has no class for, refused with the format that has one (or that neither has)
+    name, square = type(sae).__name__, sae.d_out == sae.d_in
+    if fmt == "sparsify" and kind != "topk":
+        raise ConfigError(f"sparsify has top-k SAEs only; this is {name} ({kind} at inference): --format saelens")
+    if fmt == "sparsify" and not square:  # a top-k transcoder, then: SAELens has none either
+        raise ConfigError(
+            f"neither format takes {name}, a top-k transcoder from width {sae.d_in} to {sae.d_out}: sparsify's "
+            "transcoders predict a target as wide as their input, and SAELens has no top-k transcoder"
+        )
+    if fmt == "saelens" and sae.transcoder and kind == "topk":
+        where = "--format sparsify" if square else f"neither format takes one from width {sae.d_in} to {sae.d_out}"
+        raise ConfigError(f"SAELens has no top-k transcoder ({name}): {where}")
+
+
 @torch.no_grad()
 def raw_unit_weights(sae: nn.Module) -> dict[str, torch.Tensor]:
-    """W_enc, b_enc, W_dec, b_dec (and threshold) of the same SAE on raw activations: codes divided by input_scale."""
-    s = sae.input_scale.double()
+    """W_enc, b_enc, W_dec, b_dec (and threshold, W_skip [d_in, d_out]) of the same SAE on raw inputs and target:
+    codes divided by the target's scale."""
+    s_in, s_out = sae.input_scale.double(), sae.out_scale.double()
+    ratio = s_in / s_out  # exactly 1 for an SAE: its W_enc is written bit for bit as trained
     weights = {
-        "W_enc": sae.W_enc.double(),
-        "b_enc": sae.b_enc.double() / s,
+        "W_enc": sae.W_enc.double() * ratio,
+        "b_enc": sae.b_enc.double() / s_out,
         "W_dec": sae.W_dec.double(),
-        "b_dec": sae.b_dec.double() / s,
+        "b_dec": sae.b_dec.double() / s_out,
     }
     if architecture(sae) == "jumprelu":  # JumpReLU's per latent; BatchTopK's one global threshold for every latent
-        weights["threshold"] = sae.threshold.expand(sae.n_latents).double() / s
+        weights["threshold"] = sae.threshold.expand(sae.n_latents).double() / s_out
+    if sae.skip:
+        weights["W_skip"] = sae.W_skip.double() * ratio
     return {name: tensor.float().contiguous().clone() for name, tensor in weights.items()}
 
 
-def export(sae: nn.Module, fmt: str, out: Path, hook: str | None = None, model: str | None = None) -> Path:
-    """Write `sae` in format `fmt` to the folder `out` (made here; refused if it holds files); returns `out`."""
+def export(
+    sae: nn.Module,
+    fmt: str,
+    out: Path,
+    hook: str | None = None,
+    model: str | None = None,
+    target: str | None = None,
+) -> Path:
+    """Write `sae` in format `fmt` to the folder `out` (made here; refused if it holds files); returns `out`. `hook`
+    names the module it reads, `target` a transcoder's target module, `model` the source model (SAELens metadata)."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt}: give one of {', '.join(FORMATS)}")
     kind = architecture(sae)
-    if fmt == "sparsify" and kind != "topk":
-        raise ConfigError(
-            f"sparsify has top-k SAEs only; this is {type(sae).__name__} ({kind} at inference): --format saelens"
-        )
+    _refuse(sae, fmt, kind)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder: give an empty or new folder (nothing was written)")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} already holds files: give an empty or new folder (nothing was written)")
     out.mkdir(parents=True, exist_ok=True)
     weights = raw_unit_weights(sae)
+    if "W_skip" in weights:  # both peers keep it as [d_out, d_in] and add x @ W_skip.T
+        weights["W_skip"] = weights["W_skip"].t().contiguous()
     if fmt == "saelens":
         write_atomic(out / "sae_weights.safetensors", save(weights))
-        _write(out / "cfg.json", _saelens_cfg(sae, kind, hook, model))
+        _write(out / "cfg.json", _saelens_cfg(sae, kind, hook, model, target))
     else:
-        names = {"W_enc": "encoder.weight", "b_enc": "encoder.bias", "W_dec": "W_dec", "b_dec": "b_dec"}
-        tensors = {names[k]: (v.t().contiguous() if k == "W_enc" else v) for k, v in weights.items()}
+        names = {"W_enc": "encoder.weight", "b_enc": "encoder.bias"}  # the others keep their names
+        tensors = {names.get(k, k): (v.t().contiguous() if k == "W_enc" else v) for k, v in weights.items()}
         write_atomic(out / "sae.safetensors", save(tensors))
         _write(out / "cfg.json", _sparsify_cfg(sae))
     return out
 
 
-def _saelens_cfg(sae: nn.Module, kind: str, hook: str | None, model: str | None) -> dict[str, Any]:
+def _hook_name(hook: str | None) -> str | None:
     # the residual stream after a block is what TransformerLens names blocks.N.hook_resid_post
-    hook_name = f"{hook}.hook_resid_post" if hook and hook.startswith("blocks.") and hook.count(".") == 1 else hook
+    return f"{hook}.hook_resid_post" if hook and hook.startswith("blocks.") and hook.count(".") == 1 else hook
+
+
+def _saelens_cfg(sae: nn.Module, kind: str, hook: str | None, model: str | None, target: str | None) -> dict[str, Any]:
+    hook_name = _hook_name(hook)
     cfg: dict[str, Any] = {
         "d_in": sae.d_in,
         "d_sae": sae.n_latents,
@@ -94,11 +139,18 @@ def _saelens_cfg(sae: nn.Module, kind: str, hook: str | None, model: str | None)
         "apply_b_dec_to_input": True,
         "normalize_activations": "none",  # runner's input scale is folded into the weights
         "reshape_activations": "none",
-        "metadata": {"hook_name": hook_name, "model_name": model},
+        # Without a version a cfg counts as older than SAELens 6, whose loader then keeps none of the metadata
+        # (hook_name and model_name came back None): the layout written here is SAELens 6's
+        "metadata": {"hook_name": hook_name, "model_name": model, "sae_lens_version": "6.0.0"},
         "architecture": kind,
     }
     if kind == "topk":
         cfg.update(k=sae.k, rescale_acts_by_decoder_norm=False)
+    if sae.transcoder:
+        # its encoder reads the input uncentred (b_dec is the target's); SAELens refuses a transcoder that says
+        # otherwise. hook_name_out is where SAELens's hooked models put the prediction.
+        cfg.update(apply_b_dec_to_input=False, d_out=sae.d_out, architecture=TRANSCODERS[kind, sae.skip])
+        cfg["metadata"]["hook_name_out"] = _hook_name(target)
     return cfg
 
 
@@ -110,8 +162,8 @@ def _sparsify_cfg(sae: nn.Module) -> dict[str, Any]:
         "num_latents": sae.n_latents,
         "k": sae.k,
         "multi_topk": False,
-        "skip_connection": False,
-        "transcode": False,
+        "skip_connection": sae.skip,
+        "transcode": sae.transcoder,
         "d_in": sae.d_in,
     }
 

@@ -17,3 +17,9 @@ def feature_recovery(
     scores = {"mmcs": best.mean().item()}
     scores.update({f"recovered_{t:g}": (best >= t).float().mean().item() for t in thresholds})
     return scores
+
+
+@torch.no_grad()
+def relative_error(estimate: torch.Tensor, truth: torch.Tensor) -> float:
+    """||estimate - truth|| / ||truth|| (Frobenius): how far a learned map is from the true one (0: exact)."""
+    return (torch.linalg.norm(estimate.float() - truth.float()) / torch.linalg.norm(truth.float())).item()

@@ -71,6 +71,7 @@ def _host(group: str, option: str) -> str:
 
 # options no experiment selects, with the experiment they are for
 HOSTS = {("data", "tokens_file"): "lm", ("finetune", "lora"): "lm", ("model", "gpt2_small"): "lm"}
+HOSTS[("data", "transcoder_synthetic")] = "sae"  # the synthetic preset, with a transcoder's rows
 
 
 def _with_digits_params() -> list:

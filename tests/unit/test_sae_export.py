@@ -1,8 +1,11 @@
-"""runner.export: SAEs in SAELens's and sparsify's folder layouts, on raw activations, reconstructing as runner does.
+"""runner.export: SAEs and transcoders in SAELens's and sparsify's folder layouts, on raw activations, reconstructing
+(predicting) as runner does.
 
 The targets' inference is written out here from their sources (SAELens 6.54: topk = ReLU of the top k of
-(x - b_dec) W_enc + b_enc, jumprelu = ReLU(pre) where pre > threshold, standard = ReLU(pre); sparsify 1.3: the top k
-of ReLU(encoder(x - b_dec))); tests/e2e/test_sae_peers_load.py loads the same folders with the real packages."""
+(x - b_dec) W_enc + b_enc, jumprelu = ReLU(pre) where pre > threshold, standard = ReLU(pre), then codes @ W_dec + b_dec;
+its transcoders leave b_dec out of pre (apply_b_dec_to_input false) and the skip ones add x @ W_skip.T; sparsify 1.3:
+the top k of ReLU(encoder(x - b_dec)), a transcoder's of ReLU(encoder(x)), plus x @ W_skip.mT with skip_connection);
+tests/e2e/test_sae_peers_load.py loads the same folders with the real packages."""
 
 from __future__ import annotations
 
@@ -25,38 +28,47 @@ D, N = 16, 64
 
 
 def _trained_like(make: type, **kwargs) -> torch.nn.Module:
-    # random weights with every part that the export moves: an input scale far from 1, biases, thresholds
+    # random weights with every part that the export moves: an input scale far from 1 (a transcoder's target scale
+    # another), biases, thresholds, a skip connection
     torch.manual_seed(0)
     sae = make(d_in=D, n_latents=N, **kwargs)
     with torch.no_grad():
         sae.input_scale.fill_(0.37)
         sae.b_enc.copy_(torch.randn(N) * 0.1)
-        sae.b_dec.copy_(torch.randn(D))
+        sae.b_dec.copy_(torch.randn(sae.d_out))
         if isinstance(sae, JumpReLUSAE):
             sae.threshold.copy_(torch.rand(N) * 0.3)
         if isinstance(sae, BatchTopKSAE):
             sae.threshold.fill_(0.2)
+        if sae.transcoder:
+            sae.target_scale.fill_(1.9)
+        if sae.skip:
+            sae.W_skip.copy_(torch.randn(D, sae.d_out) * 0.2)
     return sae.eval()
 
 
 def _saelens_forward(folder: Path, x: torch.Tensor) -> torch.Tensor:
     cfg, w = json.loads((folder / "cfg.json").read_text()), load_file(str(folder / "sae_weights.safetensors"))
-    pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
+    centred = x - w["b_dec"] if cfg["apply_b_dec_to_input"] else x  # a transcoder's b_dec is the target's
+    pre = centred @ w["W_enc"] + w["b_enc"]
     if cfg["architecture"] == "topk":
         values, indices = pre.topk(cfg["k"], dim=-1)
         codes = torch.zeros_like(pre).scatter(-1, indices, values.relu())
-    elif cfg["architecture"] == "jumprelu":
+    elif cfg["architecture"].startswith("jumprelu"):
         codes = pre.relu() * (pre > w["threshold"])
     else:
         codes = pre.relu()
-    return codes @ w["W_dec"] + w["b_dec"]
+    skip = x @ w["W_skip"].T if "skip_transcoder" in cfg["architecture"] else 0.0
+    return codes @ w["W_dec"] + w["b_dec"] + skip
 
 
 def _sparsify_forward(folder: Path, x: torch.Tensor) -> torch.Tensor:
     cfg, w = json.loads((folder / "cfg.json").read_text()), load_file(str(folder / "sae.safetensors"))
-    pre = torch.nn.functional.linear(x - w["b_dec"], w["encoder.weight"], w["encoder.bias"]).relu()
+    centred = x if cfg["transcode"] else x - w["b_dec"]
+    pre = torch.nn.functional.linear(centred, w["encoder.weight"], w["encoder.bias"]).relu()
     values, indices = pre.topk(cfg["k"], dim=-1)
-    return torch.zeros_like(pre).scatter(-1, indices, values) @ w["W_dec"] + w["b_dec"]
+    skip = x @ w["W_skip"].mT if cfg["skip_connection"] else 0.0
+    return torch.zeros_like(pre).scatter(-1, indices, values) @ w["W_dec"] + w["b_dec"] + skip
 
 
 CASES = {
@@ -98,6 +110,63 @@ def test_the_sparsify_export_reconstructs_raw_activations_as_runner_does(case: s
     torch.testing.assert_close(weights["W_dec"], sae.W_dec.detach())
     with torch.no_grad():
         torch.testing.assert_close(_sparsify_forward(tmp_path, x), sae(x), rtol=1e-4, atol=1e-4)
+
+
+# SAELens's transcoders: every architecture but top-k, from width D to 24, with and without a skip connection
+TRANSCODERS = [(case, skip) for case in CASES if CASES[case][2] != "topk" for skip in (False, True)]
+
+
+@pytest.mark.parametrize(("case", "skip"), TRANSCODERS)
+def test_the_saelens_export_of_a_transcoder_predicts_the_raw_target_as_runner_does(
+    case: str, skip: bool, tmp_path: Path
+) -> None:
+    make, kwargs, kind = CASES[case]
+    sae = _trained_like(make, d_out=24, skip=skip, **kwargs)
+    x = torch.randn(256, D) * 3 + 1
+    export(sae, "saelens", tmp_path, "blocks.2.mlp_norm", "outputs/lm", target="blocks.2.mlp")
+    cfg = json.loads((tmp_path / "cfg.json").read_text())
+    expected = {"standard": "transcoder", "jumprelu": "jumprelu_transcoder"}[kind]
+    assert cfg["architecture"] == (expected.replace("transcoder", "skip_transcoder") if skip else expected)
+    assert (cfg["d_in"], cfg["d_sae"], cfg["d_out"], cfg["apply_b_dec_to_input"]) == (D, N, 24, False)
+    assert cfg["metadata"]["hook_name"] == "blocks.2.mlp_norm" and cfg["metadata"]["hook_name_out"] == "blocks.2.mlp"
+    weights = load_file(str(tmp_path / "sae_weights.safetensors"))
+    assert weights["W_enc"].shape == (D, N) and weights["W_dec"].shape == (N, 24) and weights["b_dec"].shape == (24,)
+    assert ("W_skip" in weights) == skip and (not skip or weights["W_skip"].shape == (24, D))
+    with torch.no_grad():
+        ours = sae(x)
+        assert (sae.encode(x) > 0).sum() > 0
+    torch.testing.assert_close(_saelens_forward(tmp_path, x), ours, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["topk", "matryoshka-topk"])
+@pytest.mark.parametrize("skip", [False, True])
+def test_the_sparsify_export_of_a_transcoder_predicts_the_raw_target_as_runner_does(
+    case: str, skip: bool, tmp_path: Path
+) -> None:
+    make, kwargs, _ = CASES[case]
+    sae = _trained_like(make, d_out=D, skip=skip, **kwargs)  # sparsify's coders write their input's width
+    x = torch.randn(256, D) * 3 + 1
+    export(sae, "sparsify", tmp_path)
+    cfg = json.loads((tmp_path / "cfg.json").read_text())
+    assert (cfg["transcode"], cfg["skip_connection"], cfg["d_in"], cfg["num_latents"]) == (True, skip, D, N)
+    weights = load_file(str(tmp_path / "sae.safetensors"))
+    assert ("W_skip" in weights) == skip and (not skip or weights["W_skip"].shape == (D, D))
+    torch.testing.assert_close(weights["W_dec"], sae.W_dec.detach())  # unit norm: the codes took the target scale
+    with torch.no_grad():
+        torch.testing.assert_close(_sparsify_forward(tmp_path, x), sae(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_transcoder_neither_format_has_a_class_for_is_refused_naming_the_one_that_has(tmp_path: Path) -> None:
+    square, wide = _trained_like(TopKSAE, k=4, d_out=D), _trained_like(TopKSAE, k=4, d_out=24)
+    with pytest.raises(ConfigError, match=r"SAELens has no top-k transcoder \(TopKSAE\): --format sparsify$"):
+        export(square, "saelens", tmp_path / "a")
+    with pytest.raises(ConfigError, match="SAELens has no top-k transcoder .*neither format takes one from width 16"):
+        export(wide, "saelens", tmp_path / "b")
+    with pytest.raises(ConfigError, match="neither format takes TopKSAE, a top-k transcoder from width 16 to 24"):
+        export(wide, "sparsify", tmp_path / "c")
+    with pytest.raises(ConfigError, match="sparsify has top-k SAEs only.*--format saelens"):
+        export(_trained_like(JumpReLUSAE, d_out=D, skip=True), "sparsify", tmp_path / "d")
+    assert not any(tmp_path.iterdir())
 
 
 def test_what_a_format_cannot_hold_is_refused_and_nothing_is_overwritten(tmp_path: Path) -> None:

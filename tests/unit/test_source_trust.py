@@ -531,13 +531,14 @@ def test_every_shipped_option_and_experiment_builds_in_its_slot(compose_cfg: Cal
     from runner.trained import TRUSTED_TARGETS
 
     conf = Path(__file__).parents[2] / "runner" / "conf"
-    needs = {"sae_digits": 1, "sae_lm": 1, "sae_hf": 2}  # the presets that read a source name it
+    # the presets that read a source name it
+    needs = {"sae_digits": 1, "sae_lm": 1, "sae_hf": 2, "transcoder_lm": 1, "clt_lm": 1}
     source = ("source.checkpoint=x", "source.module=y")
     experiments = sorted(p.stem for p in (conf / "experiment").glob("*.yaml"))
     composed = [compose_cfg(f"+experiment={e}", *source[: needs.get(e, 0)]) for e in experiments]
     composed += [compose_cfg(f"model={p.stem}") for p in sorted((conf / "model").glob("*.yaml"))]
     home = {"text": ("+experiment=lm",), "tokens": ("+experiment=lm",), "digits": ("+experiment=digits",)}
-    home |= {"activations": ("+experiment=sae_lm", source[0])}
+    home |= {"activations": ("+experiment=sae_lm", source[0]), "transcoder": ("+experiment=sae",)}
     for p in sorted((conf / "data").glob("*.yaml")):  # each data option under a preset whose model it fits
         preset = home[p.stem.split("_")[0]] if p.stem != "activations_synthetic" else ("+experiment=sae",)
         composed.append(compose_cfg(*preset, f"data={p.stem}"))
