@@ -196,3 +196,52 @@ def test_a_family_on_two_hook_points_gets_a_folder_per_sae_each_reading_its_modu
         # its density is that of its own SAE on its own module's columns (32 of the 64)
         codes = task.saes[name].encode(task.rows_of(acts, name))
         assert index["density"] == [float(f"{v:.3g}") for v in (codes > 0).double().mean(0).tolist()]  # as shown
+
+
+def _density(codes: torch.Tensor) -> list[float]:
+    return [float(f"{v:.3g}") for v in (codes > 0).double().mean(0).tolist()]  # as the pages show it
+
+
+def test_a_transcoder_s_pages_read_its_input_and_its_lens_reads_what_it_writes(lm_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "transcoder"
+    run.mkdir()
+    settings = [o for o in SAE_LM if not o.startswith("source.")]
+    finished_run(run, "+experiment=transcoder_lm", f"source.checkpoint={lm_run}", "source.layer=1", *settings)
+    assert main([str(run), "tokens=400", f"out={tmp_path / 'pages'}"]) == 0
+    index = _data(tmp_path / "pages" / "data" / "index.js")
+    assert index["n_latents"] == 64 and index["rows"] == 16 * 31 and index["texts"]
+    task, cfg = load_trained(run)
+    assert task.transcoder and cfg.data.target == "blocks.1.mlp"
+    source = SourceModel(cfg.data.checkpoint, cfg.data.module, skip_positions=1, target=cfg.data.target)
+    rows = torch.cat([source.activations(batch) for batch in source.data.val_loader()])
+    # the latents as they fire on the MLP's input (the rows' first d_in columns), not on its output
+    assert index["density"] == _density(task.encode(task.split(rows)[0]))
+    chunk = _data(tmp_path / "pages" / "data" / "latents-0000.js")["latents"]
+    unembed = source.model.head.weight.detach() * source.model.norm.weight.detach()
+    best = (task.W_dec.detach()[0] @ unembed.t()).topk(8).indices.tolist()  # latent 0's write, through the head
+    assert [token for token, _ in chunk["0"]["promoted"]] == best
+
+
+def test_a_cross_layer_transcoder_gets_a_folder_per_layer_each_reading_its_layer_s_input(
+    lm_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "clt"
+    run.mkdir()
+    settings = [o for o in SAE_LM if not o.startswith(("source.", "model."))]
+    layers = ["source.module=[blocks.0.mlp_norm,blocks.1.mlp_norm]", "source.target=[blocks.0.mlp,blocks.1.mlp]"]
+    coder = ["model.coder.n_latents=32", "model.coder.k=4"]
+    finished_run(run, "+experiment=clt_lm", f"source.checkpoint={lm_run}", *layers, *coder, *settings)
+    assert main([str(run), "tokens=400", f"out={tmp_path / 'pages'}"]) == 0
+    assert re.findall(r'href="(\w+)/index.html"', (tmp_path / "pages" / "index.html").read_text()) == [
+        "layer0",
+        "layer1",
+    ]
+    task, cfg = load_trained(run)
+    source = SourceModel(cfg.data.checkpoint, list(cfg.data.module), skip_positions=1, target=list(cfg.data.target))
+    inputs, _ = task.split(torch.cat([source.activations(batch) for batch in source.data.val_loader()]))
+    for layer in (0, 1):
+        index = _data(tmp_path / "pages" / f"layer{layer}" / "data" / "index.js")
+        assert index["n_latents"] == 32 and index["rows"] == 16 * 31
+        with torch.no_grad():
+            values, indices = task.coders[layer].codes(inputs[layer] * task.input_scale[layer])
+        assert index["density"] == _density(task.coders[layer]._dense(values, indices))
