@@ -120,10 +120,16 @@ class HookedActivations(Dataset):
     checkpoint's step trained on. The buffer's state after each of the last `history` batches is kept (references:
     a refill makes a new ring), and a checkpoint saves the one after the batches the run has trained on. This assumes
     the loop is the training loader's only reader: a callback that draws from it too draws inside `peek()`, which
-    puts the buffer back (sae_resample does)."""
+    puts the buffer back (sae_resample does).
+
+    Under several processes every rank holds the same ring (the same seed, the source's same inputs) and takes the
+    rows of every rank's micro-batch, keeping its own share: the ranks train on different rows, together the rows one
+    process would take micro-batch after micro-batch (and rank 0's saved state resumes them all). Each rank runs the
+    source for all of them: the price of that simplicity, which sharding the source would avoid."""
 
     def __init__(self, buffer: ActivationBuffer, size: int, history: int = 4) -> None:
         self.buffer, self.size = buffer, size
+        self.rank, self.world_size = 0, 1  # set by the training loader (HookedData.train_loader)
         self.taken = 0  # batches served since the run began (the progress counter's micro_batch, once trained on)
         self.history = deque([(0, buffer.state_dict())], maxlen=history)
 
@@ -134,7 +140,8 @@ class HookedActivations(Dataset):
         return self.__getitems__([index])
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor]:
-        rows = self.buffer.take(len(indices))
+        n = len(indices)
+        rows = self.buffer.take(n * self.world_size)[self.rank * n : (self.rank + 1) * n]
         self.taken += 1
         self.history.append((self.taken, self.buffer.state_dict()))
         return (rows,)

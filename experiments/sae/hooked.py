@@ -103,6 +103,8 @@ class HookedData(DataModule):
         """The training loader; on a GPU the source runs there and the ring lives there (no copies of activations)."""
         device = torch.device(device or "cpu")
         train = self.splits["train"]
+        if isinstance(train, HookedActivations):  # every rank's ring alike, each keeping its share of a take
+            train.rank, train.world_size = rank, world_size
         if device.type == "cuda" and isinstance(train, HookedActivations):
             train.buffer.to(device)
             device = torch.device("cpu")  # the loader's device only decides pinning: these batches are born on the GPU

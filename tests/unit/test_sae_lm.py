@@ -245,3 +245,22 @@ def test_several_hook_points_train_a_family_for_each_module_from_one_forward(
         assert torch.equal(value, both.task.saes["blocks_0_k4"].state_dict()[key]), key
     with pytest.raises(ConfigError, match=r"model.d_in=None.*need model=sae_multi"):
         build(compose_cfg("+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.module=[blocks.0,blocks.1]"))
+
+
+def test_every_rank_trains_on_its_own_share_of_what_one_process_takes(lm_run: Path) -> None:
+    # Each rank's ring is alike (one seed, the source's same inputs): had each served its own micro-batches, both
+    # ranks would have trained on the very same rows. Two ranks of 32 take what one process takes in two of 32.
+    from experiments.sae.hooked import HookedData
+
+    def loader(rank: int, world_size: int, accumulate: int) -> list[torch.Tensor]:
+        data = HookedData(
+            str(lm_run), "blocks.1", skip_positions=1, buffer_size=512, samples_per_epoch=256, batch_size=32, seed=0
+        )
+        batches = iter(data.train_loader(rank=rank, world_size=world_size, accumulate=accumulate))
+        return [next(batches)[0] for _ in range(4)]
+
+    one = loader(0, 1, 2)
+    ranks = [loader(rank, 2, 1) for rank in (0, 1)]
+    assert not torch.equal(ranks[0][0], ranks[1][0])
+    for step in range(2):  # one process's micro-batches 2s and 2s+1 are rank 0's and rank 1's step s
+        assert torch.equal(ranks[0][step], one[2 * step]) and torch.equal(ranks[1][step], one[2 * step + 1])
