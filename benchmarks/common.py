@@ -301,9 +301,22 @@ def machine() -> str:
     import platform
 
     return (
-        f"{platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}"
+        f"{platform.node()}: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model name and widest vector instructions (the CPU behind these machines varies between sessions)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return f"{name or 'unknown CPU'} ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'})"
 
 
 def write_json(path: str | None, data: dict[str, Any]) -> None:

@@ -109,7 +109,18 @@ class SourceModel:
         # the target modules: one (a transcoder's), or one per source.module (a cross-layer transcoder's)
         if not isinstance(target, str):
             targets = hook_points(target)
-            if len(targets) != len(self.names) or len(targets) < 2 or set(targets) & set(self.names):
+            if len(targets) == 1 == len(self.names):
+                raise ConfigError(
+                    f"source.target={targets}: lists are a cross-layer transcoder's, of two or more layers; one "
+                    f"layer's transcoder names one module: source.module={self.names[0]} source.target={targets[0]} "
+                    "(+experiment=transcoder_lm)"
+                )
+            if both := [name for name in targets if name in self.names]:
+                raise ConfigError(
+                    f"{', '.join(both)}: in both source.module and source.target; a layer's input (source.module) "
+                    "and its output (source.target) are different modules, e.g. blocks.2.mlp_norm and blocks.2.mlp"
+                )
+            if len(targets) != len(self.names):
                 raise ConfigError(
                     f"source.module={self.names} with source.target={targets}: a cross-layer transcoder reads each "
                     "layer's MLP input and writes its output: give as many targets as modules, each layer's input "
