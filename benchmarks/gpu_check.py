@@ -7,7 +7,7 @@ way to bring its wheel (`wheels_hint`), and the check exits 2 before running any
 process, from the repository root, in order (what a short lease must not miss first):
 - `pytest -m gpu` over tests/unit (4 xdist workers where pytest-xdist is installed);
 - the benchmarks with `--device`: the SAE peers (where their virtualenvs are), the LM -> SAE pipeline, a transformers
-  source, SAE throughput, the lm, overhead, startup, checkpoint.
+  source, SAE throughput, a cross-layer transcoder, the lm, overhead, startup, checkpoint.
 Each step's time limit is its weight's share of the time left, so a step that ends early leaves its time to the rest.
 
 The folder gets, for every step, its JSON (where the script writes one) and its output, plus `report.md` (one table: the
@@ -104,6 +104,8 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("sae usual bf16", 20, script("sae_throughput", "sae-usual-bf16", *usual, "--precision", "bf16")),
         ("sae usual fp32", 20, script("sae_throughput", "sae-usual-fp32", *usual)),
         ("sae preset", 15, script("sae_throughput", "sae-preset", "--size", "preset", "--reps", str(reps))),
+        # a cross-layer transcoder against per-layer transcoders of its width (peak GPU memory and step time)
+        ("clt", 15, script("clt", "clt", "--steps", "60")),
         # quality too, on a language model's activations: the README's side-by-side (the lm preset's GPT, trained
         # there first, its residual stream cached), one seed
         ("sae peers lm", 240, script("sae_peers", "sae-peers-lm", "--seeds", "0", *lm_peers)),
