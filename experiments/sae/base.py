@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.sae.objectives import batch_errors, split_statistics, unexplained
 from experiments.sae.sparse import Pre, SparsePre
 from runner import ConfigError, check_whole
 from runner.progress import parse_duration
@@ -344,8 +345,7 @@ class SAE(nn.Module):
         if self.skip:  # what the latents must explain is the target less the skip connection's part
             linear = self.skip_part(xn)
             recon, target = sparse_recon + linear, yn - linear
-        sse = (recon - yn).pow(2).sum(1).mean()
-        sst = (yn - yn.mean(0)).pow(2).sum(1).mean()
+        sse, sst = batch_errors(recon, yn)
         out = {
             "recon_loss": sse / sst,
             "fve": 1 - sse / sst,
@@ -369,34 +369,25 @@ class SAE(nn.Module):
         shard): the squared error, the inputs' first and second moments, L0; validation_summary makes the metrics."""
         xn, yn = self._normalised(batch)
         values, indices = self.activate(self.pre_activations(xn))
-        recon = (self.decode(values, indices) + self.skip_part(xn)).double()
-        yn = yn.double()
-        fired = values > 0
-        rate = fired.double().mean(0) if indices is None else self._dense(fired.double(), indices).mean(0)
-        return {
-            "sse": (recon - yn).pow(2).sum(1).mean(),
-            "x_mean": yn.mean(0),  # [d_out]: the target's (an SAE's: its inputs')
-            "x_sq": yn.pow(2).sum(1).mean(),
-            "l0": (values > 0).sum(1).double().mean(),
-            "dead_fraction": self.dead_mask().double().mean(),
-            "firing_rate": rate,  # [n_latents]: the split's mean is each latent's firing rate over all its inputs
-        }
+        recon = self.decode(values, indices) + self.skip_part(xn)
+        stats = split_statistics(recon, yn, values, indices, self.n_latents)
+        return {**stats, "dead_fraction": self.dead_mask().double().mean()}
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The split's metrics from validation_step's means: FVE = 1 - SSE/SST with SST about the per-dimension mean
         of the whole split (not about zero, and not a mean of per-batch ratios), NMSE against E||x||^2, MSE per
         element in the inputs' own units, and the fraction of latents that never fired on the split."""
-        sse, sst = means["sse"], means["x_sq"] - means["x_mean"].pow(2).sum()
+        unexplained_ = unexplained(means)
         # a subclass's own validation outputs pass through as their means
         own = ("sse", "x_mean", "x_sq", "l0", "dead_fraction", "firing_rate")
         others = {k: v for k, v in means.items() if k not in own}
         return {
             **others,
-            "loss": sse / sst,
-            "recon_loss": sse / sst,
-            "fve": 1 - sse / sst,
-            "nmse": sse / means["x_sq"],
-            "mse": sse / self.d_out / self.out_scale.double() ** 2,
+            "loss": unexplained_,
+            "recon_loss": unexplained_,
+            "fve": 1 - unexplained_,
+            "nmse": means["sse"] / means["x_sq"],
+            "mse": means["sse"] / self.d_out / self.out_scale.double() ** 2,
             "l0": means["l0"],
             "dead_fraction": means["dead_fraction"],
             # latents that fired on none of the split's inputs (tokens, for a language model's activations)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from experiments.sae.base import SAE, _unit_scale, geometric_median
+from experiments.sae.objectives import batch_errors, split_statistics, unexplained
 from experiments.sae.sparse import SparsePre
 from runner import ConfigError, check_whole
 from runner.trust import buildable
@@ -178,8 +179,7 @@ class CrossLayerTranscoder(nn.Module):
         out: dict[str, torch.Tensor] = {}
         losses, terms = [], []
         for m in range(self.layers):
-            sse = (recon[m] - yn[m]).pow(2).sum(1).mean()
-            sst = (yn[m] - yn[m].mean(0)).pow(2).sum(1).mean()
+            sse, sst = batch_errors(recon[m], yn[m])
             losses.append(sse / sst)
             out[f"layer{m}/fve"] = (1 - sse / sst).detach()
         for i, (pre, values, indices, decode) in enumerate(steps):
@@ -219,36 +219,28 @@ class CrossLayerTranscoder(nn.Module):
         return result
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
-        """Per layer, in float64: the squared error and the target's moments; firing rates of every latent."""
+        """Per layer, in float64: the squared error, the target's moments, L0 and firing rates (objectives.py)."""
         inputs, targets = self.split(batch)
+        codes = [self.decoded(x.float() * self.input_scale[i], i)[1:] for i, x in enumerate(inputs)]
+        recon = self._writes([decode for _, _, decode in codes])
         out: dict[str, torch.Tensor] = {}
-        decoded, rates, l0 = [], [], []
-        for i, x in enumerate(inputs):
-            _, values, indices, decode = self.decoded(x.float() * self.input_scale[i], i)
-            decoded.append(decode)
-            fired = (values > 0).double()
-            rates.append(fired.mean(0) if indices is None else self.coders[i]._dense(fired, indices).mean(0))
-            l0.append(fired.sum(1).mean())
-        for m, recon in enumerate(self._writes(decoded)):
-            yn = (targets[m].float() * self.target_scale[m]).double()
-            out[f"sse_{m}"] = (recon.double() - yn).pow(2).sum(1).mean()
-            out[f"y_mean_{m}"], out[f"y_sq_{m}"] = yn.mean(0), yn.pow(2).sum(1).mean()
-        out["l0"] = torch.stack(l0).mean()
-        out["firing_rate"] = torch.cat(rates)
+        for i, (values, indices, _) in enumerate(codes):
+            target = targets[i].float() * self.target_scale[i]
+            stats = split_statistics(recon[i], target, values, indices, self.coders[i].n_latents)
+            out.update({f"{key}_{i}": value for key, value in stats.items()})
         out["dead_fraction"] = torch.stack([c.dead_mask().double().mean() for c in self.coders]).mean()
         return out
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per layer FVE (SST about the split's mean); the loss as trained (their sum), the mean FVE, L0, and the
-        latents that never fired on the split."""
-        out: dict[str, torch.Tensor] = {}
-        losses = []
-        for m in range(self.layers):
-            sse, sst = means[f"sse_{m}"], means[f"y_sq_{m}"] - means[f"y_mean_{m}"].pow(2).sum()
-            losses.append(sse / sst)
-            out[f"layer{m}/fve"] = 1 - sse / sst
+        """Per layer FVE (SST about the split's mean) and L0; the loss as trained (their sum), the mean FVE and L0,
+        and the latents that never fired on the split."""
+        losses = [unexplained(means, f"_{i}") for i in range(self.layers)]
+        out = {f"layer{i}/fve": 1 - loss for i, loss in enumerate(losses)}
+        out.update({f"layer{i}/l0": means[f"l0_{i}"] for i in range(self.layers)})
         out["loss"] = out["recon_loss"] = torch.stack(losses).sum()
         out["fve"] = 1 - torch.stack(losses).mean()
-        out["l0"], out["dead_fraction"] = means["l0"], means["dead_fraction"]
-        out["unfired_fraction"] = (means["firing_rate"] == 0).double().mean()
+        out["l0"] = torch.stack([means[f"l0_{i}"] for i in range(self.layers)]).mean()
+        out["dead_fraction"] = means["dead_fraction"]
+        rates = torch.cat([means[f"firing_rate_{i}"] for i in range(self.layers)])
+        out["unfired_fraction"] = (rates == 0).double().mean()
         return out
