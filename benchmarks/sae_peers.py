@@ -1,13 +1,18 @@
-"""runner's TopK SAE against EleutherAI's sparsify and SAELens, side by side on one activation file: held-out quality
-and training speed.
+"""runner's TopK SAE (or transcoder) against EleutherAI's sparsify and SAELens, side by side on one activation file:
+held-out quality and training speed.
 
     python benchmarks/sae_peers.py [--acts CACHE_DIR|FILE.npy] [--lm RUN_DIR] [--seeds 0 1 2] [--threads 1]
         [--contenders runner sparsify saelens] [--sparsify-python PY] [--saelens-python PY] [--json out.json]
+    python benchmarks/sae_peers.py --target-columns 128 [...]     # transcoders: runner, sparsify, SAELens, each with
+        # and without a skip connection (contenders runner runner-skip sparsify sparsify-skip saelens saelens-skip)
 
 The peers run in their own virtualenvs (`benchmarks/peers/install.sh` makes .venv-sparsify and .venv-saelens), each
 through its own trainer (benchmarks/peers/*_run.py); runner runs as `python -m runner`. Without --acts, the
 activations are the lm preset's GPT's residual stream after blocks.2 (`source.cache`, written by a one-step
-`+experiment=sae_lm` run; the GPT is trained first without --lm, as benchmarks/sae_init.py does).
+`+experiment=sae_lm` run; the GPT is trained first without --lm, as benchmarks/sae_init.py does). With
+--target-columns N the last N columns of each row are a transcoder's target, and without --acts the rows are blocks.2's
+MLP input and output side by side (a one-step `+experiment=transcoder_lm` run writes them): every contender reads the
+rest of the row and predicts those N columns.
 
 Same for every contender: the rows (the file's last --heldout rows held out, whole windows of text; the rest shuffled
 once per seed into a training file read in order, so every tool sees the same batches), latents, k, batch, Adam at
@@ -16,10 +21,11 @@ once per seed into a training file read in order, so every tool sees the same ba
 recipe (its initialisation, input scaling, decoder constraint, loss normalisation and AuxK form) and a few things that
 could not be made equal, listed in benchmarks/README.md.
 
-Quality: the trained SAEs are rewritten into one form (benchmarks/peers/driver.py) and scored here on the held-out rows
-in float64: FVE (1 - SSE/SST, SST about the split's mean), L0, and the share of latents that never fire there; each
-tool's own figure (its own forward, float32) stands beside it. Speed: samples/s over the steady state (median of ten
-stretches after the first 10% of steps), launch to the end of the first optimizer step, and peak RSS.
+Quality: the trained SAEs are rewritten into one form and scored by one scorer (benchmarks/peers/driver.py) on the
+held-out rows in float64: FVE (1 - SSE/SST, SST about the split's mean; a transcoder's: of its target), L0, and the
+share of latents that never fire there; each tool's own figure (its own forward, float32) stands beside it. Speed:
+samples/s over the steady state (median of ten stretches after the first 10% of steps), launch to the end of the first
+optimizer step, and peak RSS.
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, machine, spawn, write_json  # noqa: E402
+from benchmarks.peers.driver import score  # noqa: E402
 
 PEERS = {"sparsify": "sparsify_run.py", "saelens": "saelens_run.py"}
+TOOLS = ["runner", *PEERS]
+SKIP = "-skip"  # a transcoder contender with a skip connection: runner-skip, sparsify-skip, saelens-skip
 
 
 def cached_rows(path: Path) -> np.ndarray:
@@ -69,8 +78,10 @@ def write_data(acts: Path, out: Path, seeds: list[int], heldout: int) -> dict[st
 
 
 def build_acts(args: argparse.Namespace, out: Path) -> Path:
-    """The lm preset's residual-stream cache: train the GPT (without --lm), then a one-step sae_lm run writes it."""
-    cache = out / "acts"
+    """The lm preset's residual-stream cache: train the GPT (without --lm), then a one-step sae_lm run writes it; with
+    --target-columns, blocks.2's MLP input and output side by side, from a one-step transcoder_lm run."""
+    preset = "transcoder_lm" if args.target_columns else "sae_lm"
+    cache = out / ("acts-transcoder" if args.target_columns else "acts")
     if (cache / "manifest.json").exists():
         return cache
     lm = Path(args.lm).resolve() if args.lm else out / "lm"
@@ -78,7 +89,7 @@ def build_acts(args: argparse.Namespace, out: Path) -> Path:
         train = [sys.executable, "-m", "runner", "+experiment=lm", "logger=none", f"hydra.run.dir={lm}"]
         subprocess.run(train, check=True)
     command = [
-        *("-m", "runner", "+experiment=sae_lm", f"source.checkpoint={lm}", f"source.cache={cache}"),
+        *("-m", "runner", f"+experiment={preset}", f"source.checkpoint={lm}", f"source.cache={cache}"),
         *(f"data.cache_rows={args.rows}", "trainer.max_duration=1st", "callbacks=none", "logger=none"),
         *("checkpoint=none", "trainer.val_interval=1.0dur", f"hydra.run.dir={out / 'cache-run'}"),
     ]
@@ -87,8 +98,10 @@ def build_acts(args: argparse.Namespace, out: Path) -> Path:
 
 
 def runner_command(spec: dict, run_dir: Path) -> list[str]:
-    """`python -m runner` with the job's settings: the TopK SAE preset on the training file, held-out validation."""
+    """`python -m runner` with the job's settings: the TopK SAE preset on the training file, held-out validation (a
+    transcoder: the file's last d_out columns are its target, with a skip connection or not)."""
     cool = spec["steps"] - spec["lr_warmup_steps"]
+    shape = [f"data.d_out={spec['d_out']}", f"model.skip={str(spec['skip']).lower()}"] if spec["d_out"] else []
     return [
         *(sys.executable, "-m", "runner", "+experiment=sae", "model=sae_lm", "data=activations_file"),
         *(f"data.train_path={spec['train']}", f"data.val_path={spec['heldout']}", "data.shuffle=false"),
@@ -102,38 +115,21 @@ def runner_command(spec: dict, run_dir: Path) -> list[str]:
         "+callbacks.peer_timer._target_=benchmarks.timer.StepTimer",
         f"+callbacks.peer_timer.warmup={spec['warmup_steps']}",
         f"+callbacks.peer_timer.out={spec['out']}",
+        *shape,
         *spec["runner_args"],
     ]
 
 
 def runner_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """runner's trained SAE in the shared form, and its own held-out FVE (validation on the held-out file)."""
+    """runner's trained SAE (or transcoder) in the shared form."""
     from safetensors.torch import load_file
 
     state = load_file(str(run_dir / "model.safetensors"))
-    keep = {k: state[k] for k in ("W_enc", "b_enc", "W_dec", "b_dec")}
-    return {**keep, "center": state["b_dec"], "scale": state["input_scale"]}
-
-
-@torch.no_grad()
-def score(weights: dict[str, torch.Tensor], heldout: np.ndarray, k: int, chunk: int = 8192) -> dict[str, float]:
-    """Held-out FVE (float64, SST about the split's mean), L0 and the share of latents that never fire."""
-    w = {name: t.double() for name, t in weights.items()}
-    x_all = torch.from_numpy(np.asarray(heldout, dtype=np.float64))
-    mean = x_all.mean(0)
-    sse = sst = l0 = 0.0
-    fired = torch.zeros(w["W_enc"].shape[1], dtype=torch.bool)
-    for x in x_all.split(chunk):
-        pre = (x * w["scale"] - w["center"]) @ w["W_enc"] + w["b_enc"]
-        values, indices = pre.topk(k, dim=1)
-        values = values.relu()
-        codes = torch.zeros_like(pre).scatter(1, indices, values)
-        recon = (codes @ w["W_dec"] + w["b_dec"]) / w["scale"]
-        sse += float((recon - x).pow(2).sum())
-        sst += float((x - mean).pow(2).sum())
-        l0 += float((values > 0).sum())
-        fired |= (codes > 0).any(0)
-    return {"fve": 1 - sse / sst, "l0": l0 / len(x_all), "unfired": float((~fired).double().mean())}
+    keep = {k: state[k] for k in ("W_enc", "b_enc", "W_dec", "b_dec", "W_skip", "target_scale") if k in state}
+    if "target_scale" not in state:  # an SAE: its encoder centres by b_dec
+        return {**keep, "center": state["b_dec"], "scale": state["input_scale"]}
+    # a transcoder's encoder reads its input uncentred: pre = x * input_scale @ W_enc + b_enc
+    return {**keep, "center": torch.zeros(state["W_enc"].shape[0]), "scale": state["input_scale"]}
 
 
 def run_one(name: str, spec: dict, args: argparse.Namespace, out: Path) -> dict:
@@ -141,8 +137,10 @@ def run_one(name: str, spec: dict, args: argparse.Namespace, out: Path) -> dict:
     spec = {**spec, "out": str(out / f"{name}.json")}
     log = out / f"{name}.log"
     threads = {"OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"])}
-    if name == "runner":
-        run_dir = out / "runner-run"
+    tool = name.removesuffix(SKIP)
+    spec = {**spec, "skip": name.endswith(SKIP)}
+    if tool == "runner":
+        run_dir = out / f"{name}-run"
         shutil.rmtree(run_dir, ignore_errors=True)  # this benchmark's own folder: a fresh run each time
         env = {**threads, "WANDB_MODE": "offline"}
         result = spawn(runner_command(spec, run_dir), Path(spec["out"]), env=env, log=log)
@@ -152,13 +150,13 @@ def run_one(name: str, spec: dict, args: argparse.Namespace, out: Path) -> dict:
     else:
         job = out / f"{name}-job.json"
         job.write_text(json.dumps(spec))
-        python = getattr(args, f"{name}_python")
-        script = ROOT / "benchmarks" / "peers" / PEERS[name]
+        python = getattr(args, f"{tool}_python")
+        script = ROOT / "benchmarks" / "peers" / PEERS[tool]
         result = spawn([python, str(script), str(job)], Path(spec["out"]), env=threads, log=log)
         from safetensors.torch import load_file
 
         weights = load_file(str(Path(spec["out"]).with_suffix(".safetensors")))
-    result["score"] = score(weights, np.load(spec["heldout"], mmap_mode="r"), spec["k"])
+    result["score"] = score(weights, np.load(spec["heldout"], mmap_mode="r"), spec["k"], spec["d_out"])
     result["samples_per_s"] = spec["batch"] / result["per_step_s"]
     return result
 
@@ -171,7 +169,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=589824, help="rows to cache when building --acts")
     parser.add_argument("--heldout", type=int, default=65536)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--contenders", nargs="+", choices=["runner", *PEERS], default=["runner", *PEERS])
+    parser.add_argument(
+        "--target-columns",
+        type=int,
+        help="transcoders: each row's last N columns are the target, the rest the input (without --acts: the lm "
+        "preset's blocks.2 MLP input and output, N=128)",
+    )
+    parser.add_argument(
+        "--contenders",
+        nargs="+",
+        choices=[*TOOLS, *(tool + SKIP for tool in TOOLS)],
+        help=f"default: {' '.join(TOOLS)}; with --target-columns each also with a skip connection (runner{SKIP}...)",
+    )
     parser.add_argument("--sparsify-python", default=str(ROOT / ".venv-sparsify" / "bin" / "python"))
     parser.add_argument("--saelens-python", default=str(ROOT / ".venv-saelens" / "bin" / "python"))
     parser.add_argument("--n-latents", type=int, default=2048)
@@ -189,15 +198,23 @@ def main() -> None:
     parser.add_argument("--runner-args", nargs="*", default=[], help="more overrides of runner's run (ablations)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    for name in set(args.contenders) & set(PEERS):
-        if not Path(getattr(args, f"{name}_python")).exists():
+    transcoder = args.target_columns is not None
+    args.contenders = args.contenders or [*TOOLS, *((tool + SKIP for tool in TOOLS) if transcoder else ())]
+    skips = [name for name in args.contenders if name.endswith(SKIP)]
+    if skips and not transcoder:
+        raise SystemExit(f"{skips}: a skip connection is a transcoder's; give --target-columns N")
+    for tool in {name.removesuffix(SKIP) for name in args.contenders} & set(PEERS):
+        if not Path(getattr(args, f"{tool}_python")).exists():
             raise SystemExit(
-                f"no {name} interpreter at {getattr(args, f'{name}_python')}: make it with "
-                f"benchmarks/peers/install.sh, give --{name}-python, or leave {name} out of --contenders"
+                f"no {tool} interpreter at {getattr(args, f'{tool}_python')}: make it with "
+                f"benchmarks/peers/install.sh, give --{tool}-python, or leave {tool} out of --contenders"
             )
     out = Path(args.dir).resolve()
     acts = Path(args.acts).resolve() if args.acts else build_acts(args, out)
-    data = write_data(acts, out / "data", args.seeds, args.heldout)
+    data = write_data(acts, out / ("data-transcoder" if transcoder else "data"), args.seeds, args.heldout)
+    width = int(np.load(data["files"]["heldout"], mmap_mode="r").shape[1])
+    if transcoder and not 0 < args.target_columns < width:
+        raise SystemExit(f"--target-columns {args.target_columns}: the rows have {width} columns; give fewer")
     steps = args.steps or data["rows"] // args.batch
     if steps * args.batch > data["rows"] or steps < 10:
         raise SystemExit(f"--steps {steps} x --batch {args.batch} needs 10 steps and at most {data['rows']} rows")
@@ -211,6 +228,7 @@ def main() -> None:
             **{"auxk_coeff": 1 / 32, "dead_steps": args.dead_steps, "threads": args.threads, "device": args.device},
             "precision": args.precision,
             "runner_args": args.runner_args,
+            "d_out": args.target_columns,
         }
         order = args.contenders[i % len(args.contenders) :] + args.contenders[: i % len(args.contenders)]
         for name in order:
@@ -228,19 +246,22 @@ def main() -> None:
 
 
 def print_tables(results: dict[str, list[dict]], args: argparse.Namespace, steps: int) -> None:
-    """Quality and speed, medians over seeds; speed ratios paired per seed against runner."""
+    """Quality and speed, medians over seeds; speed ratios paired per seed against runner of the same shape (with a
+    skip connection or not)."""
     print(
         f"\n{machine()}, device {args.device} ({args.precision}), {args.threads} thread(s); {args.n_latents} latents, "
         f"k {args.k}, "
-        f"batch {args.batch}, {steps} steps, seeds {args.seeds}\n"
+        f"batch {args.batch}, {steps} steps, seeds {args.seeds}"
+        + (f"; transcoders, the rows' last {args.target_columns} columns the target" if args.target_columns else "")
+        + "\n"
     )
     print(
         "| contender | held-out FVE per seed (float64) | own figure | L0 | never fire | samples/s | runner / it |"
         " to first step s | peak RSS MiB |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    base = [r["samples_per_s"] for r in results.get("runner", [])]
     for name, runs in results.items():
+        base = [r["samples_per_s"] for r in results.get("runner" + (SKIP if name.endswith(SKIP) else ""), [])]
         fves = " / ".join(f"{r['score']['fve']:.4f}" for r in runs)
         own = " / ".join(f"{r['own']['fve']:.4f}" for r in runs)
         rate = [r["samples_per_s"] for r in runs]

@@ -7,6 +7,13 @@ of 128 positions, so every step trains on `batch` rows in file order. Everything
 users run it: its initialisation (nn.Linear encoder, decoder its normalised copy, b_dec the first batch's mean), FVU
 loss, AuxK over dead latents, Adam with its linear warmup and decay, gradient projection and decoder renorm. On CUDA its
 forward runs under bf16 autocast whatever the job's precision (a decorator of SparseCoder.forward); on the CPU in fp32.
+
+A transcoder (`d_out` in the job: SaeConfig(transcode=True), and skip_connection=True for the skip contender):
+sparsify's hook reads the hooked module's input as the transcoder's input and its output as the target, so the
+stand-in's hook point takes the rows' input columns and returns their target columns (the same rows: the same ids).
+Then it is sparsify's transcoder recipe: no input centring (the encoder bias starts at minus the first batch's input
+mean through the encoder), decoder zero at the start and not renormalised, b_dec the first batch's target mean, W_skip
+zero.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.peers.driver import job, own_fve, rows, stamp_steps, write  # noqa: E402
+from benchmarks.peers.driver import job, own_fve, rows, split, stamp_steps, write  # noqa: E402
 
 POSITIONS = 128  # positions per sequence
 
@@ -39,14 +46,25 @@ class Rows(Dataset):
         return {"input_ids": torch.arange(i * POSITIONS, (i + 1) * POSITIONS)}
 
 
-class FileModel(nn.Module):
-    """A stand-in for a transformer: `acts`, the hook point, outputs the file's rows that the ids name."""
+class Target(nn.Module):
+    """The hook point: its input is the rows' input columns, its output their target columns (an SAE's: the rows)."""
 
-    def __init__(self, path: str, device: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.array = rows(path)
-        self.acts = nn.Identity()
-        self.device = torch.device(device)
+        self.y: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.y is None else self.y
+
+
+class FileModel(nn.Module):
+    """A stand-in for a transformer: `acts`, the hook point, reads and outputs the file's rows that the ids name."""
+
+    def __init__(self, spec: dict) -> None:
+        super().__init__()
+        self.array, self.spec = rows(spec["train"]), spec
+        self.acts = Target()
+        self.device = torch.device(spec["device"])
         self.dummy_inputs = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
 
     @property
@@ -55,8 +73,10 @@ class FileModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.flatten().cpu().numpy()
-        x = torch.from_numpy(np.ascontiguousarray(self.array[ids])).view(*input_ids.shape, -1)
-        return self.acts(x.to(self.device, non_blocking=True))
+        batch = torch.from_numpy(np.ascontiguousarray(self.array[ids])).view(*input_ids.shape, -1)
+        x, y = (part.to(self.device, non_blocking=True) for part in split(batch, self.spec))
+        self.acts.y = y if self.spec["d_out"] else None
+        return self.acts(x)
 
 
 def main() -> None:
@@ -64,9 +84,12 @@ def main() -> None:
     from sparsify import SaeConfig, TrainConfig, Trainer
 
     torch.manual_seed(spec["seed"])
-    model = FileModel(spec["train"], spec["device"])
+    model = FileModel(spec)
+    transcode, width = bool(spec["d_out"]), int(model.array.shape[1])
+    if transcode and width != 2 * spec["d_out"]:  # its W_skip and encoder are [d, d], d the hooked output's width
+        raise SystemExit(f"sparsify's transcoders read and write one width: rows of {width} != 2 x {spec['d_out']}")
     cfg = TrainConfig(
-        SaeConfig(num_latents=spec["n_latents"], k=spec["k"]),
+        SaeConfig(num_latents=spec["n_latents"], k=spec["k"], transcode=transcode, skip_connection=spec["skip"]),
         batch_size=spec["batch"] // POSITIONS,
         loss_fn="fvu",
         optimizer="adam",
@@ -90,9 +113,11 @@ def main() -> None:
         "b_enc": sae.encoder.bias,
         "W_dec": sae.W_dec,
         "b_dec": sae.b_dec,
-        "center": sae.b_dec,
+        "center": torch.zeros_like(sae.b_dec) if transcode else sae.b_dec,  # a transcoder's input is not centred
         "scale": torch.ones(()),
     }
+    if sae.W_skip is not None:
+        weights["W_skip"] = sae.W_skip.t()  # sparsify adds x @ W_skip.mT
     write(spec, stamps, weights, own)
 
 

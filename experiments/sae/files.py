@@ -1,5 +1,6 @@
-"""Activation files for SAEs (data=activations_file): .npy, .pt and .safetensors matrices of rows, checked before
-training (shape, dtype, NaN/inf in a sample of rows; pickled data never loaded)."""
+"""Activation files for SAEs and transcoders (data=activations_file): .npy, .pt and .safetensors matrices of rows,
+checked before training (shape, dtype, NaN/inf in a sample of rows; pickled data never loaded). A transcoder's rows hold
+its input's columns, then its target's last `d_out` (as a hooked source with source.target writes them)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def file_splits(
 
 @buildable("data")
 class ActivationFiles(DataModule):
-    """A DataModule over activation files, so that the paths are top-level keys: data.train_path, data.val_path."""
+    """A DataModule over activation files, so that the paths are top-level keys: data.train_path, data.val_path.
+    `d_out` (null: an SAE's rows) makes each row a transcoder's: the input's columns, then the target's last d_out."""
 
     def __init__(
         self,
@@ -138,7 +140,21 @@ class ActivationFiles(DataModule):
         val_fraction: float = 0.05,
         key: str | None = None,
         d: int | None = None,
+        d_out: int | None = None,
         **loader,
     ) -> None:
-        super().__init__(file_splits(train_path, val_path, val_fraction, key, d), **loader)
-        self.model_args = {"d_in": self.splits["train"].array.shape[1]}  # the SAE's width is the file's
+        if d_out is not None and (isinstance(d_out, bool) or not isinstance(d_out, int) or d_out < 1):
+            raise ConfigError(f"data.d_out={d_out!r}: give the target's width (the rows' last columns), or null")
+        # d is the model's input width: a transcoder's rows are that and the target's columns
+        width = d + d_out if d is not None and d_out is not None else d
+        super().__init__(file_splits(train_path, val_path, val_fraction, key, width), **loader)
+        columns = self.splits["train"].array.shape[1]
+        if d_out is None:
+            self.model_args = {"d_in": columns}  # the SAE's width is the file's
+            return
+        if d_out >= columns:
+            raise ConfigError(
+                f"data.d_out={d_out}, but the rows of {train_path} have {columns} columns: a transcoder's rows hold "
+                "its input's columns, then the target's last d_out (give fewer, or data.d_out=null for an SAE)"
+            )
+        self.model_args = {"d_in": columns - d_out, "d_out": d_out}

@@ -85,17 +85,28 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], dict]]:
 
     def sae_peers() -> dict:
         # runner alone (CI has no peers' virtualenvs) on a small file: 12 steps of 256, 1,024 rows held out; then a
-        # peer whose interpreter is missing, which must say how to make it
+        # peer whose interpreter is missing, which must say how to make it; then runner's transcoders, with and
+        # without a skip connection, on rows [x | y] whose last 8 columns are the target
         folder = root / "sae_peers"
         folder.mkdir()
         rows = torch.randn(4096, 16, generator=torch.Generator().manual_seed(0)) @ torch.randn(16, 16) + 1
         np.save(folder / "acts.npy", rows.numpy())
-        script, out = str(ROOT / "benchmarks" / "sae_peers.py"), folder / "out.json"
+        np.save(folder / "pairs.npy", torch.cat([rows, rows[:, :8].relu() @ torch.randn(8, 8)], 1).numpy())
+        script, out, tc = str(ROOT / "benchmarks" / "sae_peers.py"), folder / "out.json", folder / "transcoder.json"
         sizes = ["--n-latents", "64", "--k", "4", "--batch", "256", "--steps", "12", "--dead-steps", "4"]
-        args = ["--acts", "acts.npy", "--heldout", "1024", "--seeds", "0", *sizes, "--dir", "bench"]
+        common = ["--heldout", "1024", "--seeds", "0", *sizes]
+        args = ["--acts", "acts.npy", *common, "--dir", "bench"]
         ok(python(script, *args, "--contenders", "runner", "--json", str(out), cwd=folder, timeout=600))
         missing = python(script, *args, "--contenders", "sparsify", "--sparsify-python", "nowhere/python", cwd=folder)
-        return {**read_json(out), "missing": {"returncode": missing.returncode, "stderr": missing.stderr}}
+        pairs = ["--acts", "pairs.npy", "--target-columns", "8", *common, "--dir", "bench-tc", "--json", str(tc)]
+        ok(python(script, *pairs, "--contenders", "runner", "runner-skip", cwd=folder, timeout=600))
+        no_target = python(script, *args, "--contenders", "runner-skip", cwd=folder)
+        return {
+            **read_json(out),
+            "missing": {"returncode": missing.returncode, "stderr": missing.stderr},
+            "transcoder": read_json(tc),
+            "no_target": {"returncode": no_target.returncode, "stderr": no_target.stderr},
+        }
 
     return {**{name: job(name) for name in SMOKE}, "ddp_cuda": ddp_without_gpus, "sae_peers": sae_peers}
 
@@ -194,6 +205,15 @@ def test_sae_peers_smoke(runs: dict[str, Future]) -> None:
     assert run["samples_per_s"] > 0 and run["to_first_step_s"] > 0 and run["own_peak_rss_mb"] > 100
     missing = result["missing"]
     assert missing["returncode"] == 1 and "benchmarks/peers/install.sh" in missing["stderr"]
+    # transcoders: the shared scorer (the rows' last 8 columns predicted from the other 16, W_skip and the target's
+    # scale from runner's weights) agrees with runner's own validation of the target on the held-out file
+    transcoder = result["transcoder"]
+    assert set(transcoder["results"]) == {"runner", "runner-skip"} and transcoder["args"]["target_columns"] == 8
+    for name, (run,) in transcoder["results"].items():
+        assert run["score"]["fve"] == pytest.approx(run["own"]["fve"], abs=2e-4), name
+        assert run["score"]["l0"] <= 4 and 0 <= run["score"]["unfired"] < 1 and run["samples_per_s"] > 0, name
+    no_target = result["no_target"]
+    assert no_target["returncode"] == 1 and "give --target-columns" in no_target["stderr"]
 
 
 def test_sae_pipeline_smoke(runs: dict[str, Future]) -> None:
