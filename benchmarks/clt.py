@@ -58,9 +58,9 @@ def step_fn(contender: str, model: torch.nn.Module, args: argparse.Namespace):
     def loss(rows: torch.Tensor) -> torch.Tensor:
         # layer l's transcoder reads x_l and predicts y_l: its rows [x_l | y_l]
         parts = [
-            torch.cat([rows[:, l * d : (l + 1) * d], rows[:, (layers + l) * d : (layers + l + 1) * d]], 1)
-            for l in range(layers)
-        ]  # noqa: E741
+            torch.cat([rows[:, i * d : (i + 1) * d], rows[:, (layers + i) * d : (layers + i + 1) * d]], 1)
+            for i in range(layers)
+        ]
         return torch.stack([sae.training_step(p)["loss"] for sae, p in zip(model, parts, strict=True)]).sum()
 
     return loss

@@ -104,6 +104,8 @@ class CrossLayerTranscoder(nn.Module):
                 self.input_scale[layer], self.target_scale[layer] = _unit_scale(x), _unit_scale(y)
             if self.geometric_median_init:  # the layer's own block of its coder's bias; the others start at 0
                 self.coders[layer].b_dec[: self.d_out] = geometric_median(y * self.target_scale[layer])
+                coder = self.coders[layer]  # its encoder's start centred on its input, as a transcoder's (base.py)
+                coder.b_enc.sub_(geometric_median(x * self.input_scale[layer]) @ coder.W_enc)
         self.initialized.fill_(True)
 
     # ---- forward -----------------------------------------------------------------------------------------------

@@ -199,11 +199,11 @@ def test_the_replacement_model_s_loss_is_the_gpt_s_forward_with_every_mlp_replac
     got = source.compare({"clean": None, "clt": Splice(INPUTS, clt.splice_writes(INPUTS, OUTPUTS))})
     assert got["clt"]["ce"] == pytest.approx(hand, rel=1e-5, abs=1e-5)
     assert metrics["val/ce_spliced"] == pytest.approx(hand, rel=1e-5, abs=1e-5)
-    # the comparison is sharp (measured: equal to the last bit; these 1.2e-3, 3.1e-3 and 1.7e-2 away): splicing the
+    # the comparison is sharp (equal to the last bit; these measured 1.4e-4 or more away): splicing the
     # first position too, reading the clean model's MLP inputs, or not splicing at all is another loss
-    assert abs(hand_spliced_ce(source.model, clt, batches, keep_first=False) - hand) > 2e-4
-    assert abs(hand_spliced_ce(source.model, clt, batches, clean_reads=True) - hand) > 2e-4
-    assert abs(got["clean"]["ce"] - hand) > 2e-4
+    assert abs(hand_spliced_ce(source.model, clt, batches, keep_first=False) - hand) > 5e-5
+    assert abs(hand_spliced_ce(source.model, clt, batches, clean_reads=True) - hand) > 5e-5
+    assert abs(got["clean"]["ce"] - hand) > 5e-5
     assert metrics["val/ce_clean"] < hand < metrics["val/ce_zero_ablated"]
 
 

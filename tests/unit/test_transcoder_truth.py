@@ -224,7 +224,7 @@ def test_resampling_a_transcoder_points_decoder_rows_at_targets_and_encoder_colu
     xn, yn = x * sae.input_scale, y * sae.target_scale
     # each decoder row is a target (less b_dec), each encoder column the input of that same row
     dec_cos = F.normalize(sae.W_dec[dead], dim=1) @ F.normalize(yn - sae.b_dec, dim=1).t()
-    enc_cos = F.normalize(sae.W_enc[:, dead].t(), dim=1) @ F.normalize(xn, dim=1).t()
+    enc_cos = F.normalize(sae.W_enc[:, dead].t(), dim=1) @ F.normalize(xn - sae.pre_bias, dim=1).t()
     assert torch.all(dec_cos.max(dim=1).values > 0.9999) and torch.all(enc_cos.max(dim=1).values > 0.9999)
     same = enc_cos[torch.arange(3), dec_cos.argmax(dim=1)]
     assert torch.all(same > 0.9999)
