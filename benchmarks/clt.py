@@ -6,8 +6,10 @@ memory formula at GPT-2 small's and Llama-3-8B's sizes.
 
 Both contenders train on the same rows (Gaussian: the step's cost does not depend on what the rows hold) with fused
 Adam, as runner's loop runs them (training_step, backward, step, after_optimizer_step): `clt` is
-experiments.sae.clt.CrossLayerTranscoder over `--layers` layers of `--d` wide MLP inputs and outputs, `per_layer` is one
-TopK transcoder per layer (experiments.sae.model.TopKSAE with d_out), their losses summed. Each runs in a fresh
+experiments.sae.coders.clt.CrossLayerTranscoder over `--layers` layers of `--d` wide MLP inputs and outputs,
+`per_layer` is one
+TopK transcoder per layer (experiments.sae.coders.activations.TopKSAE with d_out), their losses summed. Each runs in a
+fresh
 process: its median step time over the steps after the first 10, its parameters and what Adam keeps (fp32: weights,
 gradients and two moments, 16 bytes a parameter), and its peak RSS (CPU) or peak allocated memory (CUDA).
 """
@@ -40,8 +42,8 @@ def parameters(layers: int, d_in: int, d_out: int, n: int, cross: bool) -> int:
 
 def build(contender: str, args: argparse.Namespace) -> torch.nn.Module:
     """The contender's model on `args.device`."""
-    from experiments.sae.clt import CrossLayerTranscoder
-    from experiments.sae.model import TopKSAE
+    from experiments.sae.coders.activations import TopKSAE
+    from experiments.sae.coders.clt import CrossLayerTranscoder
 
     coder = functools.partial(TopKSAE, n_latents=args.n_latents, k=args.k, tied_init=False, encoder_init=0.5)
     if contender == "clt":

@@ -6,7 +6,8 @@ cache, then read back as training reads it.
 
 The source is a GPT of `--n-layer` blocks with random weights (its forward costs what a trained one's does), hooked
 after block `--layer`, one position per row from the second on (source.skip_positions=1). Write: rows/s and MB/s of
-experiments.sae.cache.write (the source's forward over its training inputs, the .npy shards of 65,536 rows, fsync,
+experiments.sae.sources.cache.write (the source's forward over its training inputs, the .npy shards of 65,536 rows,
+fsync,
 the manifest), beside the source's forward alone over the same inputs, so the disk's share shows. Read: one epoch of
 shuffled batches of `--batch` rows through runner's training loader over the memory-mapped shards, first after the
 shards were evicted from the page cache (cold: posix_fadvise DONTNEED; the disk's own cache aside), then again from
@@ -57,8 +58,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from experiments.sae import cache
-    from experiments.sae.source import SourceModel
+    from experiments.sae.sources import cache
+    from experiments.sae.sources.source import SourceModel
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         make_source(Path(tmp) / "source", args.device, f"model.n_layer={args.n_layer}")

@@ -5,7 +5,8 @@ tokens that start with BOS (<|endoftext|>), read from a tokens file as +experime
     python benchmarks/sae_hf.py [--windows 128] [--batch 32] [--context 128] [--layer 8] [--device cpu|cuda]
                                 [--threads 2] [--dtype float32|bfloat16] [--json out.json]
 
-Prints activations (positions) per second through experiments.sae.source.SourceModel (its hook, the special-token
+Prints activations (positions) per second through experiments.sae.sources.source.SourceModel (its hook, the
+special-token
 mask, the forward stopped after the hooked block) beside a hand-written loop of the same model over the same windows:
 `model(input_ids, output_hidden_states=True).hidden_states[layer + 1]`, what a user writes with transformers alone
 (every block and the head run). And what a GPU must hold for the model with a 16x TopK SAE (GPT-2 small: 12,288
@@ -62,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from experiments.sae.source import SourceModel
+    from experiments.sae.sources.source import SourceModel
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_gpt2(Path(tmp) / "gpt2", args.n_layer, args.n_embd)

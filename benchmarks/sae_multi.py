@@ -100,7 +100,7 @@ def step_clock(last: int, device: str):
 
 def time_one(name: str, source: Path, layer: int, cycles: int, device: str, extra: list[str]) -> dict:
     """Train one contender for `cycles` refill cycles after a first step; its wall time and the source's share."""
-    from experiments.sae.source import SourceModel
+    from experiments.sae.sources.source import SourceModel
     from runner.build import build
     from runner.loop import fit
 

@@ -18,7 +18,8 @@ torch.cuda.synchronize() at the start and the end only. The SAE's step reads not
 masks the dead latents on the device). On the CPU, torch's default Adam in both.
 
 `--backward`: the SAE's encoder backward, autograd's dense one (`model.sparse_backward=false`) and the one restricted to
-the picked latents (`true`, experiments/sae/sparse.py); each is run by both loops, all four contenders interleaved in
+the picked latents (`true`, experiments/sae/coders/sparse.py); each is run by both loops, all four contenders
+interleaved in
 one process (the order rotates each repetition), so the table gives runner / hand for each backward and sparse / dense
 for each loop, as medians of the per-repetition ratios with their min and max. The top-level figures of `--json`
 (hand_samples_per_s, runner_samples_per_s, ratio) are the first backward's.
@@ -40,9 +41,9 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from benchmarks.common import default_device, device_name, fused, mib, peak_gpu_mb, synchronize  # noqa: E402
-from experiments.sae.data import SyntheticData, synthetic_splits  # noqa: E402
-from experiments.sae.matryoshka import MatryoshkaSAE  # noqa: E402
-from experiments.sae.model import BatchTopKSAE, TopKSAE  # noqa: E402
+from experiments.sae.coders.activations import BatchTopKSAE, TopKSAE  # noqa: E402
+from experiments.sae.coders.matryoshka import MatryoshkaSAE  # noqa: E402
+from experiments.sae.sources.synthetic import SyntheticData, synthetic_splits  # noqa: E402
 from runner.data import DataModule, TensorData, to_device  # noqa: E402
 from runner.distributed.strategies import Single  # noqa: E402
 from runner.loop import fit  # noqa: E402

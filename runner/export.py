@@ -1,6 +1,6 @@
 """`python -m runner.export RUN_DIR --format saelens|sparsify [--out DIR]`: a finished run's model in another tool's
 folder layout, where the model knows how to write one (`export(fmt, out, cfg)`: runner's SAEs write SAELens's and
-sparsify's, experiments/sae/export.py). DIR defaults to RUN_DIR/export-FORMAT and must be empty or new; it is written
+sparsify's, experiments/sae/formats.py). DIR defaults to RUN_DIR/export-FORMAT and must be empty or new; it is written
 beside it and renamed into place once whole, and a symlink in the run folder never leads it elsewhere (runner.outdir).
 The model is built from the run's own config under the same trust rules as evaluation (runner.trained.load_trained).
 Exit codes: 0, or 2 with a one-line message (a wrong folder, format, model or output)."""

@@ -4,7 +4,7 @@ dead-latent accounting are every rank's, the same on each. Exits non-zero on the
 import torch
 import torch.distributed as dist
 
-from experiments.sae.model import TopKSAE, geometric_median
+from experiments.sae.coders.activations import TopKSAE, geometric_median
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -612,7 +612,7 @@ def same_history(run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
                 assert run["history"][row["step"]][key] == value, (row["step"], key)
 
 
-# ---- transformers sources (experiments.sae.pretrained) ------------------------------------------------------------
+# ---- transformers sources (experiments.sae.sources.pretrained) -------------------------------------------------------
 # Three architectures' shapes, tiny and random, hooked by the names their models give their blocks.
 HF_ARCHS = {"gpt2": "transformer.h", "llama": "model.layers", "gpt_neox": "gpt_neox.layers"}
 HF_TEXT = [

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from experiments.sae.coders.multi import combined, members
 from experiments.sae.metrics import feature_recovery, relative_error
-from experiments.sae.multi import combined, members
 from runner import ConfigError
 from runner.progress import parse_duration
 from runner.run import Callback

@@ -17,9 +17,9 @@ import torch
 from helpers import ROOT, ok, python
 from hydra.utils import instantiate
 
-from experiments.sae.export import export
-from experiments.sae.jumprelu import JumpReLUSAE
-from experiments.sae.model import TopKSAE
+from experiments.sae.coders.activations import TopKSAE
+from experiments.sae.coders.jumprelu import JumpReLUSAE
+from experiments.sae.formats import export
 from runner.trained import load_trained
 
 pytestmark = pytest.mark.slow

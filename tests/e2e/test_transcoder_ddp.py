@@ -2,7 +2,8 @@
 
 The same global batch is 1 process x 32 x accumulation 2, not 1 x 64: a coder's loss is normalised by each
 micro-batch's own variance (SSE / SST), so 2 ranks x 32 sum the gradients of two halves, as accumulation does, and the
-synthetic data makes a batch from the position of its first row (experiments/sae/data.py): rank 1's 32 rows are a
+synthetic data makes a batch from the position of its first row (experiments/sae/sources/synthetic.py): rank 1's 32
+rows are a
 one-process run's second micro-batch, not rows 32-63 of one batch of 64. The comparisons turn the data-dependent init
 off (model.normalize_input, geometric_median_init, encoder_init=fit): on 2 ranks it reads the global first
 micro-batch (64 rows, all-gathered), in one process with accumulation only its first micro-batch. The init itself is
@@ -110,8 +111,8 @@ def test_a_transcoder_on_two_ranks_trains_like_one_process(runs: dict[str, Futur
 
 
 def test_a_transcoder_s_init_on_two_ranks_reads_both_ranks_first_rows(runs: dict[str, Future]) -> None:
-    from experiments.sae.base import _unit_scale
-    from experiments.sae.data import synthetic_splits
+    from experiments.sae.coders.base import _unit_scale
+    from experiments.sae.sources.synthetic import synthetic_splits
 
     ddp = runs["init_ddp"].result()
     assert "rank consistency: parameters identical on every rank in 4 checks" in ddp["stderr"]

@@ -73,7 +73,10 @@ ERROR_CASES: dict[str, tuple[list[str], type[Exception], list[str]]] = {
     "added-sae-key-through-kwargs": (
         ["+experiment=sae", "+model.n_latent=64"],
         ConfigError,
-        ["model.n_latent is not a parameter of experiments.sae.model.TopKSAE", "did you mean model.n_latents?"],
+        [
+            "model.n_latent is not a parameter of experiments.sae.coders.activations.TopKSAE",
+            "did you mean model.n_latents?",
+        ],
     ),
     "epochs-for-a-stream": (
         ["+experiment=lm", "data=text_stream", "trainer.val_interval=1ep"],

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from helpers import TINY_LM, compose_job, finished_run
 from hydra.core.hydra_config import HydraConfig
 
-from experiments.sae.clt import CrossLayerTranscoder
-from experiments.sae.model import TopKSAE
-from experiments.sae.source import SourceModel, Splice
+from experiments.sae.coders.activations import TopKSAE
+from experiments.sae.coders.clt import CrossLayerTranscoder
+from experiments.sae.sources.source import SourceModel, Splice
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit

@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers import finished_run
 
-from experiments.sae.dashboard import BEFORE
-from experiments.sae.features import QUANTILES, LatentStats, bin_edges, logit_lens, nearest, top_per_group
-from experiments.sae.pages import CHUNK
-from experiments.sae.source import SourceModel
+from experiments.sae.pages.dashboard import BEFORE
+from experiments.sae.pages.stats import QUANTILES, LatentStats, bin_edges, logit_lens, nearest, top_per_group
+from experiments.sae.pages.write import CHUNK
+from experiments.sae.sources.source import SourceModel
 from runner.features import main
 from runner.trained import load_trained
 
@@ -99,7 +99,7 @@ def test_an_sae_on_a_gpt_gets_pages_whose_contexts_are_the_text_around_its_stron
     index = _data(tmp_path / "a" / "data" / "index.js")
     assert index["n_latents"] == 64 and index["texts"] and len(index["vocab"]) == 256 and index["lens_tied"]
     assert index["rows"] == 16 * 31 and index["splits"] == {"val": 16}
-    assert (tmp_path / "a" / "index.html").read_text() == (Path("experiments/sae/static/index.html")).read_text()
+    assert (tmp_path / "a" / "index.html").read_text() == (Path("experiments/sae/pages/static/index.html")).read_text()
     chunk = _data(tmp_path / "a" / "data" / "latents-0000.js")["latents"]
     assert len(chunk) == min(64, CHUNK)
     # brute force: every code of the same rows (the source's validation windows first, in order)

@@ -124,7 +124,7 @@ def test_steady_steps_make_no_host_device_sync(compose_cfg: Callable, overrides:
 def test_a_transformers_source_gives_its_rows_on_the_gpu_without_waiting_for_it(tmp_path: Path) -> None:
     # An SAE's ring refills from the source inside steps that do not log: the kept positions (not special tokens)
     # are counted on the host, and the rows are the CPU's own
-    from experiments.sae.source import SourceModel
+    from experiments.sae.sources.source import SourceModel
 
     inputs = {"paths": hf_text(tmp_path / "text"), "val_every": 2, "context": 16, "batch_size": 4}
     inputs["cache_dir"] = str(tmp_path / "tokens")

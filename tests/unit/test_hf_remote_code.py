@@ -87,7 +87,7 @@ def _forge(source: Path, folder: Path, case: str, marker: Path) -> Path:
 def test_a_folder_that_asks_for_its_own_code_is_refused_and_nothing_runs(
     hf: dict, tmp_path: Path, case: str, answer_yes: list[str]
 ) -> None:
-    from experiments.sae.pretrained import load
+    from experiments.sae.sources.pretrained import load
 
     marker = tmp_path / "ran"
     folder = _forge(hf["model"], tmp_path / "forged", case, marker)
@@ -123,7 +123,7 @@ def test_a_hub_name_s_cached_config_is_checked_and_its_loads_are_pinned_to_that_
     # hf:NAME read offline from a hub cache laid out as huggingface_hub writes it: forged, refused; honest, loaded
     from huggingface_hub import constants
 
-    from experiments.sae.pretrained import load
+    from experiments.sae.sources.pretrained import load
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -145,7 +145,7 @@ def test_a_hub_name_s_cached_config_is_checked_and_its_loads_are_pinned_to_that_
 
 
 def test_an_honest_folder_loads_and_standard_input_is_given_back(hf: dict) -> None:
-    from experiments.sae.pretrained import load
+    from experiments.sae.sources.pretrained import load
 
     stdin, ask = sys.stdin, builtins.input
     loaded = load(str(hf["model"]), hf["inputs"])
@@ -159,7 +159,7 @@ def test_no_prompt_is_answered_while_a_model_loads_even_by_a_transformers_that_i
     # trust_remote_code=None is what a transformers that drops the flag would resolve: it prompts, and gets no yes
     from transformers import dynamic_module_utils
 
-    from experiments.sae.hf_code import no_prompt
+    from experiments.sae.sources.hf_code import no_prompt
 
     monkeypatch.setattr(dynamic_module_utils, "TIME_OUT_REMOTE_CODE", 15)
     ask = dynamic_module_utils.resolve_trust_remote_code
@@ -182,7 +182,7 @@ def _shards(folder: Path, weight_map: dict[str, str]) -> Path:
 
 @pytest.mark.parametrize("how", ["an absolute path", "a relative path out", "a symlink out"])
 def test_weights_outside_the_folder_are_refused_before_they_are_read(hf: dict, tmp_path: Path, how: str) -> None:
-    from experiments.sae.pretrained import load
+    from experiments.sae.sources.pretrained import load
 
     folder = tmp_path / "model"
     shutil.copytree(hf["model"], folder)
@@ -208,7 +208,7 @@ def test_a_folder_loads_with_no_request_and_names_only_the_weights_it_loads(
 
     from huggingface_hub import constants
 
-    from experiments.sae.pretrained import load
+    from experiments.sae.sources.pretrained import load
 
     calls: list[object] = []
 

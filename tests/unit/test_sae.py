@@ -20,17 +20,17 @@ from helpers import SyncsAreErrors, assert_resume_is_exact, compose_job
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.sae import sparse as sparse_module
-from experiments.sae.data import (
+from experiments.sae.coders import sparse as sparse_module
+from experiments.sae.coders.activations import BatchTopKSAE, ReLUSAE, TopKSAE, auxk_loss, geometric_median
+from experiments.sae.metrics import feature_recovery
+from experiments.sae.sources.files import ActivationFiles, RowData, file_splits
+from experiments.sae.sources.hooked import HookedData
+from experiments.sae.sources.synthetic import (
     SyntheticActivations,
     SyntheticData,
     SyntheticFeatures,
     synthetic_splits,
 )
-from experiments.sae.files import ActivationFiles, RowData, file_splits
-from experiments.sae.hooked import HookedData
-from experiments.sae.metrics import feature_recovery
-from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE, auxk_loss, geometric_median
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt.weights import save_weights

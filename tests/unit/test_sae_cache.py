@@ -14,8 +14,8 @@ import torch
 from helpers import TINY_LM, assert_resume_is_exact, finished_run
 from safetensors.torch import load_file
 
-from experiments.sae import cache as cache_module
-from experiments.sae.source import SourceModel
+from experiments.sae.sources import cache as cache_module
+from experiments.sae.sources.source import SourceModel
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt.weights import save_weights

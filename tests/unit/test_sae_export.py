@@ -17,10 +17,10 @@ import torch
 from helpers import finished_run
 from safetensors.torch import load_file
 
-from experiments.sae.export import export
-from experiments.sae.jumprelu import JumpReLUSAE
-from experiments.sae.matryoshka import MatryoshkaSAE
-from experiments.sae.model import BatchTopKSAE, ReLUSAE, TopKSAE
+from experiments.sae.coders.activations import BatchTopKSAE, ReLUSAE, TopKSAE
+from experiments.sae.coders.jumprelu import JumpReLUSAE
+from experiments.sae.coders.matryoshka import MatryoshkaSAE
+from experiments.sae.formats import export
 from runner import ConfigError
 from runner.export import main
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from experiments.sae.files import ActivationFiles
+from experiments.sae.sources.files import ActivationFiles
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit

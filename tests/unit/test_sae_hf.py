@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import HF_ARCHS, assert_resume_is_exact, hf_text, tiny_hf_model
 
-from experiments.sae.source import SourceModel
+from experiments.sae.sources.source import SourceModel
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit

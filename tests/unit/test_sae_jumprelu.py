@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from experiments.sae.jumprelu import JumpReLUFunction, JumpReLUSAE, StepFunction
+from experiments.sae.coders.jumprelu import JumpReLUFunction, JumpReLUSAE, StepFunction
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit

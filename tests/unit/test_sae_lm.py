@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import TINY_LM, StopAt, assert_resume_is_exact, finished_run
 
-from experiments.sae.buffer import ActivationBuffer, HookedActivations
-from experiments.sae.source import SourceModel
+from experiments.sae.sources.buffer import ActivationBuffer, HookedActivations
+from experiments.sae.sources.source import SourceModel
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt import state as ckpt_state
@@ -250,7 +250,7 @@ def test_several_hook_points_train_a_family_for_each_module_from_one_forward(
 def test_every_rank_trains_on_its_own_share_of_what_one_process_takes(lm_run: Path) -> None:
     # Each rank's ring is alike (one seed, the source's same inputs): had each served its own micro-batches, both
     # ranks would have trained on the very same rows. Two ranks of 32 take what one process takes in two of 32.
-    from experiments.sae.hooked import HookedData
+    from experiments.sae.sources.hooked import HookedData
 
     def loader(rank: int, world_size: int, accumulate: int) -> list[torch.Tensor]:
         data = HookedData(

@@ -18,7 +18,7 @@ from helpers import compose_job
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from experiments.sae.matryoshka import MatryoshkaSAE, prefix_ends
+from experiments.sae.coders.matryoshka import MatryoshkaSAE, prefix_ends
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit

@@ -11,8 +11,8 @@ import torch
 from omegaconf import DictConfig
 from safetensors.torch import load_file
 
-from experiments.sae.model import BatchTopKSAE, TopKSAE
-from experiments.sae.multi import MultiSAE
+from experiments.sae.coders.activations import BatchTopKSAE, TopKSAE
+from experiments.sae.coders.multi import MultiSAE
 from runner import ConfigError
 from runner.build import build
 from runner.train import train
@@ -85,7 +85,7 @@ def test_a_family_mixes_widths_ks_and_architectures() -> None:
 
 
 def test_a_jumprelu_member_trains_beside_topk_ones(compose_cfg: Callable[..., DictConfig]) -> None:
-    jump = "+model.saes.jump={_target_:experiments.sae.jumprelu.JumpReLUSAE,_partial_:true,n_latents:64}"
+    jump = "+model.saes.jump={_target_:experiments.sae.coders.jumprelu.JumpReLUSAE,_partial_:true,n_latents:64}"
     run = train(compose_cfg(*SMALL, jump))
     assert set(run.task.saes) == {"k2", "k4", "jump"}
     m = run.state.metrics

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from experiments.sae import sparse as sparse_module
-from experiments.sae.matryoshka import MatryoshkaSAE
-from experiments.sae.model import SAE, BatchTopKSAE, TopKSAE, auxk_loss
-from experiments.sae.sparse import SparsePre, pick, pick_columns, pick_flat, plain, top_indices
+from experiments.sae.coders import sparse as sparse_module
+from experiments.sae.coders.activations import SAE, BatchTopKSAE, TopKSAE, auxk_loss
+from experiments.sae.coders.matryoshka import MatryoshkaSAE
+from experiments.sae.coders.sparse import SparsePre, pick, pick_columns, pick_flat, plain, top_indices
 
 D, N, B = 16, 96, 40  # B and N differ from every other size here, so a [B, N] tensor is recognisable
 

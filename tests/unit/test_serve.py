@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import finished_run
 
-from experiments.sae.pages import STATIC
+from experiments.sae.pages.write import STATIC
 from runner import features
 
 SAE = ["+experiment=sae", "model.n_latents=32", "data.splits.n_train=512", "data.splits.n_val=64"]

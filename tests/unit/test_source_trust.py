@@ -315,7 +315,7 @@ def test_a_run_folder_cannot_widen_the_trust_of_the_runs_it_names(
         {"_target_": "torch.load", "f": str(tmp_path / "a" / "evil.pt"), "weights_only": False},
     )
     hooked = {
-        "_target_": "experiments.sae.hooked.HookedData",
+        "_target_": "experiments.sae.sources.hooked.HookedData",
         "checkpoint": str(inner),
         "module": "net.1",
         "trusted_targets": ["torch", "experiments", "runner.data"],
@@ -352,22 +352,28 @@ LEAST = {
     "a page writer through a path factory in _args_": (
         "model",
         {
-            "_target_": "experiments.sae.pages.family_index",
+            "_target_": "experiments.sae.pages.write.family_index",
             "_args_": [{"_target_": "experiments.lm.data.cache_root", "_args_": ["VICTIM", "x"]}, ["pwned"]],
         },
-        "experiments.sae.pages.family_index does not opt in",
+        "experiments.sae.pages.write.family_index does not opt in",
     ),
     "the activation cache's writer": (
         "data",
-        {"_target_": "experiments.sae.cache.write", "directory": "VICTIM", "key": {}, "source": None, "rows": 1},
-        "experiments.sae.cache.write does not opt in",
+        {
+            "_target_": "experiments.sae.sources.cache.write",
+            "directory": "VICTIM",
+            "key": {},
+            "source": None,
+            "rows": 1,
+        },
+        "experiments.sae.sources.cache.write does not opt in",
     ),
     "write_once with a partial fill": (
         "data",
         {
             "_target_": "experiments.lm.data.write_once",
             "folder": "NEW",
-            "fill": {"_target_": "experiments.sae.pages.family_index", "_partial_": True, "names": []},
+            "fill": {"_target_": "experiments.sae.pages.write.family_index", "_partial_": True, "names": []},
             "option": "x",
         },
         "experiments.lm.data.write_once does not opt in",
@@ -377,13 +383,13 @@ LEAST = {
         {
             "_target_": "runner.data.DataModule",
             "batch_size": 8,
-            "splits": {"_target_": "experiments.sae.pages.family_index", "out": "VICTIM", "names": []},
+            "splits": {"_target_": "experiments.sae.pages.write.family_index", "out": "VICTIM", "names": []},
         },
-        "data.splits._target_=experiments.sae.pages.family_index does not opt in",
+        "data.splits._target_=experiments.sae.pages.write.family_index does not opt in",
     ),
     "a data class in the model's slot": (
         "model",
-        {"_target_": "experiments.sae.hooked.HookedData", "checkpoint": "VICTIM", "module": "net.1"},
+        {"_target_": "experiments.sae.sources.hooked.HookedData", "checkpoint": "VICTIM", "module": "net.1"},
         "HookedData opts in as data; here it stands for an nn.Module class",
     ),
     "a component where plain data goes": (
@@ -526,7 +532,7 @@ def test_positional_arguments_do_not_get_around_the_confined_cache(sae_run: Path
 
 def test_every_shipped_option_and_experiment_builds_in_its_slot(compose_cfg: Callable[..., DictConfig]) -> None:
     # the shipped configs (and run folders written since 2026-11-21, which name the same targets or the older
-    # experiments.sae.data.ActivationFiles) still load: no false refusal, slot by slot
+    # experiments.sae.sources.synthetic.ActivationFiles) still load: no false refusal, slot by slot
     from runner import trust
     from runner.trained import TRUSTED_TARGETS
 
@@ -558,7 +564,7 @@ def test_every_shipped_option_and_experiment_builds_in_its_slot(compose_cfg: Cal
             verdict = trust.problems(node, "callback", [*TRUSTED_TARGETS, "runner.callbacks"], name)
             assert not verdict.forged and not verdict.untrusted, (name, verdict)
             assert (not verdict.unmarked) == (name in metric), (name, verdict)  # the others are left out, unbuilt
-    old = {"_target_": "experiments.sae.data.ActivationFiles", "train_path": "a.npy", "batch_size": 8}
+    old = {"_target_": "experiments.sae.sources.synthetic.ActivationFiles", "train_path": "a.npy", "batch_size": 8}
     assert trust.check(old, "data", TRUSTED_TARGETS, "data", "a run folder of 2026-11-21") == old
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, finished_run, python, refused
 
-from experiments.sae.pages import STATIC
+from experiments.sae.pages.write import STATIC
 from runner import ConfigError, export, features, rundir
 from runner.evaluate import evaluate_run
 from runner.outdir import within
@@ -128,7 +128,7 @@ def test_an_output_that_names_a_file_is_one_line_and_exit_2(sae_run: Path, tmp_p
 # ---- a killed export, a full disk ---------------------------------------------------------------------------------
 KILLED = """
 import os, signal, sys
-import experiments.sae.export as sae_export
+import experiments.sae.formats as sae_export
 from runner.export import main
 def dies(path, data, fsync=False):  # the weights half-written, then SIGKILL
     path.write_bytes(bytes(data)[: len(data) // 2])

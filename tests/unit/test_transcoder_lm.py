@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import finished_run, hf_text, tiny_hf_model
 
-from experiments.sae.base import SAE
-from experiments.sae.hooked import HookedData
-from experiments.sae.source import SourceModel, Splice
+from experiments.sae.coders.base import SAE
+from experiments.sae.sources.hooked import HookedData
+from experiments.sae.sources.source import SourceModel, Splice
 from runner import ConfigError
 from runner.build import build
 

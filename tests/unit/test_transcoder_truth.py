@@ -21,9 +21,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from experiments.sae.callbacks import GroundTruthRecovery, ResampleDead
-from experiments.sae.data import SyntheticData, SyntheticFeatures, synthetic_splits
+from experiments.sae.coders.activations import TopKSAE
 from experiments.sae.metrics import feature_recovery
-from experiments.sae.model import TopKSAE
+from experiments.sae.sources.synthetic import SyntheticData, SyntheticFeatures, synthetic_splits
 from runner import ConfigError
 from runner.build import build
 from runner.loop import fit
@@ -185,7 +185,7 @@ def test_ground_truth_scores_a_transcoder_against_its_target_input_and_linear_tr
 def _resampled(task: torch.nn.Module, rows: torch.Tensor, dead: torch.Tensor) -> tuple[ResampleDead, dict]:
     """Train `task` one step on `rows`, mark `dead` dead in each of its SAEs and resample them from `rows`: the
     callback, and the task's state just before resampling."""
-    from experiments.sae.multi import members
+    from experiments.sae.coders.multi import members
     from runner.data import DataModule, TensorData
     from runner.distributed.strategies import Single
     from runner.progress import TrainingProgress
@@ -235,7 +235,7 @@ def test_resampling_a_transcoder_points_decoder_rows_at_targets_and_encoder_colu
 def test_resampling_a_family_over_several_hooked_modules_reads_each_sae_s_own_columns() -> None:
     import functools
 
-    from experiments.sae.multi import MultiSAE
+    from experiments.sae.coders.multi import MultiSAE
 
     torch.manual_seed(0)
     base = functools.partial(TopKSAE, n_latents=16, dead_window="5st")

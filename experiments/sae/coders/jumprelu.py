@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from experiments.sae.base import SAE
+from experiments.sae.coders.base import SAE
 from runner import ConfigError
 from runner.progress import parse_duration
 from runner.trust import buildable

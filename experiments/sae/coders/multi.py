@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.base import SAE
+from experiments.sae.coders.base import SAE
 from runner import ConfigError
 from runner.outdir import within
 from runner.trust import buildable
@@ -122,7 +122,7 @@ class MultiSAE(nn.Module):
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """Every SAE's feature pages in the folder of its name under `out` (SAE.features), and a page linking them."""
-        from experiments.sae.dashboard import write
+        from experiments.sae.pages.dashboard import write
 
         return write(members(self), cfg, run_dir, out, rows_of=self.rows_of, **options)
 

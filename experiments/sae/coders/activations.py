@@ -1,13 +1,13 @@
-"""Sparse autoencoders: TopK (+AuxK), ReLU + L1, BatchTopK, on the recipe they share (experiments.sae.base.SAE,
-imported here too: configs and code name experiments.sae.model.SAE)."""
+"""Sparse autoencoders: TopK (+AuxK), ReLU + L1, BatchTopK, on the recipe they share (experiments.sae.coders.base.SAE,
+imported here too: configs and code name experiments.sae.coders.activations.SAE)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from experiments.sae.base import SAE, geometric_median  # noqa: F401 (geometric_median: re-exported)
-from experiments.sae.sparse import Pre, pick, pick_columns, pick_flat, plain, top_indices
+from experiments.sae.coders.base import SAE, geometric_median  # noqa: F401 (geometric_median: re-exported)
+from experiments.sae.coders.sparse import Pre, pick, pick_columns, pick_flat, plain, top_indices
 from runner import ConfigError
 from runner.progress import parse_duration
 from runner.trust import buildable
@@ -46,7 +46,7 @@ def auxk_loss(
 class TopKSAE(SAE):
     """Keeps the k largest pre-activations (ReLU'd) per sample; AuxK trains dead latents on the residual."""
 
-    inference = "topk"  # what its inference is in SAELens's names (experiments/sae/export.py)
+    inference = "topk"  # what its inference is in SAELens's names (experiments/sae/formats.py)
 
     def __init__(
         self,

@@ -1,6 +1,7 @@
 """A frozen model, read through forward hooks on named modules (SourceModel): its activations for an input batch, and
 its validation loss with a module's output replaced (what splicing an SAE in costs). The model is one trained by
-runner (a run folder: its own data) or a transformers causal LM (experiments.sae.pretrained: text it is given)."""
+runner (a run folder: its own data) or a transformers causal LM (experiments.sae.sources.pretrained: text it is
+given)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from experiments.sae import pretrained
+from experiments.sae.sources import pretrained
 from runner import ConfigError
 from runner.build import build_data
 from runner.data import DataModule, batch_size_of, to_device

@@ -15,8 +15,8 @@ from itertools import accumulate
 
 import torch
 
-from experiments.sae.model import BatchTopKSAE, TopKSAE
-from experiments.sae.sparse import Pre
+from experiments.sae.coders.activations import BatchTopKSAE, TopKSAE
+from experiments.sae.coders.sparse import Pre
 from runner import ConfigError
 from runner.trust import buildable
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.base import SAE, _unit_scale, geometric_median
+from experiments.sae.coders.base import SAE, _unit_scale, geometric_median
+from experiments.sae.coders.sparse import SparsePre
 from experiments.sae.objectives import batch_errors, split_statistics, unexplained
-from experiments.sae.sparse import SparsePre
 from runner import ConfigError, check_whole
 from runner.trust import buildable
 
@@ -129,7 +129,8 @@ class CrossLayerTranscoder(nn.Module):
         return [y / self.target_scale[m] for m, y in enumerate(self._writes(decoded))]
 
     def splice_writes(self, reads: list[str], writes: list[str]) -> dict[str, Callable[[dict], torch.Tensor]]:
-        """For a Splice (experiments/sae/source.py): each layer's MLP output (`writes`, raw rows) from the captured
+        """For a Splice (experiments/sae/sources/source.py): each layer's MLP output (`writes`, raw rows) from the
+        captured
         raw rows of the MLP inputs (`reads`) that ran before it; a layer's codes are computed once per forward."""
         decoded: dict[int, torch.Tensor] = {}
 
@@ -149,8 +150,9 @@ class CrossLayerTranscoder(nn.Module):
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """Each layer's feature pages (its latents' contexts on its MLP input; the logit lens of what they write to
-        their own layer) in a folder per layer under `out`, and a page linking them (experiments/sae/dashboard.py)."""
-        from experiments.sae.dashboard import write
+        their own layer) in a folder per layer under `out`, and a page linking them
+        (experiments/sae/pages/dashboard.py)."""
+        from experiments.sae.pages.dashboard import write
 
         def rows_of(rows: torch.Tensor, name: str) -> torch.Tensor:
             layer = int(name.removeprefix("layer"))

@@ -1,4 +1,5 @@
-"""The feature pages' files (experiments/sae/dashboard.py computes what they show): index.html and app.js copied from
+"""The feature pages' files (experiments/sae/pages/dashboard.py computes what they show): index.html and app.js copied
+from
 static/ (no network, no CDN); data/index.js, the run's metrics, the latents' table and the density histogram; and
 data/latents-NNNN.js, CHUNK latents each (contexts, examples by interval, histogram, logit lens, neighbours). The data
 are scripts that call FEATURES.index / FEATURES.chunk, so that the pages work from disk (browsers refuse fetch() of
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.features import HIST_BINS, HIST_LOW, HIST_PER_DECADE, QUANTILES
+from experiments.sae.pages.stats import HIST_BINS, HIST_LOW, HIST_PER_DECADE, QUANTILES
 from runner.outdir import clear_temporaries, make_dir
 from runner.rundir import write_atomic
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from experiments.lm.corpus import corpus_files, held_out_files, read_text
 from experiments.lm.data import Windows, cache_root, content_key, load_tokens, write_once
-from experiments.sae.hf_code import hub_offline, loaded, model_weights, refuse_own_code
+from experiments.sae.sources.hf_code import hub_offline, loaded, model_weights, refuse_own_code
 from runner import ConfigError, check_whole, require
 from runner.data import DataModule
 from runner.rundir import CONFIG

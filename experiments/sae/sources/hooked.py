@@ -1,5 +1,6 @@
-"""Live activations from a named module of a frozen model trained by runner (experiments.sae.source), served through
-a shuffling ring buffer (experiments.sae.buffer), and the spliced model's losses."""
+"""Live activations from a named module of a frozen model trained by runner (experiments.sae.sources.source), served
+through
+a shuffling ring buffer (experiments.sae.sources.buffer), and the spliced model's losses."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from experiments.sae.buffer import ActivationBuffer, HookedActivations
-from experiments.sae.cache import SHARD_ROWS, cached, identity
-from experiments.sae.multi import combined, hook_name, members
-from experiments.sae.source import Replacement, SourceModel, Splice
+from experiments.sae.coders.multi import combined, hook_name, members
+from experiments.sae.sources.buffer import ActivationBuffer, HookedActivations
+from experiments.sae.sources.cache import SHARD_ROWS, cached, identity
+from experiments.sae.sources.source import Replacement, SourceModel, Splice
 from runner import ConfigError, check_whole
 from runner.data import DataModule, TensorData
 from runner.run import Callback
@@ -24,10 +25,11 @@ from runner.trust import buildable
 @buildable("data")
 class HookedData(DataModule):
     """Train on live activations of `module` in the model of run `checkpoint` (or of a transformers model reading
-    `inputs`: experiments.sae.pretrained); validate on its validation inputs. With a `target` (a transcoder), each row
+    `inputs`: experiments.sae.sources.pretrained); validate on its validation inputs. With a `target` (a transcoder),
+    each row
     is `module`'s activation then `target`'s at the same position, [rows, d_in + d_out], from one forward.
 
-    With `cache` (a folder: experiments.sae.cache), the training activations are the first `cache_rows` (default
+    With `cache` (a folder: experiments.sae.sources.cache), the training activations are the first `cache_rows` (default
     samples_per_epoch) of the source's stream, written there once and read back memory-mapped, in the sampler's
     shuffled order; validation activations are computed live either way."""
 

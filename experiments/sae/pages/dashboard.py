@@ -1,5 +1,5 @@
 """Feature dashboards of a trained SAE run (`python -m runner.features RUN_DIR`): one pass of features.LatentStats
-over its inputs, then what the weights say, written by experiments/sae/pages.py.
+over its inputs, then what the weights say, written by experiments/sae/pages/write.py.
 
 Inputs: for an SAE on a language model (data=activations_hooked), the source run's text, its validation windows first
 and then its training windows until `tokens` positions are seen, with each row's window and position kept so that the
@@ -18,14 +18,14 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from experiments.sae.features import (
+from experiments.sae.pages.stats import (
     LatentStats,
     best_matches,
     logit_lens,
     nearest,
 )
-from experiments.sae.pages import family_index, write_pages
-from experiments.sae.source import SourceModel
+from experiments.sae.pages.write import family_index, write_pages
+from experiments.sae.sources.source import SourceModel
 from runner import ConfigError
 from runner.outdir import within
 from runner.rundir import SUMMARY, read_json

@@ -1,4 +1,4 @@
-// Feature pages of an SAE run (experiments/sae/pages.py writes the data). Data files are scripts that call
+// Feature pages of an SAE run (experiments/sae/pages/write.py writes the data). Data files are scripts that call
 // FEATURES.index / FEATURES.chunk, so the pages work from disk; text is only ever set with textContent.
 "use strict";
 const FEATURES = (() => {

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from experiments.sae.buffer import source_inputs
+from experiments.sae.sources.buffer import source_inputs
 from runner import ConfigError
 from runner.rundir import MODEL, fsync_dir, read_json, write_atomic
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.sae.coders.sparse import Pre, SparsePre
 from experiments.sae.objectives import batch_errors, split_statistics, unexplained
-from experiments.sae.sparse import Pre, SparsePre
 from runner import ConfigError, check_whole
 from runner.progress import parse_duration
 
@@ -230,9 +230,9 @@ class SAE(nn.Module):
         return self.since_fired >= self.dead_window
 
     def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
-        """Write this SAE in another tool's folder layout (experiments/sae/export.py) for runner.export; `cfg` is
+        """Write this SAE in another tool's folder layout (experiments/sae/formats.py) for runner.export; `cfg` is
         the run's config (its hook point and source name the export's metadata). The folders written."""
-        from experiments.sae.export import export
+        from experiments.sae.formats import export
 
         source = cfg.get("source") or {}
         module = source.get("module") if isinstance(source.get("module"), str) else None
@@ -240,8 +240,9 @@ class SAE(nn.Module):
         return [export(self, fmt, out, module, source.get("checkpoint"), target=target)]
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
-        """Write this SAE's feature pages to `out` for runner.features (experiments/sae/dashboard.py); the pages."""
-        from experiments.sae.dashboard import write
+        """Write this SAE's feature pages to `out` for runner.features (experiments/sae/pages/dashboard.py); the
+        pages."""
+        from experiments.sae.pages.dashboard import write
 
         return write([("", self)], cfg, run_dir, out, **options)
 

@@ -1,4 +1,5 @@
-"""Activation data for SAEs: synthetic activations with known features (files of activations: experiments.sae.files),
+"""Activation data for SAEs: synthetic activations with known features (files of activations:
+experiments.sae.sources.files),
 and for transcoders synthetic (input, target) pairs made from the same sparse codes."""
 
 from __future__ import annotations
@@ -266,4 +267,4 @@ class SyntheticData(DataModule):
 
 
 # Older runs' configs name it here (data=activations_file before it had a module of its own).
-from experiments.sae.files import ActivationFiles  # noqa: E402, F401
+from experiments.sae.sources.files import ActivationFiles  # noqa: E402, F401

@@ -1,5 +1,5 @@
 """Live activations in a shuffling ring buffer, and the training dataset that serves it, with the state that a
-checkpoint needs to resume it exactly (the source model itself: experiments.sae.source)."""
+checkpoint needs to resume it exactly (the source model itself: experiments.sae.sources.source)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""What is trained: the code types, the shapes (SAE, transcoder, skip, cross-layer), the sparse kernels."""

@@ -1,0 +1,1 @@
+"""Feature statistics and the static feature pages (python -m runner.features)."""
