@@ -41,7 +41,7 @@ def test_a_wheel_installed_into_a_fresh_venv_runs_from_another_directory(tmp_pat
     # every config group's options and the feature pages' static files ship in it (the run below reads them)
     shipped = set(zipfile.ZipFile(wheel).namelist())
     confs = [p.relative_to(ROOT).as_posix() for p in (ROOT / "runner" / "conf").rglob("*.yaml")]
-    static = [p.relative_to(ROOT).as_posix() for p in (ROOT / "experiments" / "sae" / "static").iterdir()]
+    static = [p.relative_to(ROOT).as_posix() for p in (ROOT / "experiments" / "sae" / "pages" / "static").iterdir()]
     assert not [name for name in confs + static if name not in shipped]
 
     # The venv sees the dependencies of this one (torch, hydra...: this interpreter's site-packages, listed in a .pth
