@@ -184,6 +184,14 @@ def moved(text: str) -> str:
     return _MOVED_TARGET.sub(lambda m: m.group(1) + MOVED.get(m.group(2), m.group(2)) + m.group(3), text)
 
 
+def moved_target(target: Any) -> Any:
+    """A `_target_` value named by its module's new name (MOVED); any other value as it is."""
+    if not isinstance(target, str):
+        return target
+    module, _, name = target.rpartition(".")
+    return f"{MOVED[module]}.{name}" if module in MOVED else target
+
+
 def read_run_config(run_dir: Path) -> Any:
     """A run folder's .hydra/config.yaml as a DictConfig, unresolved, with `run_dir` as the folder the run is in now
     (Hydra's output folder when it ran); a ConfigError if it is not a readable YAML mapping."""

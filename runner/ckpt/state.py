@@ -13,6 +13,7 @@ import torch
 
 from runner.ckpt.files import CheckpointError, bare_names
 from runner.run import Run
+from runner.rundir import moved_target
 
 
 def model_weights(run: Run) -> dict[str, torch.Tensor]:
@@ -128,6 +129,10 @@ def config_changes(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> 
     if saved is None or now is None:  # a run built without a config (from Python): nothing to compare
         return {}
     a, b = _flat(saved), _flat(now)
+    # A checkpoint written before a shipped class moved names its old module; one written before an option existed
+    # lacks its key, which a new option's default (null, false: off) leaves as it was.
+    a = {k: moved_target(v) if k.endswith("_target_") else v for k, v in a.items()}
+    a |= {k: v for k, v in b.items() if k not in a and (v is None or v is False)}
     inert = [k.split(".") for k in INERT]
     return {
         k: (a.get(k, ABSENT), b.get(k, ABSENT))

@@ -75,11 +75,9 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     source = lambda: f"source.checkpoint={runs['lm'].result()}"  # noqa: E731 - asked for when the job runs
     return {
         "lm": lambda: lm(root),
-        "topk_ddp": lambda: two_ranks(root, "topk_ddp", *SYNTHETIC, *NO_DATA_INIT, *CONSISTENT),
         "skip_ddp": lambda: two_ranks(root, "skip_ddp", *SYNTHETIC, *SKIP, *NO_DATA_INIT, *CONSISTENT),
         "init_ddp": lambda: two_ranks(root, "init_ddp", *SYNTHETIC, *SKIP, *CONSISTENT),
         "clt_ddp": lambda: two_ranks(root, "clt_ddp", *CLT, source(), "callbacks=[sae_splice,rank_consistency]"),
-        "topk_one": lambda: one(root, "topk_one", *SYNTHETIC, *NO_DATA_INIT),
         "skip_one": lambda: one(root, "skip_one", *SYNTHETIC, *SKIP, *NO_DATA_INIT),
         "clt_one": lambda: one(root, "clt_one", *CLT, source()),
     }
@@ -98,15 +96,13 @@ def _same_training(ddp: dict[str, Any], single: Path) -> None:
     assert jsonl(run_dir)[-1]["step"] == STEPS
 
 
-@pytest.mark.parametrize("case", ["topk", "skip"])
-def test_a_transcoder_on_two_ranks_trains_like_one_process(runs: dict[str, Future], case: str) -> None:
-    ddp, single = runs[f"{case}_ddp"].result(), runs[f"{case}_one"].result()
+def test_a_skip_transcoder_on_two_ranks_trains_like_one_process(runs: dict[str, Future]) -> None:
+    # a skip transcoder: the transcoder's path and its skip connection (tests/unit covers each code type in one process)
+    ddp, single = runs["skip_ddp"].result(), runs["skip_one"].result()
     _same_training(ddp, single)
     got = weights(ddp["run_dir"])
     assert got["W_dec"].shape == (96, 24) and got["W_enc"].shape == (32, 96)
-    assert ("W_skip" in got) == (case == "skip")
-    if case == "skip":
-        assert torch.count_nonzero(got["W_skip"]) > 0  # it learned the target's linear part (it starts at zero)
+    assert torch.count_nonzero(got["W_skip"]) > 0  # it learned the target's linear part (it starts at zero)
     assert float(got["since_fired"].max()) >= 2  # latents went dead: AuxK ran on both ranks
 
 

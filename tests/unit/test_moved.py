@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from helpers import finished_run
 
+from runner.ckpt.state import ABSENT, config_changes
 from runner.rundir import CONFIG, MOVED, moved
 from runner.trained import load_trained
 
@@ -54,3 +55,16 @@ def test_a_run_folder_that_names_the_old_modules_loads_as_the_same_model(tmp_pat
     assert cfg.model._target_ == "experiments.sae.coders.activations.TopKSAE"
     for (name, a), (_, b) in zip(now.state_dict().items(), before.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_checkpoint_from_before_the_move_resumes_without_config_changes() -> None:
+    # its config names the old modules and lacks the keys added since (model.d_out, model.skip, data.target: off)
+    saved = {"model": {"_target_": "experiments.sae.model.TopKSAE", "k": 32}, "data": {"module": "blocks.2"}}
+    now = {
+        "model": {"_target_": "experiments.sae.coders.activations.TopKSAE", "k": 32, "d_out": None, "skip": False},
+        "data": {"module": "blocks.2", "target": None},
+    }
+    assert config_changes(saved, now) == {}
+    # a new key set on, or a real change, still counts
+    on = {**now, "model": {**now["model"], "skip": True, "k": 16}, "data": {"module": "blocks.2", "target": 0}}
+    assert config_changes(saved, on) == {"data.target": (ABSENT, 0), "model.k": (32, 16), "model.skip": (ABSENT, True)}

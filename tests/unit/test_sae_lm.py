@@ -264,3 +264,26 @@ def test_every_rank_trains_on_its_own_share_of_what_one_process_takes(lm_run: Pa
     assert not torch.equal(ranks[0][0], ranks[1][0])
     for step in range(2):  # one process's micro-batches 2s and 2s+1 are rank 0's and rank 1's step s
         assert torch.equal(ranks[0][step], one[2 * step]) and torch.equal(ranks[1][step], one[2 * step + 1])
+
+
+def test_a_ring_too_small_for_every_rank_s_take_or_a_ragged_epoch_is_refused(lm_run: Path) -> None:
+    # every rank takes all ranks' rows at once: a ring of 512 holds two takes of 2 x 128 but not of 4 x 128, and an
+    # epoch of 1000 rows would end in a short step whose takes differ between ranks (their rings would drift apart)
+    from experiments.sae.sources.hooked import HookedData
+
+    def data(samples: int) -> HookedData:
+        return HookedData(
+            str(lm_run),
+            "blocks.1",
+            skip_positions=1,
+            buffer_size=512,
+            samples_per_epoch=samples,
+            batch_size=128,
+            seed=0,
+        )
+
+    data(1024).train_loader(rank=1, world_size=2)
+    with pytest.raises(ConfigError, match=r"must hold two such takes.*data.buffer_size=16384 data.samples_per_epoch=1024"):
+        data(1024).train_loader(rank=0, world_size=4)
+    with pytest.raises(ConfigError, match=r"whole global batches of 256"):
+        data(1000).train_loader(rank=0, world_size=2)

@@ -105,7 +105,16 @@ class HookedData(DataModule):
         """The training loader; on a GPU the source runs there and the ring lives there (no copies of activations)."""
         device = torch.device(device or "cpu")
         train = self.splits["train"]
-        if isinstance(train, HookedActivations):  # every rank's ring alike, each keeping its share of a take
+        if isinstance(train, HookedActivations) and world_size > 1:  # every rank's ring alike, each keeping its share
+            step = self.batch_size * world_size  # the rows every rank takes at once: its share and the others'
+            if 2 * step > train.buffer.capacity or len(train) % (step * accumulate):
+                raise ConfigError(
+                    f"data.buffer_size={train.buffer.capacity} and data.samples_per_epoch={len(train)} on {world_size} "
+                    f"processes: every rank takes the {step} rows of all ranks' micro-batches (data.batch_size="
+                    f"{self.batch_size} each) from a ring alike, so the ring must hold two such takes and an epoch be "
+                    f"whole global batches of {step * accumulate}: e.g. data.buffer_size={max(2 * step, 16384)} "
+                    f"data.samples_per_epoch={max(1, len(train) // (step * accumulate)) * step * accumulate}"
+                )
             train.rank, train.world_size = rank, world_size
         if device.type == "cuda" and isinstance(train, HookedActivations):
             train.buffer.to(device)

@@ -197,7 +197,7 @@ class SourceModel:
             new[mask] = replace(self._kept(out, mask, name=name)).to(out.dtype)
             return new
         kept = self._kept(out, name=name)
-        new = replace(kept.flatten(0, -2)).view_as(kept)
+        new = replace(kept.flatten(0, -2)).to(out.dtype).view_as(kept)  # a CLT's writes come in float32
         return torch.cat([out[:, : self.skip], new], dim=1) if out.ndim == 3 and self.skip else new
 
     @contextlib.contextmanager
