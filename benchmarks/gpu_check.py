@@ -7,7 +7,7 @@ way to bring its wheel (`wheels_hint`), and the check exits 2 before running any
 process, from the repository root, in order (what a short lease must not miss first):
 - `pytest -m gpu` over tests/unit (4 xdist workers where pytest-xdist is installed);
 - the benchmarks with `--device`: the SAE peers (where their virtualenvs are), the LM -> SAE pipeline, a transformers
-  source, SAE throughput, a cross-layer transcoder, the lm, overhead, startup, checkpoint.
+  source, SAE throughput, a cross-layer transcoder, transcoders against the peers, the lm, overhead, startup, checkpoint.
 Each step's time limit is its weight's share of the time left, so a step that ends early leaves its time to the rest.
 
 The folder gets, for every step, its JSON (where the script writes one) and its output, plus `report.md` (one table: the
@@ -89,6 +89,8 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         *("--heldout", "8192", "--steps", "60", "--seeds", "0", "1", "--threads", "8", "--dir", str(out / "peers")),
     ]
     lm_peers = ["--threads", "8", "--dir", str(out / "peers-lm")]
+    transcoder_peers = ["--target-columns", "128", "--lm", str(out / "peers-lm" / "lm"), "--threads", "8"]
+    transcoder_peers += ["--dir", str(out / "peers-transcoders"), "--runner-args", "model.encoder_init=0.6"]
     # a few test processes share the GPU: most tests are small, and the compiled ones wait on Inductor's CPU work
     xdist = ["-n", "4"] if importlib.util.find_spec("xdist") else []
     tests = [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider", "--durations=15", *xdist]
@@ -109,6 +111,8 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         # quality too, on a language model's activations: the README's side-by-side (the lm preset's GPT, trained
         # there first, its residual stream cached), one seed
         ("sae peers lm", 240, script("sae_peers", "sae-peers-lm", "--seeds", "0", *lm_peers)),
+        # transcoders of the same GPT's blocks.2 MLP (its run from the step above, else trained here) against the peers
+        ("sae peers transcoders", 120, script("sae_peers", "sae-peers-transcoders", "--seeds", "0", *transcoder_peers)),
         # one repetition: each mode is a fresh process per contender, and compiling GPT-2 small's blocks takes ~a minute
         ("lm bf16", 160, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile", *lm)),
         # Lightning only where it is installed
