@@ -7,7 +7,8 @@ way to bring its wheel (`wheels_hint`), and the check exits 2 before running any
 process, from the repository root, in order (what a short lease must not miss first):
 - `pytest -m gpu` over tests/unit (4 xdist workers where pytest-xdist is installed);
 - the benchmarks with `--device`: the SAE peers (where their virtualenvs are), the LM -> SAE pipeline, a transformers
-  source, SAE throughput, a cross-layer transcoder, transcoders against the peers, the lm, overhead, startup, checkpoint.
+  source, SAE throughput, a cross-layer transcoder, transcoders against the peers, the lm, overhead, startup,
+  checkpoint.
 Each step's time limit is its weight's share of the time left, so a step that ends early leaves its time to the rest.
 
 The folder gets, for every step, its JSON (where the script writes one) and its output, plus `report.md` (one table: the
