@@ -89,7 +89,7 @@ def run(contender: str, args: argparse.Namespace) -> dict:
             part.after_optimizer_step()
         synchronize(args.device)
         times.append(time.perf_counter() - start)
-    steady = statistics.median(times[10:])
+    steady = statistics.median(times[10:] or times)  # a short smoke run has no steady state to wait for
     params = sum(p.numel() for p in model.parameters())
     peak = (
         torch.cuda.max_memory_allocated() / 2**20
@@ -143,7 +143,7 @@ def main() -> None:
     for name, layers, d, n in (("GPT-2 small", 12, 768, 24576), ("Llama-3-8B", 32, 4096, 131072)):
         sizes = [16 * parameters(layers, d, d, n, cross) / 2**30 for cross in (False, True)]
         print(f"| {name} | {layers} | {d} | {n:,} (32 x d) | {sizes[0]:,.0f} | {sizes[1]:,.0f} |")
-    write_json(args.json, {"args": vars(args), "results": results})
+    write_json(args.json, {"device": args.device, "args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ SMOKE = {
         *("--source-args", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32"),
     ],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
+    # 3 layers of 16, 32 latents a layer: the CLT and its per-layer transcoders, 12 steps each
+    "clt": ["--layers", "3", "--d", "16", "--n-latents", "32", "--k", "4", "--batch", "64", "--steps", "12"],
     "stream": [
         "--batches",
         "20",
@@ -258,3 +260,12 @@ def test_lm_smoke(runs: dict[str, Future]) -> None:
     # data.cache_dir=cache is relative to where the benchmark was started, as any path a user gives it (its runs
     # wrote into the repository once)
     assert list((result["cwd"] / "cache").glob("*/train.u8")), sorted(result["cwd"].rglob("*"))
+
+
+def test_clt_smoke(runs: dict[str, Future]) -> None:
+    results = runs["clt"].result()["results"]
+    # the parameters the memory formula counts: per layer an encoder (16 x 32 + 32); decoders to 3 layers (per-layer)
+    # or to 3 + 2 + 1 (the CLT), each 32 x 16 + 16
+    assert results["per_layer"]["params"] == 3 * (16 * 32 + 32) + 3 * (32 * 16 + 16)
+    assert results["clt"]["params"] == 3 * (16 * 32 + 32) + 6 * (32 * 16 + 16)
+    assert all(r["step_ms"] > 0 and r["peak_mb"] > 100 for r in results.values())
