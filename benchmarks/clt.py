@@ -6,12 +6,10 @@ memory formula at GPT-2 small's and Llama-3-8B's sizes.
 
 Both contenders train on the same rows (Gaussian: the step's cost does not depend on what the rows hold) with fused
 Adam, as runner's loop runs them (training_step, backward, step, after_optimizer_step): `clt` is
-experiments.sae.coders.clt.CrossLayerTranscoder over `--layers` layers of `--d` wide MLP inputs and outputs,
-`per_layer` is one
-TopK transcoder per layer (experiments.sae.coders.activations.TopKSAE with d_out), their losses summed. Each runs in a
-fresh
-process: its median step time over the steps after the first 10, its parameters and what Adam keeps (fp32: weights,
-gradients and two moments, 16 bytes a parameter), and its peak RSS (CPU) or peak allocated memory (CUDA).
+experiments.sae.coders.clt.CrossLayerTranscoder over `--layers` layers of `--d` wide MLP inputs and outputs, `per_layer`
+is one TopK transcoder per layer (experiments.sae.coders.activations.TopKSAE with d_out), their losses summed. Each runs
+in a fresh process: its median step time over the steps after the first 10, its parameters and what Adam keeps (fp32:
+weights, gradients and two moments, 16 bytes a parameter), and its peak RSS (CPU) or peak allocated memory (CUDA).
 """
 
 from __future__ import annotations

@@ -7,12 +7,10 @@ cache, then read back as training reads it.
 The source is a GPT of `--n-layer` blocks with random weights (its forward costs what a trained one's does), hooked
 after block `--layer`, one position per row from the second on (source.skip_positions=1). Write: rows/s and MB/s of
 experiments.sae.sources.cache.write (the source's forward over its training inputs, the .npy shards of 65,536 rows,
-fsync,
-the manifest), beside the source's forward alone over the same inputs, so the disk's share shows. Read: one epoch of
-shuffled batches of `--batch` rows through runner's training loader over the memory-mapped shards, first after the
-shards were evicted from the page cache (cold: posix_fadvise DONTNEED; the disk's own cache aside), then again from
-the page cache (warm).
-MB are 10^6 bytes of float32 rows.
+fsync, the manifest), beside the source's forward alone over the same inputs, so the disk's share shows. Read: one epoch
+of shuffled batches of `--batch` rows through runner's training loader over the memory-mapped shards, first after the
+shards were evicted from the page cache (cold: posix_fadvise DONTNEED; the disk's own cache aside), then again from the
+page cache (warm). MB are 10^6 bytes of float32 rows.
 """
 
 from __future__ import annotations

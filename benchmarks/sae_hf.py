@@ -6,11 +6,10 @@ tokens that start with BOS (<|endoftext|>), read from a tokens file as +experime
                                 [--threads 2] [--dtype float32|bfloat16] [--json out.json]
 
 Prints activations (positions) per second through experiments.sae.sources.source.SourceModel (its hook, the
-special-token
-mask, the forward stopped after the hooked block) beside a hand-written loop of the same model over the same windows:
-`model(input_ids, output_hidden_states=True).hidden_states[layer + 1]`, what a user writes with transformers alone
-(every block and the head run). And what a GPU must hold for the model with a 16x TopK SAE (GPT-2 small: 12,288
-latents).
+special-token mask, the forward stopped after the hooked block) beside a hand-written loop of the same model over the
+same windows: `model(input_ids, output_hidden_states=True).hidden_states[layer + 1]`, what a user writes with
+transformers alone (every block and the head run). And what a GPU must hold for the model with a 16x TopK SAE (GPT-2
+small: 12,288 latents).
 """
 
 from __future__ import annotations

@@ -19,10 +19,9 @@ masks the dead latents on the device). On the CPU, torch's default Adam in both.
 
 `--backward`: the SAE's encoder backward, autograd's dense one (`model.sparse_backward=false`) and the one restricted to
 the picked latents (`true`, experiments/sae/coders/sparse.py); each is run by both loops, all four contenders
-interleaved in
-one process (the order rotates each repetition), so the table gives runner / hand for each backward and sparse / dense
-for each loop, as medians of the per-repetition ratios with their min and max. The top-level figures of `--json`
-(hand_samples_per_s, runner_samples_per_s, ratio) are the first backward's.
+interleaved in one process (the order rotates each repetition), so the table gives runner / hand for each backward and
+sparse / dense for each loop, as medians of the per-repetition ratios with their min and max. The top-level figures of
+`--json` (hand_samples_per_s, runner_samples_per_s, ratio) are the first backward's.
 """
 
 from __future__ import annotations

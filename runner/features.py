@@ -4,8 +4,7 @@ activation, how often it fires, a histogram, the tokens it promotes and suppress
 in DIR (default RUN_DIR/features; a symlink in the run folder never leads them elsewhere: runner.outdir): open
 DIR/index.html from disk, or `--serve` them to this machine's browser (PagesHandler). The model writes them
 (`features(cfg, run_dir, out, ...)`: runner's SAEs, experiments/sae/pages/dashboard.py), built under the same trust
-rules as
-evaluation (runner.trained.load_trained). Exit codes: 0, or 2 with a one-line message."""
+rules as evaluation (runner.trained.load_trained). Exit codes: 0, or 2 with a one-line message."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """Transcoders under torchrun (2 processes, gloo, DDP) on the CPU train like one process with the same global batch.
 
-The same global batch is 1 process x 32 x accumulation 2, not 1 x 64: a coder's loss is normalised by each
-micro-batch's own variance (SSE / SST), so 2 ranks x 32 sum the gradients of two halves, as accumulation does, and the
-synthetic data makes a batch from the position of its first row (experiments/sae/sources/synthetic.py): rank 1's 32
-rows are a
+The same global batch is 1 process x 32 x accumulation 2, not 1 x 64: a coder's loss is normalised by each micro-batch's
+own variance (SSE / SST), so 2 ranks x 32 sum the gradients of two halves, as accumulation does, and the synthetic data
+makes a batch from the position of its first row (experiments/sae/sources/synthetic.py): rank 1's 32 rows are a
 one-process run's second micro-batch, not rows 32-63 of one batch of 64. The comparisons turn the data-dependent init
-off (model.normalize_input, geometric_median_init, encoder_init=fit): on 2 ranks it reads the global first
-micro-batch (64 rows, all-gathered), in one process with accumulation only its first micro-batch. The init itself is
-checked against the 64 rows it must have read, and for parameters identical on both ranks.
+off (model.normalize_input, geometric_median_init, encoder_init=fit): on 2 ranks it reads the global first micro-batch
+(64 rows, all-gathered), in one process with accumulation only its first micro-batch. The init itself is checked against
+the 64 rows it must have read, and for parameters identical on both ranks.
 """
 
 from __future__ import annotations

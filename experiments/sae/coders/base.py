@@ -240,8 +240,8 @@ class SAE(nn.Module):
         return [export(self, fmt, out, module, source.get("checkpoint"), target=target)]
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
-        """Write this SAE's feature pages to `out` for runner.features (experiments/sae/pages/dashboard.py); the
-        pages."""
+        """Write this SAE's feature pages to `out` for runner.features (experiments/sae/pages/dashboard.py);
+        the pages."""
         from experiments.sae.pages.dashboard import write
 
         return write([("", self)], cfg, run_dir, out, **options)

@@ -130,8 +130,8 @@ class CrossLayerTranscoder(nn.Module):
 
     def splice_writes(self, reads: list[str], writes: list[str]) -> dict[str, Callable[[dict], torch.Tensor]]:
         """For a Splice (experiments/sae/sources/source.py): each layer's MLP output (`writes`, raw rows) from the
-        captured
-        raw rows of the MLP inputs (`reads`) that ran before it; a layer's codes are computed once per forward."""
+        captured raw rows of the MLP inputs (`reads`) that ran before it; a layer's codes are computed once per
+        forward."""
         decoded: dict[int, torch.Tensor] = {}
 
         def write(m: int) -> Callable[[dict], torch.Tensor]:

@@ -1,6 +1,5 @@
 """The feature pages' files (experiments/sae/pages/dashboard.py computes what they show): index.html and app.js copied
-from
-static/ (no network, no CDN); data/index.js, the run's metrics, the latents' table and the density histogram; and
+from static/ (no network, no CDN); data/index.js, the run's metrics, the latents' table and the density histogram; and
 data/latents-NNNN.js, CHUNK latents each (contexts, examples by interval, histogram, logit lens, neighbours). The data
 are scripts that call FEATURES.index / FEATURES.chunk, so that the pages work from disk (browsers refuse fetch() of
 file:// URLs), and opening one latent loads only its chunk. Corpus text only ever reaches them as token ids, which the

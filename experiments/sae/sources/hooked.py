@@ -1,6 +1,5 @@
 """Live activations from a named module of a frozen model trained by runner (experiments.sae.sources.source), served
-through
-a shuffling ring buffer (experiments.sae.sources.buffer), and the spliced model's losses."""
+through a shuffling ring buffer (experiments.sae.sources.buffer), and the spliced model's losses."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from runner.trust import buildable
 class HookedData(DataModule):
     """Train on live activations of `module` in the model of run `checkpoint` (or of a transformers model reading
     `inputs`: experiments.sae.sources.pretrained); validate on its validation inputs. With a `target` (a transcoder),
-    each row
-    is `module`'s activation then `target`'s at the same position, [rows, d_in + d_out], from one forward.
+    each row is `module`'s activation then `target`'s at the same position, [rows, d_in + d_out], from one forward.
 
     With `cache` (a folder: experiments.sae.sources.cache), the training activations are the first `cache_rows` (default
     samples_per_epoch) of the source's stream, written there once and read back memory-mapped, in the sampler's

@@ -1,6 +1,5 @@
 """Activation data for SAEs: synthetic activations with known features (files of activations:
-experiments.sae.sources.files),
-and for transcoders synthetic (input, target) pairs made from the same sparse codes."""
+experiments.sae.sources.files), and for transcoders synthetic (input, target) pairs made from the same sparse codes."""
 
 from __future__ import annotations
 
