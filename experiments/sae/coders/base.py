@@ -40,6 +40,16 @@ def geometric_median(points: torch.Tensor, iterations: int = 100, tol: float = 1
     return median
 
 
+def every_rank(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's `rows` in rank order (the global batch, as one process would see it); this rank's alone."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return rows
+    # once per run (a data-dependent init): the ranks' first batches, whatever their sizes, through pickling
+    samples: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(samples, rows.detach().cpu())
+    return torch.cat(samples).to(rows.device)
+
+
 def _unit_scale(x: torch.Tensor) -> torch.Tensor:
     # the factor that makes E||x|| = sqrt(width)
     return x.shape[1] ** 0.5 / torch.linalg.vector_norm(x, dim=1).mean().clamp_min(1e-8)
@@ -132,12 +142,7 @@ class SAE(nn.Module):
         """Data-dependent init from a sample of raw data rows: the input (and target) scale and the decoder bias.
         Under several processes, from every rank's sample (in rank order: the global batch, as one process would
         see it)."""
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # once per run: the ranks' first batches, whatever their sizes, through pickling
-            samples: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(samples, rows.detach().cpu())
-            rows = torch.cat(samples).to(rows.device)
-        x, y = (part.float() for part in self.split(rows))
+        x, y = (part.float() for part in self.split(every_rank(rows)))
         if self.normalize_input:
             self.input_scale.fill_(_unit_scale(x))
             if self.transcoder:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.coders.base import SAE, _unit_scale, geometric_median
+from experiments.sae.coders.base import SAE, _unit_scale, every_rank, geometric_median
 from experiments.sae.coders.sparse import SparsePre
 from experiments.sae.objectives import batch_errors, split_statistics, unexplained
 from runner import ConfigError, check_whole
@@ -94,11 +94,7 @@ class CrossLayerTranscoder(nn.Module):
     @torch.no_grad()
     def initialize_from(self, rows: torch.Tensor) -> None:
         """Each layer's input and target scales, and its target's bias at the geometric median of the first batch."""
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            samples: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(samples, rows.detach().cpu())
-            rows = torch.cat(samples).to(rows.device)
-        inputs, targets = self.split(rows.float())
+        inputs, targets = self.split(every_rank(rows).float())
         for layer, (x, y) in enumerate(zip(inputs, targets, strict=True)):
             if self.normalize_input:
                 self.input_scale[layer], self.target_scale[layer] = _unit_scale(x), _unit_scale(y)
