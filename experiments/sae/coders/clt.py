@@ -207,7 +207,7 @@ class CrossLayerTranscoder(nn.Module):
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each coder the last logged row (whether AuxK runs on a GPU)."""
         for coder in self.coders:
-            coder.auxk_active = metrics.get("train/dead_fraction", 0.0) > 0
+            coder.logged(metrics)  # the CLT's row: its dead_fraction is the coders' mean
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Load weights and buffers; each coder's dead latents follow (SAE.load_state_dict)."""
