@@ -53,6 +53,17 @@ CLT = [
     *("logger=[console,jsonl]", "checkpoint=none"),
 ]
 
+# a transcoder trained end to end through the same GPT (experiments/sae/end_to_end.py): each rank's KL over its own
+# windows, its gradient through the frozen later layers
+KL = [
+    "+experiment=transcoder_lm_kl",
+    "source.layer=1",
+    *("model.coder.n_latents=64", "model.coder.k=4", "model.coder.dead_window=2st"),
+    *("model.coder.normalize_input=false", "model.coder.geometric_median_init=false"),
+    *("trainer.max_duration=10st", "trainer.val_interval=10st", "trainer.log_interval=5st"),
+    *("logger=[console,jsonl]", "checkpoint=none"),
+]
+
 
 def two_ranks(root: Path, name: str, *overrides: str) -> dict[str, Any]:
     done = ok(torchrun(*overrides, *TWO_RANKS, f"hydra.run.dir={root / name}", cwd=root))
@@ -79,6 +90,8 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "clt_ddp": lambda: two_ranks(root, "clt_ddp", *CLT, source(), "callbacks=[sae_splice,rank_consistency]"),
         "skip_one": lambda: one(root, "skip_one", *SYNTHETIC, *SKIP, *NO_DATA_INIT),
         "clt_one": lambda: one(root, "clt_one", *CLT, source()),
+        "kl_ddp": lambda: two_ranks(root, "kl_ddp", *KL, source(), "callbacks=[sae_splice,rank_consistency]"),
+        "kl_one": lambda: one(root, "kl_one", *KL, source()),
     }
 
 
@@ -137,3 +150,13 @@ def test_a_cross_layer_transcoder_of_a_gpt_on_two_ranks_trains_like_one_process(
     # each rank trains on its own share of the rows one process takes micro-batch after micro-batch (buffer.py)
     ddp, single = runs["clt_ddp"].result(), runs["clt_one"].result()
     assert_close_weights(ddp["run_dir"], single, atol=ATOL)
+
+
+def test_an_end_to_end_transcoder_on_two_ranks_trains_like_one_process(runs: dict[str, Future]) -> None:
+    ddp, single = runs["kl_ddp"].result(), runs["kl_one"].result()
+    assert "rank consistency: parameters identical on every rank" in ddp["stderr"]
+    assert_close_weights(ddp["run_dir"], single, atol=ATOL)
+    for key in ("train/kl", "train/ce", "val/fve"):
+        got, expected = values(ddp["run_dir"], key), values(single, key)
+        assert got and [v for _, v in got] == pytest.approx([v for _, v in expected], abs=ATOL), key
+    assert "val/kl_spliced" in jsonl(ddp["run_dir"])[-1]

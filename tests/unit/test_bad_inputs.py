@@ -336,3 +336,14 @@ def test_a_diverged_run_exits_3_with_advice_that_fits_its_clip(
     assert code == 3, err
     assert "stopped after 2 optimizer steps in a row with a non-finite loss" in err and advice in err, err
     assert clip == [] or "enable trainer.gradient_clip_val" not in err  # (it is set: the advice said to set it)
+
+
+def test_an_end_to_end_loss_on_an_activation_file_exits_2_in_one_paragraph(run_cli: Callable, tmp_path: Path) -> None:
+    # a file of activations has no model to splice a coder into, so nothing to take a KL through
+    np.save(tmp_path / "acts.npy", np.random.default_rng(0).normal(size=(512, 16)).astype(np.float32))
+    args = ["+experiment=sae", "data=activations_file", f"data.train_path={tmp_path / 'acts.npy'}", "model=spliced"]
+    code, err = run_cli(*args, "logger=none", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "activations from a file" in err and "data=activations_spliced" in err, err
+    assert not (tmp_path / "run").exists()

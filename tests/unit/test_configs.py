@@ -115,7 +115,7 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
         overrides += [f"data.train_path={inputs['tokens']}", "data.val_fraction=0.1"]
     if host == "sae_digits":
         overrides.append(f"source.checkpoint={inputs['source']}")
-    if host in ("sae_lm", "transcoder_lm", "clt_lm"):
+    if host in ("sae_lm", "transcoder_lm", "clt_lm", "sae_lm_kl", "transcoder_lm_kl"):
         overrides += [f"source.checkpoint={inputs['lm']}", "data.buffer_size=4096"]
     if host == "clt_lm":  # the tiny GPT's 3 blocks, and small coders
         overrides += ["source.module=[" + ",".join(f"blocks.{i}.mlp_norm" for i in range(3)) + "]"]

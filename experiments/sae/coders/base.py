@@ -343,7 +343,11 @@ class SAE(nn.Module):
         xn = x.float() * self.input_scale
         return xn, (y.float() * self.target_scale if self.transcoder else xn)
 
-    def _step(self, batch: torch.Tensor | tuple[torch.Tensor, ...], train: bool) -> dict[str, torch.Tensor]:
+    def step(
+        self, batch: torch.Tensor | tuple[torch.Tensor, ...], train: bool = True
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """A step's loss and metrics on raw rows, and the prediction of the target it scored, in the target's own
+        units (what splicing puts in the model: experiments/sae/end_to_end.Spliced trains through it)."""
         rows = batch[0] if isinstance(batch, (tuple, list)) else batch
         if train and not self._init_checked:  # `initialized` is read once, not every step (a GPU sync)
             if not self.initialized:
@@ -371,11 +375,11 @@ class SAE(nn.Module):
             out.update(self.aux_loss(target, pre, values, indices, sparse_recon))
         out["loss"] = out["recon_loss"] + sum(out.pop(k) for k in [k for k in out if k.endswith("_term")])
         out["dead_fraction"] = self.dead_mask().float().mean()
-        return out
+        return out, recon / self.out_scale
 
     def training_step(self, batch) -> dict[str, torch.Tensor]:
         """Normalised reconstruction loss plus the variant's auxiliary terms, and metrics."""
-        return self._step(batch, train=True)
+        return self.step(batch, train=True)[0]
 
     def validation_step(self, batch) -> dict[str, torch.Tensor]:
         """Per-sample statistics in float64 that runner averages over the whole validation split (every rank's

@@ -176,7 +176,9 @@ def combined(per_sae: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def members(task: nn.Module) -> list[tuple[str, SAE]]:
     """The SAEs of a task with their metric prefixes: ('', task) for one SAE, ('<name>/', sae) for each of a
-    MultiSAE's."""
+    MultiSAE's; a wrapper's (experiments/sae/end_to_end.Spliced: its `coder`) are its coder's."""
+    if isinstance(getattr(task, "coder", None), nn.Module):
+        return members(task.coder)
     if isinstance(task, MultiSAE):
         return [(f"{name}/", sae) for name, sae in task.saes.items()]
     return [("", task)]

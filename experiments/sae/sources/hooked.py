@@ -29,7 +29,11 @@ class HookedData(DataModule):
 
     With `cache` (a folder: experiments.sae.sources.cache), the training activations are the first `cache_rows` (default
     samples_per_epoch) of the source's stream, written there once and read back memory-mapped, in the sampler's
-    shuffled order; validation activations are computed live either way."""
+    shuffled order; validation activations are computed live either way.
+
+    With `tokens`, training batches are the source's own windows instead (its training split, batched and shuffled
+    here), for a coder trained through the model (experiments/sae/end_to_end.py), which the data hands the source to
+    (model_args["source"]: one copy of the model); validation still reads activation rows."""
 
     def __init__(
         self,
@@ -46,8 +50,14 @@ class HookedData(DataModule):
         cache_shard_rows: int = SHARD_ROWS,
         inputs: dict | None = None,
         target: str | Sequence[str] | None = None,
+        tokens: bool = False,
         **loader,
     ) -> None:
+        if tokens and cache is not None:
+            raise ConfigError(
+                f"source.cache={cache} with data.tokens=true: an end-to-end coder trains on the source's windows, "
+                "through the model, so there are no training activations to cache: set source.cache=null"
+            )
         if cache_rows is not None:
             check_whole(cache_rows, "data.cache_rows")
         check_whole(cache_shard_rows, "data.cache_shard_rows")
@@ -73,7 +83,10 @@ class HookedData(DataModule):
                 f"{', '.join(read)} output{'' if several else 's'} {widths} features but model.d_in={d}: "
                 "leave model.d_in out, the SAEs take their modules' widths"
             )
-        if cache is None:
+        if tokens:  # the source's own windows, for a coder trained through the model (experiments/sae/end_to_end.py)
+            train = source.data.splits["train"]
+            loader["tokens_per_sample"] = source.data.tokens_per_sample
+        elif cache is None:
             train = HookedActivations(ActivationBuffer(source, buffer_size, loader.get("seed", 0)), samples_per_epoch)
         else:
             hooked = source.names if len(source.names) > 1 else source.name  # a transcoder's target too
@@ -94,6 +107,8 @@ class HookedData(DataModule):
                 **_same_width(source, read, "d_in"),
                 **_same_width(source, source.targets, "d_out"),
             }
+        if tokens:
+            self.model_args["source"] = source
         if cache is not None:
             self.info = {"activation_cache": str(cache), "cached_rows": len(train)}
 

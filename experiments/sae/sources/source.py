@@ -214,6 +214,20 @@ class SourceModel:
         finally:
             handle.remove()
 
+    @contextlib.contextmanager
+    def observing(self, names: Sequence[str], batch: Any) -> Iterator[dict[str, torch.Tensor]]:
+        """Within: a forward of `batch` records the kept rows [n, d] of the `names` modules' outputs (not detached)."""
+        seen: dict[str, torch.Tensor] = {}
+        mask = self.mask(batch)
+
+        def record(name: str) -> Callable[[torch.Tensor], None]:
+            return lambda out: seen.__setitem__(name, self._kept(out, mask, name=name).flatten(0, -2))
+
+        with contextlib.ExitStack() as hooks:
+            for name in names:
+                hooks.enter_context(self._hook(name, record(name)))
+            yield seen
+
     def to(self, device: torch.device) -> SourceModel:
         """Move the frozen model to `device`, where its inputs then go."""
         self.device = torch.device(device)
@@ -253,7 +267,7 @@ class SourceModel:
         with contextlib.ExitStack() as hooks, contextlib.suppress(_Captured):
             for name in self.names:
                 hooks.enter_context(self._hook(name, grab(name)))
-            self._loss(batch)
+            self.loss(batch)
         if len(captured) < len(self.names):  # the forward ended without running them
             idle = ", ".join(name for name in self.names if name not in captured)
             raise ConfigError(
@@ -292,9 +306,9 @@ class SourceModel:
         for done, batch in enumerate(loader, 1):
             batch = to_device(batch, self.device)
             size = batch_size_of(batch)
-            clean = self._run(batch, None)
+            clean = self.run(batch, None)
             for name, replace in replacements.items():
-                loss, logits = clean if replace is None else self._run(batch, replace)
+                loss, logits = clean if replace is None else self.run(batch, replace)
                 has_logits = has_logits and logits is not None
                 kl = _kl(clean[1], logits) if has_logits else torch.zeros((), dtype=torch.float64)
                 sums[name] += torch.stack([loss.double().cpu(), kl.cpu()]) * size
@@ -304,11 +318,12 @@ class SourceModel:
         means = {name: (total / count).tolist() for name, total in sums.items()}
         return {name: {"ce": ce, **({"kl": kl} if has_logits else {})} for name, (ce, kl) in means.items()}
 
-    def _run(self, batch: Any, replace: Replacement) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The loss of one batch with the replacement's modules' outputs replaced, and the model's logits
+    def run(self, batch: Any, replace: Replacement) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss of one batch with the replacement's modules' outputs replaced, and the model's logits (None: not a
+        tensor); under autograd when grad is enabled (objectives.Spliced trains a coder through it)."""
         splice = as_splice(replace, self.name)
         if splice is None:
-            return self._loss(batch)
+            return self.loss(batch)
         mask, captured = self.mask(batch), {}
 
         def at(name: str) -> Callable[[torch.Tensor], torch.Tensor | None]:
@@ -324,11 +339,11 @@ class SourceModel:
         with contextlib.ExitStack() as hooks:
             for name in dict.fromkeys([*splice.reads, *splice.writes]):
                 hooks.enter_context(self._hook(name, at(name)))
-            return self._loss(batch)
+            return self.loss(batch)
 
-    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The model's validation loss of a batch and its output (logits) when that is a tensor: for a runner task,
-        # the root module's forward hook sees what validation_step computed its loss from.
+    def loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's validation loss of a batch, and its output (logits) when that is a tensor."""
+        # for a runner task, the root module's forward hook sees what validation_step computed its loss from
         if self.pretrained is not None:
             return self.pretrained.loss(batch)
         outputs: list[Any] = []
