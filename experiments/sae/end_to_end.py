@@ -88,9 +88,10 @@ class Spliced(nn.Module):
 
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The spliced model's KL from the clean one (or its CE), plus the weighted reconstruction terms."""
-        source, out = self.source, {}
-        with torch.no_grad(), source.observing(self.downstream, batch) as clean:
-            _, clean_logits = source.loss(batch)
+        source, out, clean_logits = self.source, {}, None
+        if self.loss == "kl" or self.downstream:  # the spliced CE needs no clean forward
+            with torch.no_grad(), source.observing(self.downstream, batch) as clean:
+                _, clean_logits = source.loss(batch)
 
         def predict(captured: dict[str, torch.Tensor]) -> torch.Tensor:
             # the coder's step on the rows of this forward (the target's clean output beside a transcoder's input)
@@ -109,7 +110,7 @@ class Spliced(nn.Module):
                 f"model.loss=kl: {type(source.model).__name__}'s validation_step gives no logits to compare; use "
                 "model.loss=ce"
             )
-        kl = _kl(clean_logits, logits) if logits is not None else None
+        kl = _kl(clean_logits, logits) if clean_logits is not None and logits is not None else None
         terms = out["loss"] - out["recon_loss"]  # the code type's own (AuxK, L1)
         loss = (kl if self.loss == "kl" else ce) + self.recon_coeff * out["recon_loss"] + terms
         if self.downstream:
