@@ -79,3 +79,13 @@ def test_an_optimizer_without_a_device_skip_flag_reads_it_once_per_step(
 ) -> None:
     where = reads_between_steps(compose_cfg, monkeypatch, *CASES["digits-ema-clip"], "optimizer.fused=false")
     assert len(where) == 8 and all(w.startswith("precision.py") and w.endswith("item") for w in where), where
+
+
+def test_an_end_to_end_step_never_reads_the_device(
+    compose_cfg: Callable, monkeypatch: pytest.MonkeyPatch, lm_run: Path
+) -> None:
+    # the clean forward, the spliced forward with the coder's step inside its hook, the KL and the backward
+    source = [f"source.checkpoint={lm_run}", "source.layer=1", "model.coder.n_latents=64", "model.coder.k=4"]
+    for experiment in ("sae_lm_kl", "transcoder_lm_kl"):
+        overrides = [f"+experiment={experiment}", *source, "data.batch_size=4", "optimizer.fused=true"]
+        assert reads_between_steps(compose_cfg, monkeypatch, *overrides) == [], experiment
