@@ -1,0 +1,199 @@
+"""runner/optimizers.py: Signum's and Muon's updates against references written here and against torch's own Muon and
+Adam; an optimizer rebuilt from its state_dict continues bit for bit; and real SAE runs (optimizer=signum, muon) lower
+their loss and resume exactly."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_resume_is_exact, values
+
+from runner import ConfigError
+from runner.optimizers import Muon, Signum, orthogonalize
+
+
+def _grads(shapes: list[tuple[int, ...]], steps: int, seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(shape, generator=g) for shape in shapes] for _ in range(steps)]
+
+
+def _leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone().requires_grad_() for t in tensors]
+
+
+def _step(optimizers: list[torch.optim.Optimizer], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    for optimizer in optimizers:
+        optimizer.step()
+
+
+# ---- Signum --------------------------------------------------------------------------------------------------------
+def test_signum_moves_every_entry_by_lr_against_the_sign_of_its_momentum() -> None:
+    lr, momentum, decay = 0.01, 0.9, 0.1
+    start = [torch.randn(6, 5), torch.randn(5)]
+    params = _leaves(start)
+    opt = Signum([{"params": [params[0]]}, {"params": [params[1]], "weight_decay": 0.0}], lr, momentum, decay)
+    expected, bufs = [t.clone() for t in start], [torch.zeros_like(t) for t in start]
+    for grads in _grads([(6, 5), (5,)], steps=4):
+        _step([opt], params, grads)
+        for i, g in enumerate(grads):
+            bufs[i] = momentum * bufs[i] + (1 - momentum) * g
+            expected[i] = expected[i] * (1 - lr * (decay if i == 0 else 0.0)) - lr * torch.sign(bufs[i])
+    for p, e, b in zip(params, expected, bufs, strict=True):
+        torch.testing.assert_close(p.detach(), e, rtol=0, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], b, rtol=1e-6, atol=1e-7)  # rounding apart
+
+
+def test_signum_s_first_step_is_the_sign_of_the_gradient() -> None:
+    p = _leaves([torch.zeros(3, 4)])
+    g = torch.randn(3, 4)
+    _step([Signum(p, lr=0.5)], p, [g])
+    assert torch.equal(p[0].detach(), -0.5 * torch.sign(g))
+
+
+# ---- Muon ----------------------------------------------------------------------------------------------------------
+def _newton_schulz(g: torch.Tensor) -> torch.Tensor:
+    # Keller Jordan's quintic iteration as his post writes it: 5 steps, (a, b, c) = (3.4445, -4.775, 2.0315), here in
+    # float64 (the optimizers' bfloat16 stays within 0.008 of it; one step more or less, or the cubic, is 0.1 away)
+    a, b, c = 3.4445, -4.775, 2.0315
+    x = g.double()
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_orthogonalize_is_the_quintic_newton_schulz_iteration(shape: tuple[int, int]) -> None:
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    got = orthogonalize(g)
+    assert got.dtype == torch.bfloat16 and got.shape == g.shape
+    torch.testing.assert_close(got.double(), _newton_schulz(g), rtol=0, atol=0.02)
+    # what the iteration is for: every singular value near 1 (the quintic lands them in about [0.7, 1.2])
+    singular = torch.linalg.svdvals(got.float())
+    assert 0.6 < float(singular.min()) and float(singular.max()) < 1.25, singular
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_updates_matrices_as_torch_s_muon_and_a_reference(adjust_lr_fn: str | None, nesterov: bool) -> None:
+    lr, momentum, decay = 0.02, 0.95, 0.1
+    shapes = [(16, 48), (48, 16)]
+    start = [torch.randn(s) for s in shapes]
+    ours, theirs = _leaves(start), _leaves(start)
+    settings = {"lr": lr, "weight_decay": decay, "momentum": momentum, "nesterov": nesterov}
+    settings["adjust_lr_fn"] = adjust_lr_fn
+    opt, reference = Muon(ours, **settings), torch.optim.Muon(theirs, **settings)
+    expected, bufs = [t.clone() for t in start], [torch.zeros_like(t) for t in start]
+    for grads in _grads(shapes, steps=3):
+        _step([opt], ours, grads)
+        _step([reference], theirs, grads)
+        for i, g in enumerate(grads):
+            bufs[i] = momentum * bufs[i] + (1 - momentum) * g
+            update = _newton_schulz((1 - momentum) * g + momentum * bufs[i] if nesterov else bufs[i])
+            rows, cols = shapes[i]
+            scale = 0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn else math.sqrt(max(1, rows / cols))
+            expected[i] = expected[i] * (1 - lr * decay) - lr * scale * update.float()
+    for p, q, e in zip(ours, theirs, expected, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)  # torch's own Muon, op for op
+        torch.testing.assert_close(p.detach(), e, rtol=0, atol=0.02 * lr * 2.0)  # the recipe, bfloat16 apart
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.1])
+def test_muon_gives_every_other_parameter_adam_s_update(decay: float) -> None:
+    # a runner-shaped model: a matrix group and a bias group (its own weight decay), plus a 0-D and a 3-D tensor
+    shapes = [(8, 12), (8,), (), (2, 3, 4)]
+    start = [torch.randn(s) for s in shapes]
+    ours, theirs = _leaves(start), _leaves(start)
+    groups = [{"params": [ours[0], ours[3]]}, {"params": ours[1:3], "weight_decay": 0.0}]
+    opt = Muon(groups, lr=0.01, weight_decay=decay, adam_betas=(0.8, 0.99), adam_eps=1e-6)
+    adam = {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6}
+    reference = [
+        torch.optim.Muon([theirs[0]], lr=0.01, weight_decay=decay),
+        torch.optim.AdamW([theirs[3]], weight_decay=decay, **adam),  # decoupled, as the matrices' decay
+        torch.optim.Adam(theirs[1:3], **adam),
+    ]
+    for grads in _grads(shapes, steps=3):
+        _step([opt], ours, grads)
+        _step(reference, theirs, grads)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+    assert set(opt.state[ours[1]]) == {"step", "exp_avg", "exp_avg_sq"} and float(opt.state[ours[1]]["step"]) == 3
+    assert set(opt.state[ours[0]]) == {"momentum_buffer"}
+
+
+def test_bad_settings_are_refused_as_config_errors() -> None:
+    params = [torch.zeros(2, 2, requires_grad=True)]
+    with pytest.raises(ConfigError, match="adjust_lr_fn"):
+        Muon(params, lr=0.1, adjust_lr_fn="rms")
+    with pytest.raises(ConfigError, match="momentum=1.0"):
+        Signum(params, lr=0.1, momentum=1.0)
+    with pytest.raises(ConfigError, match="lr=-0.1"):
+        Muon(params, lr=-0.1)
+
+
+# ---- state_dict ----------------------------------------------------------------------------------------------------
+def _signum(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return Signum([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}], lr=0.01)
+
+
+def _muon(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return Muon([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=0.01)
+
+
+@pytest.mark.parametrize("make", [_signum, _muon], ids=["signum", "muon"])
+def test_an_optimizer_rebuilt_from_its_state_dict_continues_bit_for_bit(make: Callable) -> None:
+    shapes = [(10, 6), (6,)]
+    grads = _grads(shapes, steps=6)
+    start = [torch.randn(s) for s in shapes]
+    whole = _leaves(start)
+    opt = make(whole)
+    for g in grads:
+        _step([opt], whole, g)
+    first = _leaves(start)
+    opt = make(first)
+    for g in grads[:3]:
+        _step([opt], first, g)
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)  # as a checkpoint holds it: plain data that weights_only loads back
+    saved.seek(0)
+    resumed = _leaves([p.detach() for p in first])
+    opt = make(resumed)
+    opt.load_state_dict(torch.load(saved, weights_only=True))
+    for g in grads[3:]:
+        _step([opt], resumed, g)
+    for p, q in zip(whole, resumed, strict=True):
+        assert torch.equal(p, q)
+
+
+# ---- real runs -----------------------------------------------------------------------------------------------------
+N = 15  # stopped at step N, trained to 2N
+SAE = [
+    "+experiment=sae",
+    *("data.splits.d=32", "data.splits.n_features=64", "data.splits.n_val=256", "data.batch_size=64"),
+    *("model.n_latents=96", "model.k=4", "model.dead_window=2st"),  # dead latents: AuxK is live
+    f"trainer.max_duration={2 * N}st",
+    *("trainer.log_interval=1st", "trainer.val_interval=10st", "logger=jsonl", "checkpoint.interval=1000st"),
+]
+
+
+# learning rates for 30 steps of this small SAE (the preset's own, 3e-3, is Adam's)
+@pytest.mark.parametrize(("option", "lr"), [("signum", "3e-3"), ("muon", "1e-2")], ids=["signum", "muon"])
+def test_an_sae_trains_with_it_and_resumes_exactly(compose_cfg: Callable, tmp_path: Path, option: str, lr: str) -> None:
+    overrides = [*SAE, f"optimizer={option}", f"optimizer.lr={lr}"]
+    whole, _ = assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=N)
+    assert type(whole.optimizer).__name__ == option.capitalize()
+    losses = [loss for _, loss in values(tmp_path / "whole", "train/loss")]
+    assert len(losses) == 2 * N and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses  # Adam at 3e-3: 0.88
+    fve = [v for _, v in values(tmp_path / "whole", "val/fve")]
+    assert len(fve) == 3 and fve[0] < fve[1] < fve[2], fve
