@@ -18,7 +18,8 @@ Which architecture becomes which:
 - TopK, and Matryoshka on TopK codes: `topk` in both tools.
 - BatchTopK, and Matryoshka on BatchTopK codes: SAELens `jumprelu`, every latent at the learned global threshold (what
   their inference is).
-- JumpReLU: `jumprelu`. ReLU: SAELens `standard`.
+- JumpReLU: `jumprelu`. ReLU: SAELens `standard`. Gated: SAELens `gated` (b_enc written as b_gate, with r_mag and
+  b_mag; SAELens has no gated transcoder, so a gated transcoder is refused).
 - sparsify has top-k only: anything else is refused, with the format that takes it.
 - Transcoders: SAELens's `transcoder` (ReLU) and `jumprelu_transcoder` (JumpReLU, BatchTopK), with a skip connection
   `skip_transcoder` and `jumprelu_skip_transcoder`; their encoders read the input uncentred
@@ -50,9 +51,9 @@ TRANSCODERS = {
 
 
 def architecture(sae: nn.Module) -> str:
-    """What the SAE's inference is, in SAELens's names (its class's `inference`): topk, jumprelu or standard."""
+    """What the SAE's inference is, in SAELens's names (its class's `inference`): topk, jumprelu, standard or gated."""
     kind = getattr(sae, "inference", None)
-    if kind not in ("topk", "jumprelu", "standard"):
+    if kind not in ("topk", "jumprelu", "standard", "gated"):
         raise ConfigError(f"{type(sae).__name__} has no counterpart in SAELens or sparsify to export to")
     return kind
 
@@ -60,6 +61,11 @@ def architecture(sae: nn.Module) -> str:
 def _refuse(sae: nn.Module, fmt: str, kind: str) -> None:
     # what a format has no class for, refused with the format that has one (or that neither has)
     name, square = type(sae).__name__, sae.d_out == sae.d_in
+    if sae.transcoder and kind == "gated":
+        raise ConfigError(
+            f"neither format takes {name}, a gated transcoder: SAELens has no gated transcoder (gated SAEs "
+            "only), sparsify top-k coders only"
+        )
     if fmt == "sparsify" and kind != "topk":
         raise ConfigError(f"sparsify has top-k SAEs only; this is {name} ({kind} at inference): --format saelens")
     if fmt == "sparsify" and not square:  # a top-k transcoder, then: SAELens has none either
@@ -86,6 +92,8 @@ def raw_unit_weights(sae: nn.Module) -> dict[str, torch.Tensor]:
     }
     if architecture(sae) == "jumprelu":  # JumpReLU's per latent; BatchTopK's one global threshold for every latent
         weights["threshold"] = sae.threshold.expand(sae.n_latents).double() / s_out
+    if architecture(sae) == "gated":  # b_enc is the gate's bias; exp(r_mag) scales W_enc's columns: scale-free
+        weights.update(b_gate=weights.pop("b_enc"), r_mag=sae.r_mag.double(), b_mag=sae.b_mag.double() / s_out)
     if sae.skip:
         weights["W_skip"] = sae.W_skip.double() * ratio
     return {name: tensor.float().contiguous().clone() for name, tensor in weights.items()}
