@@ -16,6 +16,7 @@ gradient, no optimizer state and no place in checkpoints. Validation reads activ
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from experiments.sae.coders.base import SAE
 from experiments.sae.objectives import batch_errors
+from experiments.sae.sources.replay import recording, replaying
 from experiments.sae.sources.source import SourceModel, Splice
 from runner import ConfigError
 from runner.trust import buildable
@@ -88,10 +90,12 @@ class Spliced(nn.Module):
 
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The spliced model's KL from the clean one (or its CE), plus the weighted reconstruction terms."""
-        source, out, clean_logits = self.source, {}, None
+        source, out, clean_logits, prefix = self.source, {}, None, contextlib.nullcontext()
         if self.loss == "kl" or self.downstream:  # the spliced CE needs no clean forward
             with torch.no_grad(), source.observing(self.downstream, batch) as clean:
-                _, clean_logits = source.loss(batch)
+                with recording(source.model, self.written) as recorded:
+                    _, clean_logits = source.loss(batch)
+            prefix = replaying(recorded)  # the spliced pass is the clean one up to the spliced module: not run again
 
         def predict(captured: dict[str, torch.Tensor]) -> torch.Tensor:
             # the coder's step on the rows of this forward (the target's clean output beside a transcoder's input)
@@ -103,7 +107,7 @@ class Spliced(nn.Module):
             return prediction
 
         reads = [self.read, *source.targets]
-        with source.observing(self.downstream, batch) as spliced:
+        with source.observing(self.downstream, batch) as spliced, prefix:
             ce, logits = source.run(batch, Splice(reads, {self.written: predict}))
         if logits is None and self.loss == "kl":
             raise ConfigError(

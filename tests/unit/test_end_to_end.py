@@ -136,3 +136,36 @@ def test_resume_is_exact(compose_cfg: Callable, lm_run: Path, tmp_path: Path) ->
     overrides = ["+experiment=sae_lm_kl", f"source.checkpoint={lm_run}", "source.layer=1", *SMALL]
     overrides = [o for o in overrides if not o.startswith(("checkpoint=", "logger="))] + ["logger=jsonl"]
     assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=4)
+
+
+def test_the_spliced_pass_replays_the_clean_prefix_and_computes_the_same(
+    compose_cfg: Callable, lm_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+
+    from experiments.sae import end_to_end
+
+    # modules inside the replayed ones (a replayed module's own hooks still fire, around the replay)
+    for experiment, inside in (("sae_lm_kl", "blocks.1.mlp.down"), ("transcoder_lm_kl", "blocks.1.attn.qkv")):
+        cfg = compose_cfg(f"+experiment={experiment}", f"source.checkpoint={lm_run}", "source.layer=1", *SMALL)
+        results = []
+        for replay in (True, False):
+            if not replay:
+                monkeypatch.setattr(end_to_end, "replaying", lambda _prefix: contextlib.nullcontext())
+            run = build(cfg)
+            model = run.task.source.model
+            calls = {"blocks.0.attn": 0, inside: 0}
+            for name in calls:  # they fire only when computed
+                hook = lambda *_, name=name, calls=calls: calls.__setitem__(name, calls[name] + 1)  # noqa: E731
+                model.get_submodule(name).register_forward_hook(hook)
+            batch = _first_batch(run)
+            out = run.task.training_step(batch)
+            out["loss"].backward()
+            grads = [p.grad.clone() for p in run.task.coder.parameters() if p.grad is not None]
+            results.append((out["loss"].detach(), out["kl"], grads))
+            # with the replay each runs once a step (the clean pass), without it twice
+            assert calls == {"blocks.0.attn": 1 if replay else 2, inside: 1 if replay else 2}, (experiment, replay)
+        (loss, kl, grads), (loss_, kl_, grads_) = results
+        assert torch.equal(loss, loss_) and torch.equal(kl, kl_), experiment
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_, strict=True)), experiment
+        monkeypatch.undo()
