@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import ROOT, ok, python, read_json
 
+SPARSIFY = ROOT / ".venv-sparsify" / "bin" / "python"  # benchmarks/peers/install.sh makes it; CI has none
 # script -> its smoke arguments (the slowest first: they start in this order). Every script runs with --device cpu:
 # the checks below are the CPU's (identical losses and decoders, no MFU), also on a machine with a GPU.
 SMOKE = {
@@ -37,6 +38,16 @@ SMOKE = {
         *("--seeds", "0", "--rows", "2048", "--batch", "256", "--layer", "0", "--dir", "out", "--lm-args"),
         *("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=2"),
         *("trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
+        f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
+    ],
+    # a 4-step 2-block GPT on one stdlib package, then 12 steps of 2 windows a step of SAEs of 64 latents (k 4) on
+    # blocks.0, trained by KL through block 1 and by reconstruction; sparsify's too where its virtualenv is
+    "sae_kl": [
+        *("--n-latents", "64", "--k", "4", "--windows", "2", "--steps", "12", "--layer", "0", "--seeds", "0"),
+        *("--profile-steps", "2", "--dir", "out"),
+        *(() if SPARSIFY.exists() else ("--contenders", "runner-kl", "runner-recon")),  # CI: runner's alone
+        *("--lm-args", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32"),
+        *("data.batch_size=2", "trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
         f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
     ],
     # a one-block d-32 source on one stdlib package, a ring of 2048 refilled every 4 steps of 256, hand against runner
@@ -269,3 +280,30 @@ def test_clt_smoke(runs: dict[str, Future]) -> None:
     assert results["per_layer"]["params"] == 3 * (16 * 32 + 32) + 3 * (32 * 16 + 16)
     assert results["clt"]["params"] == 3 * (16 * 32 + 32) + 6 * (32 * 16 + 16)
     assert all(r["step_ms"] > 0 and r["peak_mb"] > 100 for r in results.values())
+
+
+def test_sae_kl_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_kl"].result()
+    # the plain-torch GPT sparsify trains gives runner's GPT's logits exactly (in sparsify's virtualenv too, if there)
+    sparsify = SPARSIFY.exists()
+    assert result["model_check"]["logits_equal"] and result["model_check"]["in_sparsify_venv"] == sparsify
+    names = {"runner-kl", "runner-recon"} | ({"sparsify-kl", "sparsify-recon"} if sparsify else set())
+    assert set(result["results"]) == names and result["rows_per_step"] == 2 * 31  # 2 windows of 32, less the first
+    ablations = result["ablations"]
+    assert ablations["zero_ce"] > ablations["clean_ce"] and ablations["mean_ce"] > ablations["clean_ce"]
+    for name, (run,) in result["results"].items():
+        got = run["score"]
+        assert got["l0"] == 4 and 0 <= got["unfired"] < 1 and 0 < got["fve"] < 1 and got["kl"] > 0, name
+        assert got["recovered_zero"] == pytest.approx(
+            (ablations["zero_ce"] - got["ce"]) / (ablations["zero_ce"] - ablations["clean_ce"])
+        )
+        assert run["samples_per_s"] > 0 and run["cpu_samples_per_s"] > 0, name
+        if name.startswith("runner"):  # the shared scorer agrees with runner's own validation (SpliceEval, FVE)
+            assert got["kl"] == pytest.approx(run["own"]["kl_spliced"], rel=1e-6), name
+            assert got["ce"] == pytest.approx(run["own"]["ce_spliced"], rel=1e-6), name
+            assert got["fve"] == pytest.approx(run["own"]["fve"], abs=2e-4), name
+        else:  # and with sparsify's own forward (its FVE), through the shared form
+            assert got["fve"] == pytest.approx(run["own"]["fve"], abs=2e-4), name
+    for profile in result["profile"].values():  # wall and CPU seconds
+        assert profile["step"] > 0 and 0 < profile["backward"] < profile["step"], profile
+        assert profile["spliced forward: the SAE's step"] > 0 and profile["clean forward: later blocks, norm, head"] > 0
