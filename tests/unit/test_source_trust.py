@@ -538,7 +538,8 @@ def test_every_shipped_option_and_experiment_builds_in_its_slot(compose_cfg: Cal
 
     conf = Path(__file__).parents[2] / "runner" / "conf"
     # the presets that read a source name it
-    needs = {"sae_digits": 1, "sae_lm": 1, "sae_hf": 2, "transcoder_lm": 1, "clt_lm": 1}
+    needs = {"sae_digits": 1, "sae_lm": 1, "sae_hf": 2, "transcoder_lm": 1, "clt_lm": 1, "sae_lm_kl": 1}
+    needs["transcoder_lm_kl"] = 1
     source = ("source.checkpoint=x", "source.module=y")
     experiments = sorted(p.stem for p in (conf / "experiment").glob("*.yaml"))
     composed = [compose_cfg(f"+experiment={e}", *source[: needs.get(e, 0)]) for e in experiments]
