@@ -3,6 +3,7 @@ held-out quality and training speed.
 
     python benchmarks/sae_peers.py [--acts CACHE_DIR|FILE.npy] [--lm RUN_DIR] [--seeds 0 1 2] [--threads 1]
         [--contenders runner sparsify saelens] [--sparsify-python PY] [--saelens-python PY] [--json out.json]
+        [--runner-model sae_lm|sae_topk|sae_file] [--runner-args model.encoder_init=unit ...]
     python benchmarks/sae_peers.py --target-columns 128 [...]     # transcoders: runner, sparsify, SAELens, each with
         # and without a skip connection (contenders runner runner-skip sparsify sparsify-skip saelens saelens-skip)
 
@@ -103,7 +104,7 @@ def runner_command(spec: dict, run_dir: Path) -> list[str]:
     cool = spec["steps"] - spec["lr_warmup_steps"]
     shape = [f"data.d_out={spec['d_out']}", f"model.skip={str(spec['skip']).lower()}"] if spec["d_out"] else []
     return [
-        *(sys.executable, "-m", "runner", "+experiment=sae", "model=sae_lm", "data=activations_file"),
+        *(sys.executable, "-m", "runner", "+experiment=sae", f"model={spec['runner_model']}", "data=activations_file"),
         *(f"data.train_path={spec['train']}", f"data.val_path={spec['heldout']}", "data.shuffle=false"),
         *(f"data.batch_size={spec['batch']}", f"model.n_latents={spec['n_latents']}", f"model.k={spec['k']}"),
         # runner's window counts steps >= it; the peers count > dead_steps
@@ -195,6 +196,12 @@ def main() -> None:
         "--precision", choices=["fp32", "bf16"], default="fp32", help="runner's precision=, SAELens's autocast"
     )
     parser.add_argument("--dir", default="outputs/bench-sae-peers")
+    parser.add_argument(
+        "--runner-model",
+        default="sae_lm",
+        help="runner's model option: sae_lm (the sae_lm preset's SAE), sae_topk (what `+experiment=sae "
+        "data=activations_file` gets) or sae_file (`+experiment=sae_file`'s, whose lr 2e-3 goes in --runner-args)",
+    )
     parser.add_argument("--runner-args", nargs="*", default=[], help="more overrides of runner's run (ablations)")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -227,6 +234,7 @@ def main() -> None:
             **{"lr_warmup_steps": max(1, round(0.01 * steps)), "warmup_steps": steps // 10, "seed": seed},
             **{"auxk_coeff": 1 / 32, "dead_steps": args.dead_steps, "threads": args.threads, "device": args.device},
             "precision": args.precision,
+            "runner_model": args.runner_model,
             "runner_args": args.runner_args,
             "d_out": args.target_columns,
         }

@@ -109,7 +109,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str]:
     host = option if group == "experiment" else HOSTS.get((group, option)) or _host(group, option)
     overrides = [f"+experiment={host}"] + ([] if group == "experiment" else [_select(group, option)])
-    if (group, option) == ("data", "activations_file"):
+    if (group, option) == ("data", "activations_file") or host == "sae_file":
         overrides.append(f"data.train_path={inputs['acts']}")
     if (group, option) == ("data", "tokens_file"):
         overrides += [f"data.train_path={inputs['tokens']}", "data.val_fraction=0.1"]
