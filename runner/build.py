@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
+import math
 import random
 import sys
 from collections.abc import Iterator
@@ -33,12 +35,43 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def param_groups(task: nn.Module) -> list[dict[str, Any]]:
-    """Weight decay for matrices and embeddings only: biases and norm gains (1-D tensors) are not decayed."""
-    params = [p for p in task.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    return [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+def _names(name: str, pattern: str) -> bool:
+    # `W_enc` names model.coder.W_enc (and DDP's module.W_enc): the command line's dict keys take no `*`.
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+def param_groups(task: nn.Module, lr_scale: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """Weight decay for matrices and embeddings only (biases and norm gains, 1-D, are not decayed); `lr_scale` maps
+    parameter names (fnmatch globs, matched against the whole name or its last parts; first match wins) to a multiple
+    of the optimizer's lr for those parameters."""
+    lr_scale = dict(lr_scale or {})
+    bad = {k: v for k, v in lr_scale.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0}
+    if bad or not all(map(math.isfinite, lr_scale.values())):
+        raise ConfigError(f"optimizer.lr_scale's values must be finite numbers >= 0, got {lr_scale}")
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
+    matched = set()
+    for name, p in task.named_parameters():
+        if not p.requires_grad:
+            continue
+        pattern = next((pattern for pattern in lr_scale if _names(name, pattern)), None)
+        matched.add(pattern)
+        groups.setdefault((float(lr_scale.get(pattern, 1.0)), p.ndim < 2), []).append(p)
+    unmatched = [pattern for pattern in lr_scale if pattern not in matched]
+    if unmatched:
+        names = [name for name, p in task.named_parameters() if p.requires_grad]
+        raise ConfigError(
+            f"optimizer.lr_scale names {unmatched}, which match none of the trained parameters "
+            f"({', '.join(names[:12])}{', ...' if len(names) > 12 else ''}): the keys are fnmatch globs on these names "
+            "or their last parts, e.g. optimizer.lr_scale={W_enc:0.5}"
+        )
+    # The unscaled decayed group first: the loop logs param_groups[0]'s lr.
+    order = sorted(groups, key=lambda key: (key[0] != 1.0, key[1]))
+    return [
+        {"params": groups[key]}
+        | ({"weight_decay": 0.0} if key[1] else {})
+        | ({"lr_scale": key[0]} if key[0] != 1.0 else {})
+        for key in order
+    ]
 
 
 def _not_selected(name: str, how: str, quiet: bool) -> None:
@@ -94,10 +127,14 @@ def _interval(progress: TrainingProgress, text: str, name: str) -> Duration:
 def _optimizer(cfg: DictConfig, groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
     # `fused: null` is fused on CUDA: fused Adam, AdamW and SGD skip a non-finite step on the device (no host read,
     # runner/precision.py). Elsewhere torch's default: on the CPU, bit-identical to a hand-written loop's optimizer.
-    make = instantiate(cfg)
-    if cfg.get("fused", False) is None and device.type == "cuda":
-        return make(groups, fused=True)
-    return make(groups)
+    make = instantiate({key: value for key, value in cfg.items() if key != "lr_scale"})
+    fused = {"fused": True} if cfg.get("fused", False) is None and device.type == "cuda" else {}
+    optimizer = make(groups, **fused)
+    # Scaled after construction, so that an optimizer of any signature fills in its own lr first; schedulers then
+    # take each group's scaled lr as its base.
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * group.get("lr_scale", 1.0)
+    return optimizer
 
 
 def decided_by_data(model: DictConfig, data: Any) -> dict[str, Any]:
@@ -174,7 +211,9 @@ def _build(cfg: DictConfig) -> Run:
     # parameters with shards, which the optimizer must hold.
     forward = dist.wrap(task)
     compiled = instantiate(cfg.compile).apply(task) if _on(cfg, "compile") else None
-    optimizer = _optimizer(cfg.optimizer, precision.optimizer_groups(param_groups(task)), dist.device)
+    optimizer = _optimizer(
+        cfg.optimizer, precision.optimizer_groups(param_groups(task, cfg.optimizer.get("lr_scale"))), dist.device
+    )
     progress = TrainingProgress(
         trainer.max_duration,
         batch_size=data.batch_size,

@@ -128,6 +128,10 @@ def _signature(target: str, path: str) -> tuple[set[str] | None, dict[str, tuple
     return None, hinted
 
 
+# Component keys runner reads itself, before it calls the target (runner/build.py).
+RUNNER_READS = {"optimizer": ("lr_scale",)}
+
+
 def check_keys(cfg: DictConfig) -> None:
     """Refuse a key under `trainer` that runner does not read, and a component key its target does not take."""
     for key in cfg.get("trainer", {}):
@@ -140,7 +144,7 @@ def check_keys(cfg: DictConfig) -> None:
         if accepted is None:
             continue
         for key in node.keys():
-            if key in HYDRA_KEYS or key in accepted:
+            if key in HYDRA_KEYS or key in accepted or key in RUNNER_READS.get(path, ()):
                 continue
             raise ConfigError(
                 f"{path}.{key} is not a parameter of {node._target_} ({_nearest(str(key), accepted, path + '.')}); "

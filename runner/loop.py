@@ -245,6 +245,17 @@ def check_monitored_metrics(run: Run, validation_metrics: set[str]) -> None:
             f"the monitored metric {name!r} is not produced by validation (it gives {sorted(produced)}); set "
             f"monitor= (and scheduler.monitor, callbacks.*.monitor) to one of them"
         )
+    # on_validation_end runs in reverse order: a callback reading a metric that only a callback adds must come first.
+    for i, reader in enumerate(run.callbacks):
+        if reader.monitor is None or reader.monitor in validation_metrics:
+            continue
+        adders = [cb for cb in run.callbacks if reader.monitor in cb.provides]
+        if adders and all(run.callbacks.index(cb) < i for cb in adders):
+            raise ConfigError(
+                f"{type(reader).__name__} monitors {reader.monitor!r}, which {type(adders[0]).__name__} adds after "
+                f"it has read it (callbacks end a validation in reverse order): list {type(reader).__name__} "
+                f"before {type(adders[0]).__name__} in callbacks=[...]"
+            )
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -258,15 +269,13 @@ def validate(run: Run) -> dict[str, float]:
     for cb in run.callbacks:
         cb.on_validation_start(run)
     metrics = evaluate(run)
-    monitor = run.settings.monitor
-    for name in _wanted(run):
-        if name not in metrics:
-            raise ConfigError(
-                f"monitored metric {name!r} is not produced by validation_step; it returns {sorted(metrics)}"
-            )
-    if monitor is not None:
-        run.state.best.update(metrics[monitor], run.progress.step)
-    run.schedule.on_validation(metrics)
     for cb in reversed(run.callbacks):  # unwinds on_validation_start: EMA swaps its weights back after the others
         cb.on_validation_end(run, metrics)
+    # After the callbacks, so that the best value and a plateau schedule may follow a metric one of them adds.
+    for name in _wanted(run):
+        if name not in metrics:
+            raise ConfigError(f"monitored metric {name!r} is not produced by validation; it gave {sorted(metrics)}")
+    if run.settings.monitor is not None:
+        run.state.best.update(metrics[run.settings.monitor], run.progress.step)
+    run.schedule.on_validation(metrics)
     return metrics

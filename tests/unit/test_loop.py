@@ -479,3 +479,35 @@ def test_max_time_stops_after_the_step_without_an_extra_validation_or_log():
     fit(run)
     assert run.stop_reason == "max_time" and run.progress.step == 1
     assert logger.rows == [(1, logger.rows[0][1])] and "train/loss" not in logger.rows[0][1]  # validation only
+
+
+SAE_MMCS = [
+    "+experiment=sae",
+    *("data.splits.d=32", "data.splits.n_features=64", "data.splits.n_val=256", "data.batch_size=64"),
+    *("model.n_latents=96", "model.k=4", "trainer.max_duration=40st", "trainer.val_interval=10st"),
+    *("logger=jsonl", "checkpoint.interval=1000st", "monitor=val/mmcs", "mode=max"),
+]
+
+
+def test_the_best_value_and_a_plateau_schedule_follow_a_metric_a_callback_adds(compose_cfg, tmp_path):
+    # val/mmcs comes from the sae_ground_truth callback, not from validation_step
+    from helpers import values
+
+    from runner.train import train
+
+    cfg = compose_cfg(*SAE_MMCS, "scheduler=plateau", "scheduler.patience=0", "scheduler.threshold=0.5")
+    run = train(cfg)
+    mmcs = values(tmp_path / "run", "val/mmcs")
+    assert len(mmcs) == 4
+    best = max(mmcs, key=lambda row: row[1])
+    assert (run.state.best.value, run.state.best.step) == (best[1], best[0])
+    # no validation after the first betters the best by half: each halves the lr (patience 0)
+    assert run.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optimizer.lr / 2**3)
+
+
+def test_a_callback_reading_a_metric_a_later_listed_callback_adds_is_refused(compose_cfg):
+    from runner.build import build
+
+    build(compose_cfg(*SAE_MMCS, "callbacks=[early_stopping,sae_ground_truth]"))  # reads it after it is added
+    with pytest.raises(ConfigError, match=r"EarlyStopping monitors 'val/mmcs', which GroundTruthRecovery adds after"):
+        build(compose_cfg(*SAE_MMCS, "callbacks=[sae_ground_truth,early_stopping]"))

@@ -8,6 +8,7 @@ import io
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from helpers import assert_resume_is_exact, values
 
 from runner import ConfigError
 from runner.optimizers import Muon, Signum, orthogonalize
+from runner.run import Callback, Run
 
 
 def _grads(shapes: list[tuple[int, ...]], steps: int, seed: int = 0) -> list[list[torch.Tensor]]:
@@ -197,3 +199,68 @@ def test_an_sae_trains_with_it_and_resumes_exactly(compose_cfg: Callable, tmp_pa
     assert sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses  # Adam at 3e-3: 0.88
     fve = [v for _, v in values(tmp_path / "whole", "val/fve")]
     assert len(fve) == 3 and fve[0] < fve[1] < fve[2], fve
+
+
+# ---- optimizer.lr_scale --------------------------------------------------------------------------------------------
+def _trained(compose_cfg: Callable, root: Path, name: str, *overrides: str) -> Any:
+    from runner.train import train
+
+    return train(compose_cfg(*SAE, *overrides, run_dir=root / name))
+
+
+def test_lr_scale_steps_the_named_parameters_at_that_multiple_of_the_lr(compose_cfg: Callable, tmp_path: Path) -> None:
+    # One Adam step from the same start: the encoder of lr 1e-2 scaled by 0.5 lands where lr 5e-3 takes it, and the
+    # decoder where lr 1e-2 does.
+    one = ("trainer.max_duration=1st", "scheduler=constant")
+    plain = _trained(compose_cfg, tmp_path, "plain", *one, "optimizer.lr=1e-2").task
+    half = _trained(compose_cfg, tmp_path, "half", *one, "optimizer.lr=5e-3").task
+    scaled = _trained(
+        compose_cfg, tmp_path, "scaled", *one, "optimizer.lr=1e-2", "+optimizer.lr_scale={W_enc:0.5,b_enc:0.5}"
+    )
+    for name in ("W_enc", "b_enc"):
+        assert torch.equal(getattr(scaled.task, name), getattr(half, name)), name
+        assert not torch.equal(getattr(scaled.task, name), getattr(plain, name)), name
+    for name in ("W_dec", "b_dec"):
+        assert torch.equal(getattr(scaled.task, name), getattr(plain, name)), name
+    assert [group["lr"] for group in scaled.optimizer.param_groups] == [1e-2, 1e-2, 5e-3, 5e-3]
+
+
+class GroupLrs(Callback):
+    """Every step's lr of every parameter group, with whether the group holds the encoder."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[bool, float]]] = []
+
+    def on_optimizer_step(self, run: Run) -> None:
+        encoder = {id(run.task.W_enc), id(run.task.b_enc)}
+        self.steps.append([(id(g["params"][0]) in encoder, g["lr"]) for g in run.optimizer.param_groups])
+
+
+def test_lr_scale_holds_through_the_schedule_and_resumes_exactly(compose_cfg: Callable, tmp_path: Path) -> None:
+    from runner.train import train
+
+    overrides = [*SAE, "+optimizer.lr_scale={W_enc:0.4,b_enc:0.4}"]
+    assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=N)
+    lrs = GroupLrs()
+    train(compose_cfg(*overrides, run_dir=tmp_path / "lrs"), extra_callbacks=[lrs])
+    assert [[encoder for encoder, _ in groups] for groups in lrs.steps] == [[False, False, True, True]] * 2 * N
+    base = [groups[0][1] for groups in lrs.steps]
+    assert base[-1] < base[0]  # wsd's decay seen
+    for groups, lr in zip(lrs.steps, base, strict=True):
+        assert [g for _, g in groups] == pytest.approx([lr, lr, 0.4 * lr, 0.4 * lr], rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("pattern", ["W_en", "encoder.*"])
+def test_an_lr_scale_that_names_no_parameter_is_refused_with_the_names(compose_cfg: Callable, pattern: str) -> None:
+    from runner.build import build
+
+    with pytest.raises(ConfigError, match=r"match none of the trained parameters \(W_dec, W_enc, b_enc, b_dec\)"):
+        build(compose_cfg(*SAE, f"+optimizer.lr_scale={{{pattern}:0.5}}"))
+
+
+@pytest.mark.parametrize("value", ["-0.5", "inf", "fast", "true"])
+def test_an_lr_scale_that_is_not_a_finite_number_at_least_0_is_refused(compose_cfg: Callable, value: str) -> None:
+    from runner.build import build
+
+    with pytest.raises(ConfigError, match=r"optimizer.lr_scale's values must be finite numbers >= 0"):
+        build(compose_cfg(*SAE, f"+optimizer.lr_scale={{W_enc:{value}}}"))
