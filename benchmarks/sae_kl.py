@@ -239,7 +239,9 @@ def profile(lm: Path, args: argparse.Namespace, out: Path) -> dict[str, dict[str
     the SAE's own backward on the same batch's rows (the rest of the backward is the frozen later blocks')."""
     from runner.build import build
 
-    overrides = [*kl_overrides(lm, args, args.seeds[0]), "callbacks=none", "logger=none", "checkpoint=none"]
+    # callbacks=none: no spliced validation, so none of its val/kl_spliced for the preset's monitor
+    overrides = [*kl_overrides(lm, args, args.seeds[0]), "callbacks=none", "monitor=val/fve", "logger=none"]
+    overrides.append("checkpoint=none")
     run = build(_compose([*overrides, f"run_dir={out / 'profile-run'}", "distributed.device=cpu"]))
     task, optimizer, source = run.task, run.optimizer, run.task.source
     times: dict[str, tuple[float, float]] = {}  # part -> (wall, CPU) seconds over the timed steps

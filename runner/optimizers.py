@@ -2,9 +2,10 @@
 torch.optim.Optimizer, so that runner's schedulers, checkpoints, clipping and non-finite guard treat them as any other:
 Signum (the sign of momentum) and Muon (orthogonalised momentum for matrices, Adam for the rest, in one optimizer).
 
-Neither has a fused kernel: a step the loop finds non-finite is skipped after one read of its flag on the host
-(runner/precision.py), a GPU sync per step that fused Adam avoids. Both take `fused` only so that a preset which sets
-`optimizer.fused` for Adam (+experiment=sae) composes with them too; it changes nothing."""
+Neither has a fused kernel, but both drop a step the loop finds non-finite on the device as fused Adam does: they take
+the loop's flag as their `found_inf` (runner/precision.py), so that a step that does not log reads nothing back from a
+GPU. Both take `fused` only so that a preset which sets `optimizer.fused` for Adam (+experiment=sae) composes with them
+too; it changes nothing."""
 
 from __future__ import annotations
 
@@ -53,6 +54,45 @@ def _bad(name: str, lr: float, weight_decay: float, momentum: float) -> str:
     )
 
 
+class SkipsOnDevice(torch.optim.Optimizer):
+    """An optimizer whose `_update()` steps every parameter that has a gradient, and which drops that step on the
+    device when handed a set `found_inf` flag (as runner/precision.py and torch's GradScaler hand one to fused Adam):
+    every parameter and state tensor it changed takes its value before the step back (a state made by this step, its
+    zero start), by torch.where, with no host read. A state tensor kept on another device than the flag (the Adam
+    part's step count, on the host as torch's Adam keeps it) is left as stepped: a count ahead after a dropped step."""
+
+    _step_supports_amp_scaling = True  # what precision.py and GradScaler look for before they set found_inf
+
+    def _update(self) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter that has a gradient, unless `found_inf` is set; returns closure()'s loss if given."""
+        loss = _closure_loss(closure)
+        if getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(f"{type(self).__name__} steps true gradients: unscale_ them (GradScaler) before step")
+        flag = getattr(self, "found_inf", None)
+        if flag is None:
+            self._update()
+            return loss
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        before = {(i, None): p.clone() for i, p in enumerate(params)}
+        before |= {(i, k): t.clone() for i, p in enumerate(params) for k, t in self.state[p].items() if _tensor(t)}
+        self._update()
+        drop = flag.to(params[0].device if params else flag.device) > 0
+        for i, p in enumerate(params):
+            for key, t in [(None, p), *self.state[p].items()]:
+                if _tensor(t) and t.device == drop.device:
+                    old = before.get((i, key))
+                    t.copy_(torch.where(drop, torch.zeros_like(t) if old is None else old, t))
+        return loss
+
+
+def _tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
 def _closure_loss(closure: Callable[[], Any] | None) -> Any:
     if closure is None:
         return None
@@ -60,7 +100,7 @@ def _closure_loss(closure: Callable[[], Any] | None) -> Any:
         return closure()
 
 
-class Signum(torch.optim.Optimizer):
+class Signum(SkipsOnDevice):
     """Signum (Bernstein et al. 2018, https://arxiv.org/abs/1802.04434): buf = momentum * buf + (1 - momentum) * grad,
     then every entry moves by `lr` against the sign of buf, after decoupled weight decay (p *= 1 - lr * weight_decay).
 
@@ -81,10 +121,7 @@ class Signum(torch.optim.Optimizer):
             raise ConfigError(_bad("Signum", lr, weight_decay, momentum))
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Update every parameter that has a gradient; returns closure()'s loss if given."""
-        loss = _closure_loss(closure)
+    def _update(self) -> None:
         for group in self.param_groups:
             lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
@@ -97,10 +134,9 @@ class Signum(torch.optim.Optimizer):
                 if decay:
                     p.mul_(1 - lr * decay)
                 p.add_(buf.sign(), alpha=-lr)
-        return loss
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(SkipsOnDevice):
     """Muon for every 2-D parameter, Adam for every other (biases, gains, thresholds), in one optimizer.
 
     A matrix gets torch.optim.Muon's update: buf = lerp(buf, grad, 1 - momentum); with nesterov the update is
@@ -151,17 +187,13 @@ class Muon(torch.optim.Optimizer):
             if any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"]):
                 raise ConfigError("Muon orthogonalises whole matrices, which distributed=fsdp shards: use ddp")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Update every parameter that has a gradient; returns closure()'s loss if given."""
-        loss = _closure_loss(closure)
+    def _update(self) -> None:
         for group in self.param_groups:
             stepped = [p for p in group["params"] if p.grad is not None]
             for p in stepped:
                 if p.ndim == 2:
                     self._muon(p, group)
             self._adam([p for p in stepped if p.ndim != 2], group)
-        return loss
 
     def _muon(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]

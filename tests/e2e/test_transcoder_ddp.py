@@ -40,7 +40,8 @@ NO_DATA_INIT = ["model.normalize_input=false", "model.geometric_median_init=fals
 # parameters compared across the ranks at the start and every 5 steps (a failed check fails the job)
 CONSISTENT = ["callbacks=[rank_consistency]", "callbacks.rank_consistency.interval=5st"]
 TWO_RANKS = ["distributed=ddp", "data.batch_size=32"]
-ONE = ["data.batch_size=32", "trainer.accumulate_grad_batches=2", "callbacks=none"]
+# callbacks=none: without sae_splice's validation, the KL presets' monitor (val/kl_spliced) is not produced
+ONE = ["data.batch_size=32", "trainer.accumulate_grad_batches=2", "callbacks=none", "monitor=val/fve"]
 # a cross-layer transcoder on the 2 blocks of tests/helpers.TINY_LM's GPT
 CLT = [
     "+experiment=clt_lm",

@@ -177,6 +177,43 @@ def test_an_optimizer_rebuilt_from_its_state_dict_continues_bit_for_bit(make: Ca
         assert torch.equal(p, q)
 
 
+# ---- a step dropped on the device ----------------------------------------------------------------------------------
+def _state(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()]
+
+
+def _flagged(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], flag: float) -> None:
+    # as runner/precision.py hands the loop's non-finite flag to an optimizer that takes it on the device
+    opt.found_inf = torch.tensor(flag)
+    try:
+        _step([opt], params, grads)
+    finally:
+        del opt.found_inf
+
+
+@pytest.mark.parametrize("make", [_signum, _muon], ids=["signum", "muon"])
+def test_a_flagged_step_changes_nothing_and_an_unflagged_one_is_the_plain_step(make: Callable) -> None:
+    shapes = [(10, 6), (6,)]
+    grads = _grads(shapes, steps=3)
+    start = [torch.randn(s) for s in shapes]
+    plain = _leaves(start)
+    plain_opt = make(plain)
+    for g in grads:
+        _step([plain_opt], plain, g)
+    flagged = _leaves(start)
+    opt = make(flagged)
+    _flagged(opt, flagged, [torch.full(s, float("nan")) for s in shapes], 1.0)  # a first step dropped: zero state
+    assert all(torch.equal(p, q) for p, q in zip(flagged, start, strict=True))
+    assert all(not t.any() for p in flagged for t in opt.state[p].values())
+    for g in grads:
+        before = _state(opt, flagged)
+        _flagged(opt, flagged, [x.clone().fill_(float("inf")) for x in g], 1.0)  # dropped: nothing moves
+        assert all(torch.equal(a, b) for a, b in zip(_state(opt, flagged), before, strict=True))
+        _flagged(opt, flagged, g, 0.0)
+    # the kept steps are the plain ones, step counts included (on the CPU the flag and the counts share a device)
+    assert all(torch.equal(a, b) for a, b in zip(_state(opt, flagged), _state(plain_opt, plain), strict=True))
+
+
 # ---- real runs -----------------------------------------------------------------------------------------------------
 N = 15  # stopped at step N, trained to 2N
 SAE = [
