@@ -121,6 +121,8 @@ def wsd(
     total = _steps(progress, progress.max_duration, "trainer.max_duration")
     warm, min_lr_ratio = _warmup_steps(progress, warmup, total), _ratio(min_lr_ratio)
     cool = _steps(progress, decay, "scheduler.decay")
+    if warm + cool == total + 1:  # each rounded up to whole steps (0.01dur + 0.99dur): the decay starts after warmup
+        cool -= 1
     if warm + cool > total:
         raise ConfigError(
             f"scheduler.warmup={warmup} ({warm} steps) and scheduler.decay={decay} ({cool} steps) together are longer "

@@ -10,7 +10,7 @@ import torch
 
 from runner import ConfigError
 from runner.progress import TrainingProgress
-from runner.schedulers import OnMetric, PerStep, constant, cosine, plateau, step
+from runner.schedulers import OnMetric, PerStep, constant, cosine, plateau, step, wsd
 
 
 def setup(max_duration: str = "1ep", batches: int = 40, batch_size: int = 8, accumulate: int = 4, **kw):
@@ -164,6 +164,18 @@ def test_constant_with_warmup():
     assert lr(opt) == pytest.approx(0.2)
     lrs = drive(model, opt, progress, schedule, batches=40, batch_size=8)
     assert lrs == pytest.approx([0.4, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+
+
+def test_wsd_whose_warmup_and_decay_fill_the_run_decays_right_after_warmup_despite_rounding():
+    # 576 steps: 0.01dur is 6 steps and 0.99dur 571 (each rounded up), one more than the run: sparsify's schedule,
+    # a linear decay over the whole run after warmup, must not be refused for that step
+    model, opt, progress = setup("576st", batches=576, batch_size=1, accumulate=1)
+    schedule = wsd(optimizer=opt, progress=progress, warmup="0.01dur", decay="0.99dur")
+    lrs = drive(model, opt, progress, schedule, batches=576, batch_size=1)
+    # lrs[i] is the factor for step i + 1: warmup to 1 at step 6, then a straight line to 0 at the last step
+    assert lrs[4:] == pytest.approx([1.0] + [1 - (t - 6) / 570 for t in range(6, 577)], abs=1e-12)
+    with pytest.raises(ConfigError, match="together are longer than the whole run"):
+        wsd(optimizer=opt, progress=setup("576st", batches=576, batch_size=1, accumulate=1)[2], decay="0.995dur")
 
 
 @pytest.mark.parametrize(
