@@ -4,7 +4,8 @@ Trainer with `loss_fn="kl"`, both beside reconstruction training (runner's `+exp
 where runner's kl step spends its time.
 
     python benchmarks/sae_kl.py --lm RUN_DIR [--steps 400] [--seeds 0 1] [--windows 8] [--layer 2] [--json out.json]
-        [--contenders runner-kl sparsify-kl runner-recon sparsify-recon] [--sparsify-python PY] [--profile-steps 20]
+        [--contenders runner-kl sparsify-kl runner-recon sparsify-recon runner-kl-compiled] [--sparsify-python PY]
+        [--profile-steps 20]
 
 Without --lm it first trains `python -m runner +experiment=lm` (with --lm-args), as benchmarks/sae_init.py does.
 
@@ -16,7 +17,9 @@ order. The kl contenders train on the very same windows in the same order: runne
 runner's GPT rewritten in plain torch (benchmarks/peers/gpt.py; its logits are checked equal to runner's GPT's, in
 sparsify's own virtualenv, before anything is scored). runner's reconstruction baseline reads rows of the same
 windows' distribution through its ring buffer (+experiment=sae_lm at data.batch_size = windows x kept positions);
-sparsify's reads the kl contenders' windows, --windows a step, as its users do.
+sparsify's reads the kl contenders' windows, --windows a step, as its users do. runner-kl-compiled is runner-kl with
+compile=blocks (the GPT's blocks after the hook point compiled by torch.compile at the first step; the steady state's
+rate leaves that step out).
 
 Scored in this process, the same way for every trained SAE (rewritten into benchmarks/peers/driver.py's shared form),
 on the lm run's validation windows: the spliced model's CE and KL from the clean model's next-token distribution
@@ -52,7 +55,7 @@ from benchmarks.common import ROOT, machine, spawn, write_json  # noqa: E402
 from benchmarks.peers.driver import score  # noqa: E402
 from benchmarks.sae_multi import _compose  # noqa: E402
 
-CONTENDERS = ["runner-kl", "sparsify-kl", "runner-recon", "sparsify-recon"]
+CONTENDERS = ["runner-kl", "sparsify-kl", "runner-recon", "sparsify-recon", "runner-kl-compiled"]
 SKIP = 1  # runner's source.skip_positions in the sae_lm presets: the first position's stream is left out
 AUXK = 1 / 32  # both tools' AuxK coefficient (runner's default; sparsify's auxk_alpha, used by its fvu mode only)
 DEAD_TOKENS = 1_000_000  # runner's sae_lm dead_window (1e6tok); sparsify's dead_feature_threshold set to it
@@ -105,13 +108,15 @@ def write_data(lm: Path, args: argparse.Namespace, out: Path) -> dict[str, Path]
 
 
 def runner_command(name: str, spec: dict, lm: Path, run_dir: Path) -> list[str]:
-    """`python -m runner` for runner-kl (+experiment=sae_lm_kl) or runner-recon (+experiment=sae_lm), with the job's
-    settings; their validation at the end (callbacks=sae_splice: the spliced CE and KL, runner's own figures)."""
-    cool = spec["steps"] - spec["lr_warmup_steps"]
-    sae = "model.coder" if name == "runner-kl" else "model"
-    data = spec["batch"] if name == "runner-kl" else spec["rows_per_step"]  # windows, or rows
+    """`python -m runner` for runner-kl (+experiment=sae_lm_kl; runner-kl-compiled with compile=blocks) or
+    runner-recon (+experiment=sae_lm), with the job's settings; their validation at the end (callbacks=sae_splice: the
+    spliced CE and KL, runner's own figures)."""
+    cool, kl = spec["steps"] - spec["lr_warmup_steps"], name.startswith("runner-kl")
+    sae = "model.coder" if kl else "model"
+    data = spec["batch"] if kl else spec["rows_per_step"]  # windows, or rows
     return [
-        *(sys.executable, "-m", "runner", f"+experiment={'sae_lm_kl' if name == 'runner-kl' else 'sae_lm'}"),
+        *(sys.executable, "-m", "runner", f"+experiment={'sae_lm_kl' if kl else 'sae_lm'}"),
+        *(["compile=blocks"] if name == "runner-kl-compiled" else []),
         *(f"source.checkpoint={lm}", f"source.layer={spec['layer']}", f"data.batch_size={data}"),
         *(f"{sae}.n_latents={spec['n_latents']}", f"{sae}.k={spec['k']}", f"{sae}.auxk_coeff={spec['auxk_coeff']}"),
         *(f"{sae}.dead_window={spec['dead_tokens']}tok", f"optimizer.lr={spec['lr']}", "scheduler=wsd"),

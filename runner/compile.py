@@ -56,6 +56,10 @@ class Compile:
 
     def apply(self, task: nn.Module) -> str:
         """Compile the units (or the task) in place; what was compiled, for the startup table."""
+        if hasattr(task, "compile_frozen"):
+            # A task that runs a frozen model it holds outside its parameters (an end-to-end coder's source, which
+            # it replays in part) chooses which of that model's units to compile.
+            return task.compile_frozen(self.units, self.options)
         modules = [task] if self.units is None else units_of(task, self.units, "compile.units")
         for module in modules:
             module.compile(**self.options)

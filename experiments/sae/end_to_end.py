@@ -28,6 +28,7 @@ from experiments.sae.objectives import batch_errors
 from experiments.sae.sources.replay import recording, replaying
 from experiments.sae.sources.source import SourceModel, Splice
 from runner import ConfigError
+from runner.compile import class_name
 from runner.trust import buildable
 
 LOSSES = ("kl", "ce")
@@ -81,6 +82,7 @@ class Spliced(nn.Module):
         self.source = source  # a plain object: nn.Module does not register it (nor its model)
         self.read = source.names[0]
         self.written = (source.targets or [self.read])[0]  # what the coder's prediction replaces
+        self.to_compile: tuple[list[str], dict[str, Any]] | None = None  # compile=blocks, at the first step
 
     def to(self, *args: Any, **kwargs: Any) -> Spliced:
         """Move the coder, and the source model with it (the data made it on the CPU)."""
@@ -91,11 +93,15 @@ class Spliced(nn.Module):
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The spliced model's KL from the clean one (or its CE), plus the weighted reconstruction terms."""
         source, out, clean_logits, prefix = self.source, {}, None, contextlib.nullcontext()
+        replayed: set[str] = set()
         if self.loss == "kl" or self.downstream:  # the spliced CE needs no clean forward
             with torch.no_grad(), source.observing(self.downstream, batch) as clean:
                 with recording(source.model, self.written) as recorded:
                     _, clean_logits = source.loss(batch)
             prefix = replaying(recorded)  # the spliced pass is the clean one up to the spliced module: not run again
+            replayed = set(recorded.outputs)
+        if self.to_compile is not None:
+            self._compile_source(replayed)
 
         def predict(captured: dict[str, torch.Tensor]) -> torch.Tensor:
             # the coder's step on the rows of this forward (the target's clean output beside a transcoder's input)
@@ -123,6 +129,33 @@ class Spliced(nn.Module):
             loss = loss + self.downstream_coeff * out["downstream_loss"]
         out.update({"loss": loss, "ce": ce.detach(), **({"kl": kl.detach()} if kl is not None else {})})
         return out
+
+    def compile_frozen(self, units: list[str] | None, options: dict[str, Any]) -> str:
+        """compile=blocks (runner/compile.py): torch.compile the source model's modules of the classes `units` that
+        the splice leaves whole, at the first step, once its clean pass has shown which modules it replays."""
+        if units is None:
+            raise ConfigError(
+                "compile=model compiles the task's forward, and an end-to-end coder has none: its step runs the "
+                "frozen source model, whose blocks after the splice point compile=blocks compiles"
+            )
+        self.to_compile = (list(units), dict(options))
+        return f"the source's {', '.join(units)} the splice leaves whole, at the first step"
+
+    def _compile_source(self, replayed: set[str]) -> None:
+        # Not a replayed module (the spliced pass does not run it), nor one around a module the step hooks: their
+        # hooks change every step (each a new closure), and a compiled module would be traced again for each.
+        units, options = self.to_compile
+        self.to_compile = None
+        hooked = [self.read, self.written, *self.source.targets, *self.downstream]
+
+        def within(name: str, outer: str) -> bool:
+            return name == outer or name.startswith(outer + ".")
+
+        for name, module in self.source.model.named_modules():
+            if class_name(module) not in units or any(within(name, r) for r in replayed):
+                continue
+            if not any(within(h, name) for h in hooked):
+                module.compile(**options)
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The coder's statistics on activation rows (experiments/sae/coders/base.py)."""

@@ -45,7 +45,13 @@ SMOKE = {
     "sae_kl": [
         *("--n-latents", "64", "--k", "4", "--windows", "2", "--steps", "12", "--layer", "0", "--seeds", "0"),
         *("--profile-steps", "2", "--dir", "out"),
-        *(() if SPARSIFY.exists() else ("--contenders", "runner-kl", "runner-recon")),  # CI: runner's alone
+        # CI: runner's alone; runner-kl-compiled (compile=blocks) is tested in tests/unit/test_end_to_end.py
+        *(
+            "--contenders",
+            "runner-kl",
+            "runner-recon",
+            *(("sparsify-kl", "sparsify-recon") if SPARSIFY.exists() else ()),
+        ),
         *("--lm-args", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32"),
         *("data.batch_size=2", "trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
         f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",

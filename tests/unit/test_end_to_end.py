@@ -169,3 +169,30 @@ def test_the_spliced_pass_replays_the_clean_prefix_and_computes_the_same(
         assert torch.equal(loss, loss_) and torch.equal(kl, kl_), experiment
         assert all(torch.equal(a, b) for a, b in zip(grads, grads_, strict=True)), experiment
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("experiment", ["sae_lm_kl", "transcoder_lm_kl"])
+def test_compile_blocks_compiles_the_blocks_the_splice_leaves_whole_and_trains_as_eager(
+    compose_cfg: Callable, lm_run: Path, experiment: str
+) -> None:
+    # spliced at (or, for the transcoder, inside) blocks.0 of the 2-block GPT: blocks.1 alone is compiled, at the
+    # first step (aot_eager: torch.compile's tracing without code generation, fast on the CPU)
+    base = [f"+experiment={experiment}", f"source.checkpoint={lm_run}", "source.layer=0", *SMALL]
+    coders = []
+    for compiled in (False, True):
+        run = build(compose_cfg(*base, *(("compile=blocks", "compile.backend=aot_eager") if compiled else ())))
+        blocks = run.task.source.model.blocks
+        assert all(block._compiled_call_impl is None for block in blocks)
+        fit(run)
+        assert [block._compiled_call_impl is not None for block in blocks] == [False, compiled]
+        coders.append(run.task.coder.state_dict())
+    eager, compiled = coders
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_compile_model_is_refused_for_a_coder_trained_end_to_end(compose_cfg: Callable, lm_run: Path) -> None:
+    from runner import ConfigError
+
+    with pytest.raises(ConfigError, match="an end-to-end coder has none"):
+        build(_sae_lm_kl(compose_cfg, lm_run, "compile=model"))

@@ -55,7 +55,7 @@ CASES = {
     "digits-fp16": ["+experiment=digits", "precision=fp16"],
     "sae": ["+experiment=sae", "data.batch_size=256"],
     "sae-muon": ["+experiment=sae", "data.batch_size=256", "optimizer=muon"],
-    "sae-signum-fp16": ["+experiment=sae", "data.batch_size=256", "optimizer=signum", "precision=fp16"],
+    "digits-signum-fp16": ["+experiment=digits", "optimizer=signum", "precision=fp16"],  # GradScaler hands it the flag
     "skip-transcoder": ["+experiment=sae", "data=transcoder_synthetic", "data.batch_size=256", "model.skip=true"],
     "lm": [
         "+experiment=lm",

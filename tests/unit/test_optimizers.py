@@ -152,19 +152,24 @@ def _muon(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return Muon([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=0.01)
 
 
+SHAPES = [(10, 6), (6,)]
+
+
+def _stepped(make: Callable, start: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> tuple[list, Any]:
+    """Parameters from `start` and their optimizer `make(params)`, stepped once for each of `grads`."""
+    params = _leaves(start)
+    opt = make(params)
+    for g in grads:
+        _step([opt], params, g)
+    return params, opt
+
+
 @pytest.mark.parametrize("make", [_signum, _muon], ids=["signum", "muon"])
 def test_an_optimizer_rebuilt_from_its_state_dict_continues_bit_for_bit(make: Callable) -> None:
-    shapes = [(10, 6), (6,)]
-    grads = _grads(shapes, steps=6)
-    start = [torch.randn(s) for s in shapes]
-    whole = _leaves(start)
-    opt = make(whole)
-    for g in grads:
-        _step([opt], whole, g)
-    first = _leaves(start)
-    opt = make(first)
-    for g in grads[:3]:
-        _step([opt], first, g)
+    grads = _grads(SHAPES, steps=6)
+    start = [torch.randn(s) for s in SHAPES]
+    whole, _ = _stepped(make, start, grads)
+    first, opt = _stepped(make, start, grads[:3])
     saved = io.BytesIO()
     torch.save(opt.state_dict(), saved)  # as a checkpoint holds it: plain data that weights_only loads back
     saved.seek(0)
@@ -193,16 +198,11 @@ def _flagged(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list
 
 @pytest.mark.parametrize("make", [_signum, _muon], ids=["signum", "muon"])
 def test_a_flagged_step_changes_nothing_and_an_unflagged_one_is_the_plain_step(make: Callable) -> None:
-    shapes = [(10, 6), (6,)]
-    grads = _grads(shapes, steps=3)
-    start = [torch.randn(s) for s in shapes]
-    plain = _leaves(start)
-    plain_opt = make(plain)
-    for g in grads:
-        _step([plain_opt], plain, g)
-    flagged = _leaves(start)
-    opt = make(flagged)
-    _flagged(opt, flagged, [torch.full(s, float("nan")) for s in shapes], 1.0)  # a first step dropped: zero state
+    grads = _grads(SHAPES, steps=3)
+    start = [torch.randn(s) for s in SHAPES]
+    plain, plain_opt = _stepped(make, start, grads)
+    flagged, opt = _stepped(make, start, [])
+    _flagged(opt, flagged, [torch.full(s, float("nan")) for s in SHAPES], 1.0)  # a first step dropped: zero state
     assert all(torch.equal(p, q) for p, q in zip(flagged, start, strict=True))
     assert all(not t.any() for p in flagged for t in opt.state[p].values())
     for g in grads:
