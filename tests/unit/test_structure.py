@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -130,3 +131,22 @@ def test_the_command_sets_openmp_s_wait_policy_before_anything_imports_torch() -
     imports = [node for node in body[:first_set] if isinstance(node, ast.Import | ast.ImportFrom)]
     assert [ast.unparse(node) for node in imports] == ["from __future__ import annotations", "import gc", "import os"]
     assert "PASSIVE" in ast.unparse(body[first_set])
+
+
+def test_every_python_m_tool_gets_the_wait_policy_and_a_library_import_does_not(tmp_path: Path) -> None:
+    # runner/__init__.py sets it when sys.argv[0] is "-m": what Python puts there while `-m` imports a tool's package
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("import sys\nprint(sys.argv[0])\n")
+    (tmp_path / "pkg" / "tool.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    seen = subprocess.run([sys.executable, "-m", "pkg.tool"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert seen.stdout.strip() == "-m", seen
+
+    def policy(argv0: str, **extra: str) -> str:
+        code = f"import os, sys; sys.argv[:1] = [{argv0!r}]; import runner; print(os.environ.get('OMP_WAIT_POLICY'))"
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    assert policy("-m") == "PASSIVE"  # python -m runner.generate, runner.features, ...
+    assert policy("-c") == "None"  # import runner from a notebook or a script
+    assert policy("-m", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's own wins
