@@ -59,9 +59,11 @@ class SkipsOnDevice(torch.optim.Optimizer):
     device when handed a set `found_inf` flag (as runner/precision.py and torch's GradScaler hand one to fused Adam):
     every parameter and state tensor it changed takes its value before the step back (a state made by this step, its
     zero start), by torch.where, with no host read. A state tensor kept on another device than the flag (the Adam
-    part's step count, on the host as torch's Adam keeps it) is left as stepped: a count ahead after a dropped step."""
+    part's step count, on the host as torch's Adam keeps it) is left as stepped: a count ahead after a dropped step.
+    A flag on the CPU is read instead: there reading waits for nothing, and the copies cost ~25% of a Muon step."""
 
     _step_supports_amp_scaling = True  # what precision.py and GradScaler look for before they set found_inf
+    reads_cpu_flag = True  # False: the device path for a CPU flag too (tests stand the CPU in for a GPU)
 
     def _update(self) -> None:
         raise NotImplementedError
@@ -73,8 +75,9 @@ class SkipsOnDevice(torch.optim.Optimizer):
         if getattr(self, "grad_scale", None) is not None:
             raise RuntimeError(f"{type(self).__name__} steps true gradients: unscale_ them (GradScaler) before step")
         flag = getattr(self, "found_inf", None)
-        if flag is None:
-            self._update()
+        if flag is None or (self.reads_cpu_flag and flag.device.type == "cpu"):
+            if flag is None or not flag.item():
+                self._update()
             return loss
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         before = {(i, None): p.clone() for i, p in enumerate(params)}

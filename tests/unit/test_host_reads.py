@@ -14,6 +14,7 @@ from helpers import HostReads
 
 from runner.build import build
 from runner.loop import fit
+from runner.optimizers import SkipsOnDevice
 from runner.run import Callback, Run
 
 
@@ -39,6 +40,8 @@ def reads_between_steps(compose_cfg: Callable, monkeypatch: pytest.MonkeyPatch, 
         "logger=none",
     )
     run = build(cfg)
+    # Muon and Signum read a flag that lives on the CPU (reading waits for nothing there): as on a GPU, they must not
+    monkeypatch.setattr(SkipsOnDevice, "reads_cpu_flag", False)
     with HostReads(monkeypatch) as reads:
         snapshot = Snapshot(reads, 2, 10)
         run.callbacks.append(snapshot)

@@ -196,12 +196,15 @@ def _flagged(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list
         del opt.found_inf
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["device-path", "cpu-read"])
 @pytest.mark.parametrize("make", [_signum, _muon], ids=["signum", "muon"])
-def test_a_flagged_step_changes_nothing_and_an_unflagged_one_is_the_plain_step(make: Callable) -> None:
+def test_a_flagged_step_changes_nothing_and_an_unflagged_one_is_the_plain_step(make: Callable, on_device: bool) -> None:
+    # device-path: the copies and torch.where a GPU takes (no host read), here on the CPU; cpu-read: the flag read
     grads = _grads(SHAPES, steps=3)
     start = [torch.randn(s) for s in SHAPES]
     plain, plain_opt = _stepped(make, start, grads)
     flagged, opt = _stepped(make, start, [])
+    opt.reads_cpu_flag = not on_device
     _flagged(opt, flagged, [torch.full(s, float("nan")) for s in SHAPES], 1.0)  # a first step dropped: zero state
     assert all(torch.equal(p, q) for p, q in zip(flagged, start, strict=True))
     assert all(not t.any() for p in flagged for t in opt.state[p].values())
