@@ -4,6 +4,9 @@ import gc
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 # Every `python -m runner.<tool>` (generate, features, evaluate, export, ...) gets `python -m runner`'s OpenMP wait
 # policy (runner/__main__.py says why): on a busy machine runner.generate ran at 4 tokens/s without it, ~200 with it.
@@ -11,9 +14,6 @@ import sys
 # looks for its module, so a library import (a notebook's `import runner`) changes nothing. A user's own value wins.
 if sys.argv[:1] == ["-m"] and "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 
 class ConfigError(ValueError):

@@ -9,7 +9,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from runner import ConfigError
-from runner.progress import Duration, TrainingProgress
+from runner.progress import Duration, TrainingProgress, parse_duration
 
 
 class PerStep:
@@ -121,8 +121,9 @@ def wsd(
     total = _steps(progress, progress.max_duration, "trainer.max_duration")
     warm, min_lr_ratio = _warmup_steps(progress, warmup, total), _ratio(min_lr_ratio)
     cool = _steps(progress, decay, "scheduler.decay")
-    if warm + cool == total + 1:  # each rounded up to whole steps (0.01dur + 0.99dur): the decay starts after warmup
-        cool -= 1
+    parts = [parse_duration(warmup), parse_duration(decay)]
+    if all(part.unit == "dur" for part in parts) and sum(part.value for part in parts) <= 1 + 1e-9:
+        cool = min(cool, total - warm)  # fractions that fit the run, each rounded up to whole steps (0.01 + 0.99)
     if warm + cool > total:
         raise ConfigError(
             f"scheduler.warmup={warmup} ({warm} steps) and scheduler.decay={decay} ({cool} steps) together are longer "

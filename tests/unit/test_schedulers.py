@@ -176,6 +176,13 @@ def test_wsd_whose_warmup_and_decay_fill_the_run_decays_right_after_warmup_despi
     assert lrs[4:] == pytest.approx([1.0] + [1 - (t - 6) / 570 for t in range(6, 577)], abs=1e-12)
     with pytest.raises(ConfigError, match="together are longer than the whole run"):
         wsd(optimizer=opt, progress=setup("576st", batches=576, batch_size=1, accumulate=1)[2], decay="0.995dur")
+    with pytest.raises(ConfigError, match="together are longer than the whole run"):  # steps given: taken as given
+        wsd(
+            optimizer=opt,
+            progress=setup("576st", batches=576, batch_size=1, accumulate=1)[2],
+            warmup="6st",
+            decay="571st",
+        )
 
 
 @pytest.mark.parametrize(
