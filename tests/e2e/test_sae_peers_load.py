@@ -6,7 +6,6 @@ others)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, ok, python
+from helpers import ok, peer_python, python
 from hydra.utils import instantiate
 
 from experiments.sae.coders.activations import TopKSAE
@@ -26,11 +25,9 @@ pytestmark = pytest.mark.slow
 
 PEERS = {
     "saelens": (
-        "RUNNER_SAELENS_PYTHON",
         "from sae_lens import SAE\nsae = SAE.load_from_disk(folder)\nout = sae(x)\nmeta = sae.cfg.metadata.to_dict()",
     ),
     "sparsify": (
-        "RUNNER_SPARSIFY_PYTHON",
         "from sparsify import SparseCoder\nsae = SparseCoder.load_from_disk(folder)\nout = sae(x).sae_out\nmeta = {}",
     ),
 }
@@ -45,19 +42,11 @@ print(json.dumps({{"class": type(sae).__name__, "metadata": meta}}, default=str)
 SMALL = ["trainer.max_duration=60st", "data.batch_size=256", "logger=none", "checkpoint=none", "callbacks=none"]
 
 
-def _interpreter(peer: str) -> str:
-    variable = PEERS[peer][0]
-    path = os.environ.get(variable) or str(ROOT / f".venv-{peer}" / "bin" / "python")
-    if not Path(path).exists():
-        pytest.skip(f"no {peer} virtualenv ({path}): benchmarks/peers/install.sh makes it, or set {variable}")
-    return path
-
-
 def _peer_output(peer: str, folder: Path, x: torch.Tensor, tmp_path: Path) -> tuple[torch.Tensor, dict]:
     # the peer's forward on x, and what it printed about the coder it loaded
-    interpreter = _interpreter(peer)
+    interpreter = peer_python(peer)
     np.save(tmp_path / "x.npy", x.numpy())
-    script = LOAD.format(load=PEERS[peer][1])
+    script = LOAD.format(load=PEERS[peer])
     done = subprocess.run(
         [interpreter, "-c", script, str(folder), str(tmp_path / "x.npy"), str(tmp_path / "out.npy")],
         capture_output=True,
@@ -70,7 +59,7 @@ def _peer_output(peer: str, folder: Path, x: torch.Tensor, tmp_path: Path) -> tu
 
 def _trained_and_exported(tmp_path: Path, peer: str, *overrides: str) -> tuple[torch.nn.Module, Any, Path]:
     # a short run of the real CLI, exported by the real CLI: the trained model, its config, the export
-    _interpreter(peer)  # skipped before training where the peer is absent
+    peer_python(peer)  # skipped before training where the peer is absent
     run, folder = tmp_path / "run", tmp_path / "export"
     ok(python("-m", "runner", "+experiment=sae", *overrides, *SMALL, f"hydra.run.dir={run}", cwd=tmp_path))
     ok(python("-m", "runner.export", str(run), "--format", peer, "--out", str(folder), cwd=tmp_path))
