@@ -1,4 +1,5 @@
 """`python -m runner.evaluate RUN_DIR [split=val] [weights=PATH] [device=cpu] [trusted_targets=[a,b]] [data.KEY=VALUE]`
+`python -m runner.evaluate SAE_DIR source=MODEL [hook=NAME] [module=MODULE] [target=MODULE] [skip_positions=N]`
 
 Evaluates a finished run's weights (or a checkpoint's: weights=RUN_DIR/checkpoints/step-N, or any model.safetensors)
 with the run's own config on a named split of its data, exactly as validation does (each validation_step output
@@ -7,7 +8,9 @@ On the validation split the run's metric callbacks add theirs, as in training: `
 source model's loss with the SAE spliced in (`val/loss_recovered`, `val/kl_spliced`, ...). They measure on data of
 their own (the source's validation windows) or the weights alone, so other splits get only the task's metrics.
 RUN_DIR may also be weights inside a run folder (its model.safetensors, a checkpoint folder or its file): the run is the
-folder above them, as if they were given with weights=.
+folder above them, as if they were given with weights=. SAE_DIR, an SAE folder of SAELens or sparsify, is evaluated as
+if runner had trained it on MODEL's module (runner.trained.load_model; experiments/sae/attach.py): the same metrics,
+written to SAE_DIR/eval-<split>.json.
 Exit codes as `python -m runner`: 0, or 2 with a one-line message for a wrong argument, split or file.
 """
 
@@ -32,7 +35,7 @@ from runner.log.console import ConsoleLogger
 from runner.outdir import write_failed
 from runner.run import Precision
 from runner.rundir import CONFIG, MODEL, DiskFull, write_json
-from runner.trained import TRUSTED_TARGETS, load_trained, measuring_callbacks, trusted_here
+from runner.trained import ATTACH, TRUSTED_TARGETS, is_foreign, load_model, measuring_callbacks, trusted_here
 from runner.validation import evaluate_loader
 
 USAGE = "usage: python -m runner.evaluate RUN_DIR [split=val] [weights=PATH] [device=cpu] [data.KEY=VALUE ...]"
@@ -45,13 +48,16 @@ def evaluate_run(
     device: str = "cpu",
     trusted: tuple[str, ...] = TRUSTED_TARGETS,
     data_overrides: dict[str, Any] | None = None,
+    attach: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Metrics of `weights` (default: the run's model.safetensors) on `split`, written to RUN_DIR/eval-<split>.json.
     `run_dir` may also be weights inside a run folder (its model.safetensors, a checkpoint folder): the run is the
-    folder above them, as if given with weights=."""
-    run_dir, weights = _run_and_weights(Path(run_dir), weights)
+    folder above them, as if given with weights=; or an SAE folder of SAELens or sparsify, with `attach` naming the
+    model it reads (runner.trained.load_model)."""
+    foreign = is_foreign(run_dir)
+    run_dir, weights = (Path(run_dir), weights) if foreign else _run_and_weights(Path(run_dir), weights)
     device = checked_device(device)
-    model, cfg = load_trained(run_dir, trusted, weights=weights, callbacks=True)
+    model, cfg = load_model(run_dir, trusted, attach, weights=weights, callbacks=True)
     for key, value in (data_overrides or {}).items():
         if OmegaConf.select(cfg.data, key, default=KeyError) is KeyError:
             raise ConfigError(f"data.{key}: the data config of {run_dir} has no such key")
@@ -77,6 +83,10 @@ def evaluate_run(
         for callback in measuring_callbacks(cfg):
             callback.on_validation_end(run, metrics)
     used = Path(weights) if weights is not None else run_dir / MODEL
+    if foreign:  # the folder's own weights file
+        used = Path(cfg.imported.folder) / (
+            "sae.safetensors" if cfg.imported.format == "sparsify" else "sae_weights.safetensors"
+        )
     file = used / MODEL if used.is_dir() else used  # a checkpoint folder's weights file
     result = {
         "split": split,
@@ -186,8 +196,13 @@ def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
             data[key.removeprefix("data.")] = parsed
         elif key in ("split", "weights", "device", "trusted_targets"):
             options[key] = parsed
+        elif key in ATTACH:  # an SAE folder of SAELens or sparsify: the model it reads
+            options.setdefault("attach", {})[key] = value if key != "skip_positions" else parsed
         else:
-            raise ConfigError(f"unknown argument {key!r}: give split=, weights=, device=, trusted_targets=, data.KEY=")
+            raise ConfigError(
+                f"unknown argument {key!r}: give split=, weights=, device=, trusted_targets=, data.KEY=, or for an "
+                "SAE folder of SAELens or sparsify source=, hook=, module=, target=, skip_positions="
+            )
     for key in ("split", "weights", "device"):
         if key in options and not isinstance(options[key], str):
             raise ConfigError(f"{key}={options[key]!r}: give one name, e.g. split=test, weights=PATH, device=cpu")
@@ -205,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     """The command: evaluate, print the metrics, exit 0; or print why not and exit 2."""
     try:
         path, options, data = _arguments(sys.argv[1:] if argv is None else argv)
-        run_dir, options["weights"] = _run_and_weights(path, options.get("weights"))
+        run_dir = path
+        if not is_foreign(path):
+            run_dir, options["weights"] = _run_and_weights(path, options.get("weights"))
         result = evaluate_run(run_dir, data_overrides=data, **options)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """`python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [--serve] [port=8000]`: feature
-dashboards of a finished SAE run: per latent its strongest contexts in the source's text, examples across its range of
+dashboards of a finished SAE run (or of an SAE folder of SAELens or sparsify, with `source=MODEL`, the model it reads:
+runner.trained.load_model): per latent its strongest contexts in the source's text, examples across its range of
 activation, how often it fires, a histogram, the tokens it promotes and suppresses, its nearest latents. Static pages
 in DIR (default RUN_DIR/features; a symlink in the run folder never leads them elsewhere: runner.outdir): open
 DIR/index.html from disk, or `--serve` them to this machine's browser (PagesHandler). The model writes them
@@ -23,10 +24,20 @@ from runner import ConfigError
 from runner.evaluate import checked_device, read_options
 from runner.outdir import output_folder, write_failed
 from runner.rundir import DiskFull
-from runner.trained import load_trained, trusted_here
+from runner.trained import ATTACH, load_model, trusted_here
 
-DEFAULTS: dict[str, Any] = {"tokens": 1_000_000, "out": None, "top": 16, "device": "cpu", "port": 8000}
-USAGE = "usage: python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [--serve] [port=8000]"
+DEFAULTS: dict[str, Any] = {
+    "tokens": 1_000_000,
+    "out": None,
+    "top": 16,
+    "device": "cpu",
+    "port": 8000,
+    **dict.fromkeys(ATTACH),  # an SAE folder of SAELens or sparsify: the model it reads (runner.trained.load_model)
+}
+USAGE = (
+    "usage: python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [--serve] [port=8000]\n"
+    "       python -m runner.features SAE_DIR source=MODEL [hook=NAME] [module=MODULE] ...   (SAELens, sparsify)"
+)
 
 
 def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
@@ -34,7 +45,7 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
     argv = [a for a in argv if a != "--serve"]
     if not argv or "=" in argv[0] or argv[0].startswith("-"):
         raise ConfigError(USAGE)
-    options = read_options(argv[1:], DEFAULTS, ("out", "device"), ", or --serve")
+    options = read_options(argv[1:], DEFAULTS, ("out", "device", "source", "hook", "module", "target"), ", or --serve")
     for key in ("tokens", "top", "port"):
         value = options[key]
         if isinstance(value, float) and value.is_integer():
@@ -132,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, options, serve = _options(sys.argv[1:] if argv is None else argv)
         device = checked_device(options["device"])
-        model, cfg = load_trained(path, trusted_here())
+        model, cfg = load_model(path, trusted_here(), {key: options[key] for key in ATTACH})
         if not hasattr(model, "features"):
             raise ConfigError(f"{path}'s model ({type(model).__name__}) has no feature pages (runner's SAEs have)")
         run_dir = path if path.is_dir() else path.parent

@@ -16,7 +16,6 @@ attention-head reshapes (`hook_z`), `abstopk`, matching pursuit, temporal SAEs, 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -269,29 +268,3 @@ def _build(
         sae.initialized.fill_(True)
     sae.spec = {"_target_": CLASSES[name], "d_in": d_in, "n_latents": n, "d_out": d_out, "skip": skip, **kwargs}
     return sae
-
-
-# TransformerLens's hook names (what SAELens's metadata says) -> the module whose output it is, in a stack of blocks
-TL_HOOK = re.compile(r"blocks\.(\d+)\.(hook_resid_post|hook_resid_pre|hook_mlp_out|hook_attn_out)")
-STACKS = ("blocks", "transformer.h", "model.layers", "gpt_neox.layers", "model.decoder.layers", "transformer.layers")
-PARTS = {"hook_mlp_out": ("mlp", "feed_forward"), "hook_attn_out": ("attn", "self_attn", "attention")}
-
-
-def module_for(hook: str, modules: list[str]) -> str | None:
-    """The module of a model (its `modules`' names) whose output is the hook point `hook`: the module itself, a
-    TransformerLens name (blocks.N.hook_resid_post: the Nth block's output), or a name relative to the model's base
-    (sparsify's `layers.6`, `h.6`); None where none or several fit."""
-    if hook in modules:
-        return hook
-    found = TL_HOOK.fullmatch(hook)
-    stack = next((s for s in STACKS if f"{s}.0" in modules), None)
-    if found and stack:
-        layer, kind = int(found.group(1)), found.group(2)
-        if kind == "hook_resid_pre":
-            layer -= 1  # a block's input is the one before's output (the first's is the embedding: no module)
-        block = f"{stack}.{layer}"
-        if kind in PARTS:
-            return next((f"{block}.{p}" for p in PARTS[kind] if f"{block}.{p}" in modules), None)
-        return block if layer >= 0 and block in modules else None
-    ends = [name for name in modules if name.endswith("." + hook)]
-    return ends[0] if len(ends) == 1 else None

@@ -253,3 +253,25 @@ def _tokenized(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.
     train = np.load(folder / "train.npy", mmap_mode="r")
     val = np.load(folder / "val.npy", mmap_mode="r")
     return train, val, {**json.loads((folder / "meta.json").read_text()), "cache": str(folder)}
+
+
+def module_names(checkpoint: str) -> list[str]:
+    """The names of the modules of the transformers model `checkpoint` names, from its config alone (built on the
+    meta device: no weights are read), after the same checks as `load`."""
+    require("transformers", "hf", f"source={checkpoint} (a transformers model)")
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    cached = str(checkpoint).startswith(HUB_CACHED)
+    hub = cached or str(checkpoint).startswith(HUB)
+    name, what = (str(checkpoint).split(":", 1)[1] if hub else str(checkpoint)), f"source={checkpoint}"
+    with hub_offline(not hub or cached):
+        folder, revision = refuse_own_code(name, hub, what, offline=cached)
+        where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
+        config = loaded(lambda: AutoConfig.from_pretrained(name, **where), f"{what}: cannot read its config", "")
+    with torch.device("meta"):
+        model = loaded(
+            lambda: AutoModelForCausalLM.from_config(config, trust_remote_code=False),
+            f"{what}: no causal LM of transformers is built from its config",
+            "",
+        )
+    return [module for module, _ in model.named_modules()]
