@@ -28,6 +28,7 @@ STACKS = ("blocks", "transformer.h", "model.layers", "gpt_neox.layers", "model.d
 PARTS = {"hook_mlp_out": ("mlp", "feed_forward"), "hook_attn_out": ("attn", "self_attn", "attention")}
 # What the attached run's data reads by default: the rows a tool looks at come from the source's own windows
 DATA = {"batch_size": 1024, "buffer_size": 65536, "samples_per_epoch": 65536}
+CONTEXT = 128  # a transformers source's window, where the SAE's folder names none (SAELens: its context_size)
 
 
 def module_for(hook: str, modules: list[str]) -> str | None:
@@ -49,11 +50,9 @@ def module_for(hook: str, modules: list[str]) -> str | None:
     return ends[0] if len(ends) == 1 else None
 
 
-def _modules(source: str, trusted: tuple[str, ...]) -> list[str]:
-    if pretrained.is_pretrained(source):
-        return pretrained.module_names(source)
-    model, _ = load_trained(source, trusted)
-    return [name for name, _ in model.named_modules()]
+def _model(source: str, trusted: tuple[str, ...]) -> nn.Module:
+    # the source model, to name its modules: a transformers one built without its weights
+    return pretrained.meta_model(source) if pretrained.is_pretrained(source) else load_trained(source, trusted)[0]
 
 
 def _pick(given: str | None, hook: str | None, modules: list[str], key: str, facts: dict[str, Any]) -> str:
@@ -95,7 +94,8 @@ def attached(
             f"{path} is a {facts['format']} SAE (hook point {facts['hook']}{model}): give the model it reads, "
             "source=FOLDER (a transformers model saved by save_pretrained, hf:NAME, or a runner run)"
         )
-    modules = _modules(source, trusted)
+    model = _model(source, trusted)
+    modules = [name for name, _ in model.named_modules()]
     if facts.get("transcoder") and facts["format"] == "sparsify":
         # sparsify's transcoder reads its hook point's input and predicts its output; runner hooks outputs only
         target = _pick(target, facts["hook"], modules, "target", facts)
@@ -109,19 +109,22 @@ def attached(
     module = _pick(module, facts["hook"], modules, "module", facts)
     if skip_positions is None:  # a transformers model's BOS is masked as a special token; a runner GPT's is not
         skip_positions = 0 if pretrained.is_pretrained(source) else 1
-    where = {
+    where: dict[str, Any] = {
         "checkpoint": str(source),
         "module": module,
         "target": target if sae.transcoder else None,
         "skip_positions": skip_positions,
         "trusted_targets": list(trusted),
     }
+    if pretrained.is_pretrained(source):  # windows as long as the SAE was trained on, as the model reads at most
+        longest = pretrained.max_positions(model.config) or CONTEXT
+        where["inputs"] = {"context": min(facts.get("context_size") or CONTEXT, longest)}
     cfg = OmegaConf.create(
         {
             "model": sae.spec,
             "data": {"_target_": "experiments.sae.sources.hooked.HookedData", **where, **DATA},
             "callbacks": {"sae_splice": {"_target_": "experiments.sae.sources.hooked.SpliceEval", **where}},
-            "source": {k: where[k] for k in ("checkpoint", "module", "target", "skip_positions")},
+            "source": {k: v for k, v in where.items() if k != "trusted_targets"},
             "imported": {"folder": str(path), **{k: v for k, v in facts.items() if v is not None}},
         }
     )

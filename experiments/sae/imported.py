@@ -209,6 +209,7 @@ def _saelens(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) 
         "hook_out": meta.get("hook_name_out"),
         "model": meta.get("model_name"),
         "model_class": meta.get("model_class_name"),
+        "context_size": meta.get("context_size"),
     }
     return sae, facts
 

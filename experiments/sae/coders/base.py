@@ -327,7 +327,12 @@ class SAE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Reconstruction (a transcoder: the predicted target) of raw inputs, in their original units."""
-        return (self.decode(*self.codes(x)) + self.skip_part(x * self.input_scale)) / self.out_scale
+        return self.reconstruct(x)[0]
+
+    def reconstruct(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(reconstruction in the original units, values, indices): forward and the codes it came from, at once."""
+        values, indices = self.codes(x)
+        return (self.decode(values, indices) + self.skip_part(x * self.input_scale)) / self.out_scale, values, indices
 
     def aux_loss(
         self, x: torch.Tensor, pre: Pre, values: torch.Tensor, indices: torch.Tensor | None, recon: torch.Tensor

@@ -255,9 +255,9 @@ def _tokenized(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.
     return train, val, {**json.loads((folder / "meta.json").read_text()), "cache": str(folder)}
 
 
-def module_names(checkpoint: str) -> list[str]:
-    """The names of the modules of the transformers model `checkpoint` names, from its config alone (built on the
-    meta device: no weights are read), after the same checks as `load`."""
+def meta_model(checkpoint: str) -> nn.Module:
+    """The transformers model `checkpoint` names, built from its config alone on the meta device (no weights are
+    read: its module names and config), after the same checks as `load`."""
     require("transformers", "hf", f"source={checkpoint} (a transformers model)")
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
 
@@ -269,9 +269,13 @@ def module_names(checkpoint: str) -> list[str]:
         where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
         config = loaded(lambda: AutoConfig.from_pretrained(name, **where), f"{what}: cannot read its config", "")
     with torch.device("meta"):
-        model = loaded(
+        return loaded(
             lambda: AutoModelForCausalLM.from_config(config, trust_remote_code=False),
             f"{what}: no causal LM of transformers is built from its config",
             "",
         )
-    return [module for module, _ in model.named_modules()]
+
+
+def max_positions(config: Any) -> int | None:
+    """How many positions a transformers model reads (None: its config does not say)."""
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)

@@ -1,0 +1,1 @@
+"""Evaluations of any SAE, runner's or imported: core metrics, sparse probing, feature absorption."""
