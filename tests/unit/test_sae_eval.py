@@ -1,0 +1,152 @@
+"""python -m runner.sae_eval (experiments/sae/evals/): the core metrics equal a brute-force computation over the same
+positions (the losses from the GPT's own forward with hooks written here), the probes fit as scikit-learn fits them,
+the absorption formula's cases, Python's token labels, the files written, and the refusals (exit 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import finished_run
+
+from experiments.sae.evals.absorption import _absorbed
+from experiments.sae.evals.core import _score, core, windows
+from experiments.sae.evals.probing import char_categories, fit_logistic
+from experiments.sae.evals.run import source_of
+from runner.sae_eval import main
+from runner.trained import load_trained
+
+SAE_LM = ["source.layer=1", "model.n_latents=64", "model.k=4", "data.batch_size=64", "data.buffer_size=512"]
+SAE_LM += ["data.samples_per_epoch=1024", "trainer.max_duration=8st", "logger=none", "checkpoint=none"]
+
+
+@pytest.fixture(scope="module")
+def sae_run(lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished SAE on the tiny GPT's residual stream after block 1."""
+    run = tmp_path_factory.mktemp("sae_lm")
+    finished_run(run, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *SAE_LM)
+    return run
+
+
+@torch.no_grad()
+def test_core_metrics_equal_brute_force_over_the_same_positions(sae_run: Path) -> None:
+    sae, cfg = load_trained(sae_run)
+    source = source_of(cfg, torch.device("cpu"))
+    got = core(sae, source, tokens=3000, splice_tokens=3000)
+    batches = list(windows(source, 3000))
+    x = torch.cat([source.activations(batch) for batch, _ in batches]).double()
+    recon, codes = sae(x.float()).double(), sae.encode(x.float()).double()
+    sse = (x - recon).pow(2).sum(1)
+    expected = {
+        "explained_variance": 1 - sse.mean() / (x.pow(2).sum(1).mean() - x.mean(0).pow(2).sum()),
+        "mse": sse.mean(),
+        "cossim": F.cosine_similarity(x, recon, dim=1).mean(),
+        "l2_ratio": (recon.norm(dim=1) / x.norm(dim=1)).mean(),
+        "l0": (codes != 0).sum(1).double().mean(),
+        "l1": codes.abs().sum(1).mean(),
+    }
+    flat = {**got["reconstruction"], **got["shrinkage"], **got["sparsity"]}
+    for key, value in expected.items():
+        assert flat[key] == pytest.approx(value.item(), rel=1e-6), key
+    assert got["latent_density"] == pytest.approx((codes != 0).double().mean(0).tolist())
+    assert got["sparsity"]["dead_fraction"] == pytest.approx(((codes != 0).sum(0) == 0).double().mean().item())
+    assert got["read"]["positions"] == len(x) and got["downstream"]["positions"] == len(x)
+    # the losses from the GPT itself: the first position (skip_positions=1) is not scored, the ablation zeroes every one
+    gpt, skip, losses = source.model, source.skip, {"clean": [], "zero": []}
+    for batch, _ in batches:
+        tokens = batch["tokens"]
+        for name in losses:
+            hook = (
+                gpt.blocks[1].register_forward_hook(lambda m, i, out: torch.zeros_like(out)) if name == "zero" else None
+            )
+            logits = gpt(tokens[:, :-1])
+            if hook is not None:
+                hook.remove()
+            losses[name].append(
+                F.cross_entropy(logits[:, skip:].flatten(0, 1), tokens[:, 1 + skip :].flatten(), reduction="none")
+            )
+    clean, zero = (torch.cat(v).double().mean().item() for v in losses.values())
+    assert got["downstream"]["ce_clean"] == pytest.approx(clean, rel=1e-6)
+    assert got["downstream"]["ce_zero_ablated"] == pytest.approx(zero, rel=1e-6)
+    spliced = got["downstream"]["ce_spliced"]
+    assert got["downstream"]["ce_loss_score"] == pytest.approx((zero - spliced) / (zero - clean), rel=1e-6)
+    assert (
+        got["downstream"]["kl_spliced"] > 0 and got["downstream"]["kl_zero_ablated"] > got["downstream"]["kl_spliced"]
+    )
+
+
+def test_a_score_whose_ablation_costs_nothing_is_undefined_and_says_why() -> None:
+    score, note = _score(ablated=6.908, spliced=6.95, clean=6.906)
+    assert np.isnan(score) and "too little to divide by" in note
+    assert _score(ablated=8.0, spliced=5.0, clean=4.0) == (0.75, None)
+
+
+def test_the_cli_writes_json_and_a_page_and_refuses_by_name(
+    sae_run: Path, lm_run: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "ev"
+    assert main([str(sae_run), "evals=[core,probing]", "--limit", f"out={out}"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert set(result["evals"]) == {"core", "probing"}
+    assert result["coder"]["module"] == "blocks.1" and result["coder"]["n_latents"] == 64
+    probing = result["evals"]["probing"]
+    assert set(probing["tasks"]) >= {"token_string", "token_comment", "token_keyword"}
+    assert all(0 <= t["sae_top_1_test_accuracy"] <= 1 for t in probing["tasks"].values())
+    page = (out / "index.html").read_text()
+    assert "<svg" in page and "explained_variance" in page and "token_string" in page
+    assert "core/reconstruction/explained_variance" in capsys.readouterr().out
+    for args, message in [
+        (["evals=[core,typo]"], "evals=['core', 'typo']: give some of core, probing, absorption"),
+        (["tokens=0"], "tokens=0: give a whole number >= 1"),
+        (["hook=x"], "hook=: for an SAE folder of SAELens or sparsify"),
+    ]:
+        assert main([str(sae_run), *args]) == 2
+        assert message in capsys.readouterr().err, args
+    assert main([str(lm_run)]) == 2
+    assert "is no single SAE or transcoder to evaluate" in capsys.readouterr().err
+
+
+def test_probes_fit_as_scikit_learn_fits_them() -> None:
+    from sklearn.linear_model import LogisticRegression
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 5, generator=gen, dtype=torch.float64)
+    y = (x[:, 0] + 0.5 * torch.randn(300, generator=gen, dtype=torch.float64) > 0.8).long()
+    for balanced in (False, True):
+        w, b = fit_logistic(x, y, balanced=balanced)
+        theirs = LogisticRegression(C=1.0, max_iter=1000, tol=1e-10, class_weight="balanced" if balanced else None)
+        theirs.fit(x.numpy(), y.numpy())
+        np.testing.assert_allclose(w.numpy(), theirs.coef_[0], atol=1e-4)
+        assert b.item() == pytest.approx(theirs.intercept_[0], abs=1e-4)
+
+
+def test_python_source_is_labelled_by_tokenize() -> None:
+    text = 'if x:  # note\n    y = "s" + 12\n'
+    cats = char_categories(text)
+    label = lambda s: int(cats[text.index(s)])  # noqa: E731
+    assert (label("if"), label("# note"), label('"s"'), label("12"), label("y")) == (4, 2, 1, 3, 0)
+    assert char_categories("x = (\n") is None  # does not tokenize: the file is left out
+
+
+@pytest.mark.parametrize(
+    ("a", "s", "cos", "codes", "main", "expected"),
+    [
+        # the main latent covers the probe's projection: nothing absorbed
+        (1.0, [1.2, 0.5, 0.0], [0.9, 0.5, 0.0], [1.2, 0.5, 0.0], [0], (0.0, False)),
+        # the main latent silent, another aligned one carries it all: fully absorbed
+        (1.0, [0.0, 0.9, 0.0], [0.9, 0.5, 0.0], [0.0, 1.8, 0.0], [0], (1.0, True)),
+        # partly: main 0.3, absorbing 0.5 (of a - main = 0.7): 0.5 / 0.8
+        (1.0, [0.3, 0.5, 0.0], [0.9, 0.5, 0.0], [0.3, 1.0, 0.0], [0], (0.625, False)),
+        # the other latents cover less than 0.4 of a: not counted as absorption
+        (1.0, [0.2, 0.3, 0.0], [0.9, 0.5, 0.0], [0.2, 0.6, 0.0], [0], (0.0, False)),
+        # an absorbing latent barely aligned with the probe (cos < 0.1) does not count
+        (1.0, [0.0, 0.9, 0.0], [0.9, 0.05, 0.0], [0.0, 18.0, 0.0], [0], (0.0, True)),
+    ],
+)
+def test_absorption_follows_saebench_cases(a, s, cos, codes, main, expected) -> None:
+    fraction, full = _absorbed(a, torch.tensor(s), torch.tensor(cos), torch.tensor(codes), main)
+    assert (pytest.approx(fraction), full) == expected
