@@ -31,11 +31,12 @@ from omegaconf import OmegaConf
 
 from runner import ConfigError, check_whole, trust
 from runner.build import build_data
+from runner.load import ATTACH, is_foreign, load_model
 from runner.log.console import ConsoleLogger
 from runner.outdir import write_failed
 from runner.run import Precision
 from runner.rundir import CONFIG, MODEL, DiskFull, write_json
-from runner.trained import ATTACH, TRUSTED_TARGETS, is_foreign, load_model, measuring_callbacks, trusted_here
+from runner.trained import TRUSTED_TARGETS, measuring_callbacks, trusted_here
 from runner.validation import evaluate_loader
 
 USAGE = "usage: python -m runner.evaluate RUN_DIR [split=val] [weights=PATH] [device=cpu] [data.KEY=VALUE ...]"

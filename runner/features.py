@@ -22,9 +22,10 @@ from typing import Any
 
 from runner import ConfigError
 from runner.evaluate import checked_device, read_options
+from runner.load import ATTACH, load_model
 from runner.outdir import output_folder, write_failed
 from runner.rundir import DiskFull
-from runner.trained import ATTACH, load_model, trusted_here
+from runner.trained import trusted_here
 
 DEFAULTS: dict[str, Any] = {
     "tokens": 1_000_000,

@@ -15,10 +15,11 @@ from typing import Any
 
 from runner import ConfigError
 from runner.evaluate import checked_device, read_options
+from runner.load import ATTACH, load_model
 from runner.log.console import ConsoleLogger
 from runner.outdir import output_folder, write_failed
 from runner.rundir import DiskFull
-from runner.trained import ATTACH, load_model, trusted_here
+from runner.trained import trusted_here
 
 DEFAULTS: dict[str, Any] = {
     "evals": ["core", "probing", "absorption"],

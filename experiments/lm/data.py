@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from experiments.lm import hf_datasets
 from experiments.lm.corpus import (
     corpus_files,
     held_out_files,
@@ -131,6 +132,29 @@ def encode_corpus(
     return folder, {**meta, "cache": str(folder)}
 
 
+def encode_dataset(spec: dict[str, Any], val_every: int, cache_dir: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """encode_corpus for a Hugging Face dataset (experiments/lm/hf_datasets.py): its rows streamed into
+    <cache>/<key>/{train,val}.u8, every `val_every`-th row held out, rows separated by a NUL byte; the cache is named
+    by the dataset's files, column and split."""
+    key = content_key(f"{_FORMAT}:{val_every}:dataset:{hf_datasets.identity(spec, 'data.dataset')}", [])
+    folder = cache_root(cache_dir, "text_bytes") / key[:16]
+    if not (folder / "meta.json").is_file():
+
+        def fill(scratch: Path) -> None:
+            rows = held = size = 0
+            with open(scratch / "train.u8", "wb") as train, open(scratch / "val.u8", "wb") as val:
+                for rows, text in enumerate(hf_datasets.documents(spec, "data.dataset"), 1):
+                    out = val if hf_datasets.held_out(rows - 1, val_every) else train
+                    out.write(text if out.tell() == 0 else b"\0" + text)
+                    held, size = held + (out is val), size + len(text)
+            meta = {"sha256": key, "rows": rows, "bytes": size, "val_files": held, "val_rows": held}
+            (scratch / "meta.json").write_text(json.dumps(meta))
+
+        write_once(folder, fill, "data.cache_dir")
+    meta = json.loads((folder / "meta.json").read_text())
+    return folder, {**meta, "cache": str(folder)}
+
+
 def write_once(folder: Path, fill: Callable[[Path], None], option: str) -> None:
     """Make `folder` (a cache named by its content) by `fill`ing a scratch folder beside it and renaming it into place:
     a killed or concurrent writer (every rank of a torchrun job) never leaves a half-written cache that a later run
@@ -167,19 +191,38 @@ class TextBytes(TokenData):
         val_windows: int | None = 512,
         cache_dir: str | None = None,
         bytes_per_token: float = 1.0,
+        dataset: dict[str, Any] | str | None = None,
         **loader: Any,
     ) -> None:
         check_seq_len(seq_len)
-        files = corpus_files(paths, val_every)
-        folder, corpus = encode_corpus(files, val_every, cache_dir)
+        if dataset is not None and paths:
+            raise ConfigError("data.paths and data.dataset both name text: give one (data.paths=null for a dataset)")
+        if dataset is not None:
+            corpus_files(None, val_every)  # val_every checked as for files
+            folder, corpus = encode_dataset(hf_datasets.spec_of(dataset, "data.dataset"), val_every, cache_dir)
+            files = [None] * corpus["rows"]  # rows stand for files in what is held out, and in the messages
+        else:
+            files = corpus_files(paths, val_every)
+            folder, corpus = encode_corpus(files, val_every, cache_dir)
         train, val = _mapped(folder / "train.u8"), _mapped(folder / "val.u8") if corpus["val_files"] else None
         if len(train) == 0:
-            empty = ", ".join(str(f) for f in files if f.stat().st_size == 0)
+            empty = ", ".join(str(f) for f in files if f is not None and f.stat().st_size == 0) or "its rows"
             raise ConfigError(f"data.paths: the training text is empty ({empty}: 0 bytes): name files that hold text")
         super().__init__(train, val, seq_len, val_windows, **loader)
         self.info = {"corpus": {**corpus, "train_bytes": len(train), "val_bytes": 0 if val is None else len(val)}}
         self.bytes_per_token = bytes_per_token  # read by the model's config (val/bits_per_byte)
-        self.no_val_split = no_val_split(len(files), val_every)  # for the error when a monitor needs validation
+        # for the error when a monitor needs validation
+        self.no_val_split = no_val_split(len(files), val_every) if dataset is None else _no_val_rows(corpus, val_every)
+
+
+def _no_val_rows(corpus: dict[str, Any], val_every: int) -> str | None:
+    # why a dataset's rows hold none out for validation (None when some are)
+    if corpus["val_rows"]:
+        return None
+    return (
+        f"data.dataset: {corpus['rows']} row(s) with data.val_every={val_every} hold none out for validation "
+        "(every val_every-th row is): give more rows, or data.val_every=N with 2 <= N <= the rows"
+    )
 
 
 # ---- data=tokens_file -----------------------------------------------------------------------------------------------

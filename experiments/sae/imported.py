@@ -49,14 +49,6 @@ SCALE_FREE = ("none", "expected_average_only_in", "covariance_whitening")
 LEGACY_METADATA = ("model_name", "hook_name", "hook_name_out", "prepend_bos", "context_size", "dataset_path")
 
 
-def is_foreign(path: str | Path) -> bool:
-    """Whether `path` is an SAE folder of SAELens or sparsify (or a sparsify run of several), not a runner run."""
-    path = Path(path)
-    if not path.is_dir() or (path / ".hydra").is_dir():
-        return False
-    return (path / "cfg.json").is_file() or bool(_hook_folders(path))
-
-
 def _hook_folders(path: Path) -> list[str]:
     # a sparsify training run: one folder per hook point, each with its cfg.json and sae.safetensors
     return sorted(

@@ -20,7 +20,8 @@ from runner import ConfigError
 from runner.evaluate import evaluate_run
 from runner.evaluate import main as evaluate_main
 from runner.features import main as features_main
-from runner.trained import load_model, load_trained
+from runner.load import load_model
+from runner.trained import load_trained
 
 SAE_LM = ["source.layer=1", "model.n_latents=64", "model.k=4", "data.batch_size=64", "data.buffer_size=512"]
 SAE_LM += ["data.samples_per_epoch=1024", "trainer.max_duration=8st", "logger=none", "checkpoint=none"]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.lm import hf_datasets
 from experiments.lm.corpus import corpus_files, held_out_files, read_text
 from experiments.lm.data import Windows, cache_root, content_key, load_tokens, write_once
 from experiments.sae.sources.hf_code import hub_offline, loaded, model_weights, refuse_own_code
@@ -34,6 +35,7 @@ _FORMAT = 1  # of the token cache's files: a change makes new keys, never reads 
 INPUTS: dict[str, Any] = {
     "paths": None,  # text files or globs; null: the Python standard library's sources (~12 MB, no download)
     "tokens": None,  # or a flat file of the tokenizer's ids (.npy, or .bin of `dtype`), instead of text
+    "dataset": None,  # or a Hugging Face dataset on disk (experiments/lm/hf_datasets.py): {path, text_column, split}
     "dtype": "uint32",  # of a .bin tokens file
     "context": 128,  # tokens per window, BOS included
     "prepend_bos": True,  # each window starts with the tokenizer's BOS (where it has one), as the model was trained
@@ -190,6 +192,8 @@ def _windows(tokenizer: Any, options: dict[str, Any], vocab_size: int) -> tuple[
     # the source's training and validation windows, and what they are made from
     context, batch_size = check_whole(options["context"], "source.inputs.context"), options["batch_size"]
     bos = tokenizer.bos_token_id if options["prepend_bos"] else None
+    if options["tokens"] and (options["paths"] or options["dataset"] is not None):
+        raise ConfigError("source.inputs.tokens and source.inputs.paths (or .dataset) both name the text: give one")
     if options["tokens"]:
         fraction = options["val_fraction"]
         if not 0 < fraction < 1:
@@ -220,6 +224,8 @@ def _tokenized(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.
     # the text of source.inputs.paths in the tokenizer's ids, files joined by its EOS (or BOS), every val_every-th
     # file held out; kept in a cache folder named by the tokenizer and the text, so a second run reads it back
     val_every = options["val_every"]
+    if options["dataset"] is not None:
+        return _tokenized_dataset(tokenizer, options)
     files = corpus_files(options["paths"], val_every)
     if not any(held_out_files(len(files), val_every)):
         raise ConfigError(
@@ -253,6 +259,40 @@ def _tokenized(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.
     train = np.load(folder / "train.npy", mmap_mode="r")
     val = np.load(folder / "val.npy", mmap_mode="r")
     return train, val, {**json.loads((folder / "meta.json").read_text()), "cache": str(folder)}
+
+
+def _tokenized_dataset(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    # _tokenized for a Hugging Face dataset: its rows streamed through the tokenizer, every val_every-th held out
+    if options["paths"]:
+        raise ConfigError("source.inputs.paths and source.inputs.dataset both name text: give one")
+    option, val_every = "source.inputs.dataset", options["val_every"]
+    spec = hf_datasets.spec_of(options["dataset"], option)
+    vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    key = content_key(f"{_FORMAT}:{val_every}:dataset:{hf_datasets.identity(spec, option)}:{vocab}", [])
+    folder = cache_root(options["cache_dir"], "tokens") / key[:16]
+    if not (folder / "meta.json").is_file():
+        between = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+        separator = [] if between is None else [between]
+
+        def fill(scratch: Path) -> None:
+            parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
+            rows = 0
+            for rows, text in enumerate(hf_datasets.documents(spec, option), 1):
+                ids = tokenizer(text.decode(), add_special_tokens=False)["input_ids"] + separator
+                parts[hf_datasets.held_out(rows - 1, val_every)].append(np.asarray(ids, dtype=np.uint32))
+            for name, held in (("train", False), ("val", True)):
+                np.save(scratch / f"{name}.npy", np.concatenate(parts[held] or [np.zeros(0, np.uint32)]))
+            (scratch / "meta.json").write_text(json.dumps({"sha256": key, "rows": rows, "val_rows": len(parts[True])}))
+
+        write_once(folder, fill, "source.inputs.cache_dir")
+    meta = json.loads((folder / "meta.json").read_text())
+    if not meta["val_rows"]:
+        raise ConfigError(
+            f"{option}: {meta['rows']} row(s) with val_every={val_every} hold none out for validation, which the SAE "
+            "validates (and splices) on: give more rows, or source.inputs.val_every=N with 2 <= N <= the rows"
+        )
+    train, val = np.load(folder / "train.npy", mmap_mode="r"), np.load(folder / "val.npy", mmap_mode="r")
+    return train, val, {**meta, "cache": str(folder)}
 
 
 def meta_model(checkpoint: str) -> nn.Module:
