@@ -150,3 +150,25 @@ def test_python_source_is_labelled_by_tokenize() -> None:
 def test_absorption_follows_saebench_cases(a, s, cos, codes, main, expected) -> None:
     fraction, full = _absorbed(a, torch.tensor(s), torch.tensor(cos), torch.tensor(codes), main)
     assert (pytest.approx(fraction), full) == expected
+
+
+def test_an_imported_sae_on_a_transformers_model_gets_every_evaluation(tmp_path: Path, capsys) -> None:
+    from helpers import tiny_hf_model
+
+    from experiments.sae.coders.activations import TopKSAE
+    from experiments.sae.formats import export
+
+    model = tiny_hf_model(tmp_path / "model", "gpt2")
+    sae = TopKSAE(d_in=32, n_latents=96, k=6)
+    sae.initialized.fill_(True)
+    export(sae, "saelens", tmp_path / "sae", hook="blocks.1", model="tiny")  # -> blocks.1.hook_resid_post
+    out = tmp_path / "ev"
+    assert main([str(tmp_path / "sae"), f"source={model}", "--limit", f"out={out}"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["coder"]["module"] == "transformer.h.1" and result["coder"]["source"] == str(model)
+    core_ = result["evals"]["core"]
+    assert core_["downstream"]["positions"] > 0 and 0 < core_["reconstruction"]["cossim"] <= 1
+    absorption = result["evals"]["absorption"]
+    assert "skipped" not in absorption and absorption["read"]["words"] > 20  # the BPE vocabulary's letter tokens
+    assert absorption["summary"]["letters"] == len(absorption["tasks"])
+    assert set(result["evals"]["probing"]["tasks"]) >= {"token_string", "token_keyword"}

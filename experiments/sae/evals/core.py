@@ -193,6 +193,7 @@ def core(
             tokens_ = batch["tokens"]
             ce, _ = per_token(clean_logits, tokens_, mask, None)
             clean_rows = clean_logits[mask.to(clean_logits.device)].float()
+            del clean_logits  # [windows, positions, vocab]: the kept rows are all that is compared
             losses["clean"] += torch.stack([ce.double().sum().cpu(), torch.zeros((), dtype=torch.float64)])
             others = {
                 "spliced": source.run(batch, splice)[1],

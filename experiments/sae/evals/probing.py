@@ -5,14 +5,14 @@ activations picked the same way and a probe on all of them.
 The text is Python source (held-out files of the standard library: every 20th, what runner's language models and a
 transformers source hold out by default; the first windows of each, as many from each as the budget allows), labelled
 by Python's own `tokenize`: per position, whether the token is inside a string, a comment, a number or a keyword (its
-first non-space character's category), and per window, which of the 5 files with the most windows it came from
-(activations and codes mean-pooled over the window's positions, as SAEBench pools a text). Each property is one-vs-
-rest, balanced (SAEBench's `prepare_probe_data`): up to 4000 training and 1000 test examples, split by file for the
-positions (no file's tokens on both sides) and at random for the windows. The probe is SAEBench's: L2 logistic
-regression with C = 1 on the k columns, k in 1, 2, 5, 20; each task's accuracies are its test split's. What is not
-SAEBench's: its 8 hub datasets (bios, reviews, code, news, languages) are replaced by these tasks, and its probe on
-all dimensions (a GPU probe whose epoch is chosen on the test split) by the same logistic regression on all of them
-(`llm_full`).
+first non-space character's category), and per window, which of the 5 largest files it came from (up to 250 windows
+each) (activations and codes mean-pooled over the window's positions, as SAEBench pools a text). Each property is
+one-vs- rest, balanced (SAEBench's `prepare_probe_data`): up to 4000 training and 1000 test examples, split by file
+for the positions (no file's tokens on both sides) and at random for the windows. The probe is SAEBench's: L2
+logistic regression with C = 1 on the k columns, k in 1, 2, 5, 20; each task's accuracies are its test split's. What
+is not SAEBench's: its 8 hub datasets (bios, reviews, code, news, languages) are replaced by these tasks, and its
+probe on all dimensions (a GPU probe whose epoch is chosen on the test split) by the same logistic regression on all
+of them (`llm_full`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from runner.data import to_device
 
 K = (1, 2, 5, 20)
 CATEGORIES = ("string", "comment", "number", "keyword")  # 0 is everything else
-TRAIN, TEST, FILES = 4000, 1000, 5
+TRAIN, TEST, FILES, FILE_WINDOWS = 4000, 1000, 5, 250
 KEEP = 0.25  # of a window's positions, kept as probing examples (the rest would only be subsampled away)
 STRINGS = {
     tokenize.STRING,
@@ -103,11 +103,14 @@ def _encoder(source: SourceModel) -> tuple[Callable[[str], tuple[list[int], list
 
 
 def _windows(source: SourceModel, tokens: int) -> list[dict[str, Any]]:
-    # the held-out files cut into windows of the source's context: token ids [T + 1] and labels of the T inputs
+    # the held-out files cut into windows of the source's context: token ids [T + 1] and labels of the T inputs; the
+    # first windows of every file (the `tokens` budget shared out), and up to FILE_WINDOWS of the FILES largest
+    # (half the budget again), the window task's classes
     encode, context, bos = _encoder(source)
     files = stdlib_sources()[19::20]
-    per_file = -(-tokens // (context * len(files)))  # windows from each file: every file has its say
-    out, read = [], 0
+    per_file = -(-tokens // (context * len(files)))
+    largest = set(sorted(range(len(files)), key=lambda i: -files[i].stat().st_size)[:FILES])
+    out = []
     for index, path in enumerate(files):
         text = read_text(path).decode()
         cats = char_categories(text)
@@ -115,15 +118,14 @@ def _windows(source: SourceModel, tokens: int) -> list[dict[str, Any]]:
             continue
         ids, firsts = encode(text)
         labels = [int(cats[f]) if f >= 0 else 0 for f in firsts]
-        for start in range(0, len(ids) - context, context)[:per_file]:
+        # half the budget more for the largest files, whose windows the window task's classes are
+        take = max(per_file, min(FILE_WINDOWS, tokens // (2 * context * FILES))) if index in largest else per_file
+        for start in range(0, len(ids) - context, context)[:take]:
             window = ids[start : start + context + 1]
             label = labels[start : start + context]
             if bos is not None:
                 window, label = [bos, *window[:-1]], [0, *label[:-1]]
             out.append({"tokens": window, "labels": label, "file": index, "name": str(Path(path).name)})
-            read += context
-            if read >= tokens:
-                return out
     return out
 
 
