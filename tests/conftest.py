@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONF_DIR, TINY_LM, compose_job, finished_run, module_runs, run_in_background, stop_runs
+from helpers import CONF_DIR, SAE_LM, TINY_LM, compose_job, finished_run, module_runs, run_in_background, stop_runs
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -123,6 +123,14 @@ def launcher_for(tmp_path: Path) -> Iterator[Callable]:
 
     yield make
     logging.root.handlers[:], logging.root.level = handlers, level
+
+
+@pytest.fixture(scope="module")
+def sae_lm_run(lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished SAE (SAE_LM) on lm_run's residual stream after block 1; one per test module."""
+    directory = tmp_path_factory.mktemp("sae_lm")
+    finished_run(directory, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *SAE_LM)
+    return directory
 
 
 @pytest.fixture(scope="module")

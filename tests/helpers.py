@@ -83,6 +83,9 @@ DIGITS_12 = (
     "logger=jsonl",
 )
 # A GPT small enough to train in seconds on one stdlib package (5 files, ~50 kB): a source for the SAE experiments
+# A tiny SAE on the tiny GPT's residual stream after block 1 (+experiment=sae_lm, conftest's sae_lm_run): seconds
+SAE_LM = ["source.layer=1", "model.n_latents=64", "model.k=4", "data.batch_size=64", "data.buffer_size=512"]
+SAE_LM += ["data.samples_per_epoch=1024", "trainer.max_duration=8st", "logger=none", "checkpoint=none"]
 TINY_LM = [
     "+experiment=lm",
     f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",

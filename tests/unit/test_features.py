@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import finished_run
+from helpers import SAE_LM, finished_run
 
 from experiments.sae.pages.dashboard import BEFORE
 from experiments.sae.pages.stats import QUANTILES, LatentStats, bin_edges, logit_lens, nearest, top_per_group
@@ -76,18 +76,6 @@ def test_the_logit_lens_and_neighbours_come_from_the_weights() -> None:
     assert lens["promoted_logits"][1].item() == 1.0  # token 1's 2 x the gain's 0.5
     near, cos = nearest(torch.tensor([[1.0, 0], [0.9, 0.1], [0, 1.0]]), k=1)
     assert near.flatten().tolist() == [1, 0, 1] and cos[0].item() == pytest.approx(0.9939, abs=1e-4)
-
-
-SAE_LM = ["source.layer=1", "model.n_latents=64", "model.k=4", "data.batch_size=64", "data.buffer_size=512"]
-SAE_LM += ["data.samples_per_epoch=1024", "trainer.max_duration=8st", "logger=none", "checkpoint=none"]
-
-
-@pytest.fixture(scope="module")
-def sae_lm_run(lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished SAE on the tiny GPT's residual stream after block 1."""
-    directory = tmp_path_factory.mktemp("sae_lm")
-    finished_run(directory, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *SAE_LM)
-    return directory
 
 
 def test_an_sae_on_a_gpt_gets_pages_whose_contexts_are_the_text_around_its_strongest_activations(

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import finished_run
 
 from experiments.sae.evals.absorption import _absorbed
 from experiments.sae.evals.core import _score, core, windows
@@ -20,21 +19,10 @@ from experiments.sae.evals.run import source_of
 from runner.sae_eval import main
 from runner.trained import load_trained
 
-SAE_LM = ["source.layer=1", "model.n_latents=64", "model.k=4", "data.batch_size=64", "data.buffer_size=512"]
-SAE_LM += ["data.samples_per_epoch=1024", "trainer.max_duration=8st", "logger=none", "checkpoint=none"]
-
-
-@pytest.fixture(scope="module")
-def sae_run(lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished SAE on the tiny GPT's residual stream after block 1."""
-    run = tmp_path_factory.mktemp("sae_lm")
-    finished_run(run, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *SAE_LM)
-    return run
-
 
 @torch.no_grad()
-def test_core_metrics_equal_brute_force_over_the_same_positions(sae_run: Path) -> None:
-    sae, cfg = load_trained(sae_run)
+def test_core_metrics_equal_brute_force_over_the_same_positions(sae_lm_run: Path) -> None:
+    sae, cfg = load_trained(sae_lm_run)
     source = source_of(cfg, torch.device("cpu"))
     got = core(sae, source, tokens=3000, splice_tokens=3000)
     batches = list(windows(source, 3000))
@@ -86,10 +74,10 @@ def test_a_score_whose_ablation_costs_nothing_is_undefined_and_says_why() -> Non
 
 
 def test_the_cli_writes_json_and_a_page_and_refuses_by_name(
-    sae_run: Path, lm_run: Path, tmp_path: Path, capsys
+    sae_lm_run: Path, lm_run: Path, tmp_path: Path, capsys
 ) -> None:
     out = tmp_path / "ev"
-    assert main([str(sae_run), "evals=[core,probing]", "--limit", f"out={out}"]) == 0
+    assert main([str(sae_lm_run), "evals=[core,probing]", "--limit", f"out={out}"]) == 0
     result = json.loads((out / "eval.json").read_text())
     assert set(result["evals"]) == {"core", "probing"}
     assert result["coder"]["module"] == "blocks.1" and result["coder"]["n_latents"] == 64
@@ -104,7 +92,7 @@ def test_the_cli_writes_json_and_a_page_and_refuses_by_name(
         (["tokens=0"], "tokens=0: give a whole number >= 1"),
         (["hook=x"], "hook=: for an SAE folder of SAELens or sparsify"),
     ]:
-        assert main([str(sae_run), *args]) == 2
+        assert main([str(sae_lm_run), *args]) == 2
         assert message in capsys.readouterr().err, args
     assert main([str(lm_run)]) == 2
     assert "is no single SAE or transcoder to evaluate" in capsys.readouterr().err

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import finished_run
 from safetensors.torch import save_file
 
 from experiments.sae.attach import module_for
@@ -23,15 +22,11 @@ from runner.features import main as features_main
 from runner.load import load_model
 from runner.trained import load_trained
 
-SAE_LM = ["source.layer=1", "model.n_latents=64", "model.k=4", "data.batch_size=64", "data.buffer_size=512"]
-SAE_LM += ["data.samples_per_epoch=1024", "trainer.max_duration=8st", "logger=none", "checkpoint=none"]
-
 
 @pytest.fixture(scope="module")
-def exported(lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def exported(sae_lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A finished SAE on the tiny GPT's block 1, and the same SAE written as a SAELens folder."""
-    run = tmp_path_factory.mktemp("sae_lm")
-    finished_run(run, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *SAE_LM)
+    run = sae_lm_run
     sae, _ = load_trained(run)
     folder = tmp_path_factory.mktemp("export") / "saelens"
     export(sae, "saelens", folder, hook="blocks.1", model="tiny-gpt")
