@@ -87,3 +87,12 @@ def test_a_transformers_source_reads_a_dataset_as_its_files(tmp_path: Path) -> N
         a, b = from_files.data.splits[split], from_rows.data.splits[split]
         assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens)), split
     assert len(HF_TEXT) > 0
+
+
+def test_the_cli_refuses_a_dataset_without_its_text_column(written: Path, compose_cfg, tmp_path: Path) -> None:
+    from runner.train import train
+
+    cfg = compose_cfg("+experiment=lm", f"data.dataset={{path: {written / 'disk'}}}", f"data.cache_dir={tmp_path}")
+    with pytest.raises(ConfigError, match=re.escape("data.dataset.text_column=text: the dataset's columns are")):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

@@ -160,3 +160,14 @@ def test_an_imported_sae_on_a_transformers_model_gets_every_evaluation(tmp_path:
     assert "skipped" not in absorption and absorption["read"]["words"] > 20  # the BPE vocabulary's letter tokens
     assert absorption["summary"]["letters"] == len(absorption["tasks"])
     assert set(result["evals"]["probing"]["tasks"]) >= {"token_string", "token_keyword"}
+
+
+def test_probing_with_no_class_to_tell_apart_is_one_error(
+    sae_lm_run: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    # one held-out file of plain names: no string, comment, number or keyword, and a single file for the window task
+    plain = tmp_path / "plain.py"
+    plain.write_text("alpha\nbeta\ngamma\n" * 400)
+    monkeypatch.setattr("experiments.sae.evals.probing.stdlib_sources", lambda: [plain] * 20)
+    assert main([str(sae_lm_run), "evals=[probing]", "--limit", f"out={tmp_path / 'ev'}"]) == 2
+    assert "sparse probing had too few examples of every class" in capsys.readouterr().err
