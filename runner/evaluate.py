@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from runner import ConfigError, check_whole, trust
 from runner.build import build_data
-from runner.load import ATTACH, is_foreign, load_model
+from runner.load import ATTACH, ATTACH_TEXT, is_foreign, load_model
 from runner.log.console import ConsoleLogger
 from runner.outdir import write_failed
 from runner.run import Precision
@@ -198,11 +198,11 @@ def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         elif key in ("split", "weights", "device", "trusted_targets"):
             options[key] = parsed
         elif key in ATTACH:  # an SAE folder of SAELens or sparsify: the model it reads
-            options.setdefault("attach", {})[key] = value if key != "skip_positions" else parsed
+            options.setdefault("attach", {})[key] = value if key in ATTACH_TEXT else parsed
         else:
             raise ConfigError(
                 f"unknown argument {key!r}: give split=, weights=, device=, trusted_targets=, data.KEY=, or for an "
-                "SAE folder of SAELens or sparsify source=, hook=, module=, target=, skip_positions="
+                "SAE folder of SAELens or sparsify source=, hook=, module=, target=, skip_positions=, inputs="
             )
     for key in ("split", "weights", "device"):
         if key in options and not isinstance(options[key], str):

@@ -22,7 +22,7 @@ from typing import Any
 
 from runner import ConfigError
 from runner.evaluate import checked_device, read_options
-from runner.load import ATTACH, load_model
+from runner.load import ATTACH, ATTACH_TEXT, load_model
 from runner.outdir import output_folder, write_failed
 from runner.rundir import DiskFull
 from runner.trained import trusted_here
@@ -46,7 +46,7 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
     argv = [a for a in argv if a != "--serve"]
     if not argv or "=" in argv[0] or argv[0].startswith("-"):
         raise ConfigError(USAGE)
-    options = read_options(argv[1:], DEFAULTS, ("out", "device", "source", "hook", "module", "target"), ", or --serve")
+    options = read_options(argv[1:], DEFAULTS, ("out", "device", *ATTACH_TEXT), ", or --serve")
     for key in ("tokens", "top", "port"):
         value = options[key]
         if isinstance(value, float) and value.is_integer():

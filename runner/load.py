@@ -16,7 +16,8 @@ from runner.rundir import CONFIG
 from runner.trained import TRUSTED_TARGETS, load_trained
 
 # What a tool takes to attach an SAE folder of SAELens or sparsify to its model (load_model)
-ATTACH = ("source", "hook", "module", "target", "skip_positions")
+ATTACH = ("source", "hook", "module", "target", "skip_positions", "inputs")
+ATTACH_TEXT = ("source", "hook", "module", "target")  # read as given; the others as Hydra reads values
 
 
 def is_foreign(path: str | Path) -> bool:
@@ -37,7 +38,7 @@ def load_model(
 ) -> tuple[nn.Module, DictConfig]:
     """What runner's tools read: a finished run's model and config (load_trained), or an SAE folder of SAELens or
     sparsify attached to the model it reads, as if runner had trained it there (`attach`: source, hook, module,
-    target, skip_positions; experiments/sae/attach.py)."""
+    target, skip_positions, inputs: a transformers source's text; experiments/sae/attach.py)."""
     attach = {key: value for key, value in (attach or {}).items() if value is not None}
     if is_foreign(path):
         if weights is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from runner import ConfigError
 from runner.evaluate import checked_device, read_options
-from runner.load import ATTACH, load_model
+from runner.load import ATTACH, ATTACH_TEXT, load_model
 from runner.log.console import ConsoleLogger
 from runner.outdir import output_folder, write_failed
 from runner.rundir import DiskFull
@@ -42,7 +42,7 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
     argv = [a for a in argv if a != "--limit"]
     if not argv or "=" in argv[0] or argv[0].startswith("-"):
         raise ConfigError(USAGE)
-    options = read_options(argv[1:], DEFAULTS, ("out", "device", "source", "hook", "module", "target"), ", --limit")
+    options = read_options(argv[1:], DEFAULTS, ("out", "device", *ATTACH_TEXT), ", --limit")
     from experiments.sae.evals.run import EVALS  # noqa: PLC0415 - the SAE task's
 
     evals = [options["evals"]] if isinstance(options["evals"], str) else options["evals"]

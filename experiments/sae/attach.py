@@ -83,10 +83,12 @@ def attached(
     module: str | None = None,
     target: str | None = None,
     skip_positions: int | None = None,
+    inputs: dict[str, Any] | None = None,
     trusted: tuple[str, ...] = TRUSTED_TARGETS,
 ) -> tuple[nn.Module, DictConfig]:
     """The SAE in the SAELens or sparsify folder `path` (`hook` picks one of a sparsify run's) and a config of a run
-    that trained it on `source`'s `module` (a transcoder: to predict `target`'s output), as load_trained returns."""
+    that trained it on `source`'s `module` (a transcoder: to predict `target`'s output), as load_trained returns;
+    `inputs`: a transformers source's text (experiments/sae/sources/pretrained.py INPUTS)."""
     sae, facts = read_folder(path, hook)
     if not source:
         model = f", trained on {facts['model']}" if facts.get("model") else ""
@@ -116,9 +118,13 @@ def attached(
         "skip_positions": skip_positions,
         "trusted_targets": list(trusted),
     }
+    if inputs is not None and not isinstance(inputs, dict):
+        raise ConfigError(f"inputs={inputs!r}: give a mapping, e.g. 'inputs={{paths: [corpus/*.txt], context: 64}}'")
     if pretrained.is_pretrained(source):  # windows as long as the SAE was trained on, as the model reads at most
         longest = pretrained.max_positions(model.config) or CONTEXT
-        where["inputs"] = {"context": min(facts.get("context_size") or CONTEXT, longest)}
+        where["inputs"] = {"context": min(facts.get("context_size") or CONTEXT, longest), **(inputs or {})}
+    elif inputs:
+        raise ConfigError("inputs= is a transformers source's text; a runner run reads its own data: leave it out")
     cfg = OmegaConf.create(
         {
             "model": sae.spec,

@@ -13,7 +13,8 @@ import pytest
 import torch
 from helpers import ROOT, ok, python, read_json
 
-SPARSIFY = ROOT / ".venv-sparsify" / "bin" / "python"  # benchmarks/peers/install.sh makes it; CI has none
+SPARSIFY = ROOT / ".venv-sparsify" / "bin" / "python"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])  # benchmarks/peers/install.sh makes it; CI has none
 # script -> its smoke arguments (the slowest first: they start in this order). Every script runs with --device cpu:
 # the checks below are the CPU's (identical losses and decoders, no MFU), also on a machine with a GPU.
 SMOKE = {
@@ -62,6 +63,11 @@ SMOKE = {
         *("--source-args", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32"),
     ],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
+    # an SAELens-layout SAE on a 1-block GPT-2 of width 32 (a 400-token BPE of one stdlib package), every evaluation
+    "sae_eval": [
+        *("--gpt2", "gpt2", "--n-layer", "1", "--n-embd", "32", "--vocab", "400", "--latents", "64", "--k", "4"),
+        *("--layer", "0", "--tokens", "2000", "--corpus", *map(str, sorted(STDLIB.glob("json/*.py")))),
+    ],
     # 3 layers of 16, 32 latents a layer: the CLT and its per-layer transcoders, 12 steps each
     "clt": ["--layers", "3", "--d", "16", "--n-latents", "32", "--k", "4", "--batch", "64", "--steps", "12"],
     "stream": [
@@ -286,6 +292,13 @@ def test_clt_smoke(runs: dict[str, Future]) -> None:
     assert results["per_layer"]["params"] == 3 * (16 * 32 + 32) + 3 * (32 * 16 + 16)
     assert results["clt"]["params"] == 3 * (16 * 32 + 32) + 6 * (32 * 16 + 16)
     assert all(r["step_ms"] > 0 and r["peak_mb"] > 100 for r in results.values())
+
+
+def test_sae_eval_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_eval"].result()
+    gpt2 = result["gpt2"]
+    assert set(gpt2["seconds"]) == {"core", "probing", "absorption"} and gpt2["read"]["core"]["positions"] >= 2000
+    assert gpt2["peak_rss_mb"] > 0 and "AVX" in result["cpu"]
 
 
 def test_sae_kl_smoke(runs: dict[str, Future]) -> None:

@@ -141,7 +141,7 @@ def test_absorption_follows_saebench_cases(a, s, cos, codes, main, expected) -> 
 
 
 def test_an_imported_sae_on_a_transformers_model_gets_every_evaluation(tmp_path: Path, capsys) -> None:
-    from helpers import tiny_hf_model
+    from helpers import hf_text, tiny_hf_model
 
     from experiments.sae.coders.activations import TopKSAE
     from experiments.sae.formats import export
@@ -151,9 +151,11 @@ def test_an_imported_sae_on_a_transformers_model_gets_every_evaluation(tmp_path:
     sae.initialized.fill_(True)
     export(sae, "saelens", tmp_path / "sae", hook="blocks.1", model="tiny")  # -> blocks.1.hook_resid_post
     out = tmp_path / "ev"
-    assert main([str(tmp_path / "sae"), f"source={model}", "--limit", f"out={out}"]) == 0
+    inputs = f"inputs={{paths: [{','.join(hf_text(tmp_path / 'text'))}], val_every: 2, context: 16}}"
+    assert main([str(tmp_path / "sae"), f"source={model}", inputs, "--limit", f"out={out}"]) == 0
     result = json.loads((out / "eval.json").read_text())
     assert result["coder"]["module"] == "transformer.h.1" and result["coder"]["source"] == str(model)
+    assert result["evals"]["core"]["read"]["windows"] * 16 >= result["evals"]["core"]["read"]["positions"]
     core_ = result["evals"]["core"]
     assert core_["downstream"]["positions"] > 0 and 0 < core_["reconstruction"]["cossim"] <= 1
     absorption = result["evals"]["absorption"]
