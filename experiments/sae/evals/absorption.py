@@ -18,7 +18,7 @@ Reported: the mean absorption fraction and full-absorption rate over letters, an
 What is not SAEBench's: the activations are the SAE's own hook point (SAEBench reads blocks.L.hook_resid_post for
 any SAE of layer L); the probes are L2 logistic regressions (C = 1, balanced classes, L-BFGS) where SAEBench trains
 its letter probe with Adam for 50 epochs and ranks latents by an L1-penalised probe's weights; the words are at most
-2000 (a seeded sample) and the split is seeded; fewer than 20 letters passing is said in a note, where SAEBench stops.
+1000 (a seeded sample) and the split is seeded; fewer than 20 letters passing is said in a note, where SAEBench stops.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from experiments.sae.sources.source import SourceModel
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 TEMPLATE = "{word} has the first letter:"
-WORDS, ICL, BATCH = 2000, 10, 32
+WORDS, ICL, BATCH = 1000, 10, 32
 MIN_F1, MIN_LETTERS, F1_JUMP, MAX_K = 0.6, 20, 0.03, 10
 COS_ABSORBING, PROPORTION, ABSORBING, COS_FULL = 0.1, 0.4, 3, 0.025
 

@@ -147,13 +147,13 @@ class _Sums:
 
 
 def _mean_of(source: SourceModel, name: str, rows: int) -> torch.Tensor:
-    # the module's mean output over its first `rows` rows (the held-out windows first), for the mean ablation
+    # the module's mean output over its first `rows` rows (the held-out windows first), for the mean ablation; the
+    # forward stops at the hooked modules (a transcoder's rows: its input's columns, then its target's, `name`'s)
     total, count = None, 0
     for batch, _ in windows(source, rows):
-        with source.observing([name], to_device(batch, source.device)) as seen:
-            source.loss(to_device(batch, source.device))
-        part = seen[name].double().sum(0)
-        total, count = (part if total is None else total + part), count + len(seen[name])
+        acts = source.activations(to_device(batch, source.device))
+        part = acts[:, -source.widths[name] :].double().sum(0)
+        total, count = (part if total is None else total + part), count + len(acts)
     return (total / count).float()
 
 
@@ -176,6 +176,7 @@ def core(
     sums = _Sums(sae.d_out, sae.n_latents, source.device)
     losses = {k: torch.zeros(2, dtype=torch.float64) for k in ("clean", "spliced", "zero_ablated", "mean_ablated")}
     splice = Splice([read], {replaced: lambda captured: sae(captured[read].float())})
+    ablations = {"zero_ablated": torch.zeros_like, "mean_ablated": lambda out: mean.to(out).expand_as(out)}
     spliced_positions, n_windows, batches = 0, 0, 0
     for batch, mask in windows(source, tokens):
         batch = to_device(batch, source.device)
@@ -195,14 +196,14 @@ def core(
             clean_rows = clean_logits[mask.to(clean_logits.device)].float()
             del clean_logits  # [windows, positions, vocab]: the kept rows are all that is compared
             losses["clean"] += torch.stack([ce.double().sum().cpu(), torch.zeros((), dtype=torch.float64)])
-            others = {
-                "spliced": source.run(batch, splice)[1],
-                "zero_ablated": source.replaced(batch, replaced, torch.zeros_like)[1],
-                "mean_ablated": source.replaced(batch, replaced, lambda out: mean.to(out).expand_as(out))[1],
-            }
-            for name, logits in others.items():
+            for name in ("spliced", "zero_ablated", "mean_ablated"):  # one at a time: logits are most of the memory
+                if name == "spliced":
+                    logits = source.run(batch, splice)[1]
+                else:
+                    logits = source.replaced(batch, replaced, ablations[name])[1]
                 ce, kl = per_token(logits, tokens_, mask, clean_rows)
                 losses[name] += torch.stack([ce.double().sum(), kl.double().sum()]).cpu()
+                del logits
             spliced_positions += int(mask.sum())
         n_windows, batches = n_windows + len(batch["tokens"]), batches + 1
         if working is not None:
