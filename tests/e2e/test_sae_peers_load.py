@@ -24,12 +24,10 @@ from runner.trained import load_trained
 pytestmark = pytest.mark.slow
 
 PEERS = {
-    "saelens": (
-        "from sae_lens import SAE\nsae = SAE.load_from_disk(folder)\nout = sae(x)\nmeta = sae.cfg.metadata.to_dict()",
-    ),
-    "sparsify": (
-        "from sparsify import SparseCoder\nsae = SparseCoder.load_from_disk(folder)\nout = sae(x).sae_out\nmeta = {}",
-    ),
+    "saelens": "from sae_lens import SAE\nsae = SAE.load_from_disk(folder)\nout = sae(x)\n"
+    "meta = sae.cfg.metadata.to_dict()",
+    "sparsify": "from sparsify import SparseCoder\nsae = SparseCoder.load_from_disk(folder)\nout = sae(x).sae_out\n"
+    "meta = {}",
 }
 # the peer's output on the inputs, and which class it loaded and with what metadata (printed as JSON)
 LOAD = """
