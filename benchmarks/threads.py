@@ -1,13 +1,13 @@
-"""Which thread setting loses least, on an idle machine and on one whose cores are busy with other work: torch's
-default (one thread per core, OpenMP's default wait policy: a thread that runs out of work spins before it sleeps),
-that with OMP_WAIT_POLICY=PASSIVE (it sleeps at once), and threads=1.
+"""Which thread setting loses least, on an idle machine and on one whose cores are busy with other work: runner's own
+choice (`auto`: OpenMP's wait policy picked at start from the machine's load, runner/waits.py), threads that always
+spin (OMP_WAIT_POLICY=ACTIVE), that always sleep at once (PASSIVE), and threads=1 (with PASSIVE).
 
-    python benchmarks/threads.py [--reps 3] [--load N] [--only digits,sae] [--json out.json]
+    python benchmarks/threads.py [--reps 5] [--load N] [--only digits,sae,lm] [--json out.json]
 
-Each workload is a whole `python -m runner` process (a README command, the SAE one shortened to 300 steps), timed
-wall-clock, the three settings in turn (A B C A B C ...) so that drift hits them alike; "loaded" runs the same with
-`--load` busy processes (default: one per core) spinning beside it, as on a shared machine. Prints each setting's
-median seconds and its ratio to the best setting of that row.
+Each workload is a whole `python -m runner` process (a README command, the SAE one shortened to 300 steps, the lm one
+to 60), timed wall-clock, the settings in turn (A B C D A B C D ...) so that drift hits them alike; "loaded" runs the
+same with `--load` busy processes (default: one per core) spinning beside it, as on a shared machine. Prints each
+setting's median seconds and its ratio to the best setting of that row, and each setting's worst ratio over the rows.
 """
 
 from __future__ import annotations
@@ -26,17 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
     "digits": ["+experiment=digits"],
     "sae": ["+experiment=sae", "trainer.max_duration=300st"],
+    "lm": ["+experiment=lm", "trainer.max_duration=60st", "logger=none", "callbacks=none"],
 }
 SETTINGS = {
-    "default": ({}, []),
+    "auto": ({}, []),
+    "active": ({"OMP_WAIT_POLICY": "ACTIVE"}, []),
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
-    "threads=1": ({}, ["threads=1"]),
+    "threads=1": ({"OMP_WAIT_POLICY": "PASSIVE"}, ["threads=1"]),
 }
 
 
 def _timed(workload: list[str], setting: str, folder: Path) -> float:
     env_extra, args = SETTINGS[setting]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
     env.update(env_extra, WANDB_MODE="offline")
     command = [sys.executable, "-m", "runner", *workload, *args, f"hydra.run.dir={folder}", "checkpoint=none"]
     start = time.perf_counter()
@@ -50,9 +52,9 @@ def _load(n: int) -> list[subprocess.Popen]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--load", type=int, default=len(os.sched_getaffinity(0)), help="busy processes when loaded")
-    parser.add_argument("--only", help="comma-separated workloads: digits, sae")
+    parser.add_argument("--only", help="comma-separated workloads: digits, sae, lm")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(WORKLOADS)

@@ -2,18 +2,20 @@
 
 import gc
 import importlib.util
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# Every `python -m runner.<tool>` (generate, features, evaluate, export, ...) gets `python -m runner`'s OpenMP wait
-# policy (runner/__main__.py says why): on a busy machine runner.generate ran at 4 tokens/s without it, ~200 with it.
-# Set here because the package is imported before the tool, and so before torch; sys.argv[0] is "-m" only while `-m`
-# looks for its module, so a library import (a notebook's `import runner`) changes nothing. A user's own value wins.
+# Every `python -m runner.<tool>` (generate, features, evaluate, export, sae_eval, ...) gets `python -m runner`'s
+# OpenMP wait policy, chosen from the machine's load (runner/waits.py): on a busy machine runner.generate ran at 4
+# tokens/s with spinning threads, ~200 with sleeping ones. Chosen here because the package is imported before the
+# tool, and so before torch; sys.argv[0] is "-m" only while `-m` looks for its module, so a library import (a
+# notebook's `import runner`) changes nothing. A user's own value wins.
 if sys.argv[:1] == ["-m"] and "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from runner import waits
+
+    waits.choose()
 
 
 class ConfigError(ValueError):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import gc
 import os
 
-# OpenMP's threads sleep as soon as they run out of work instead of spinning. With the cores shared (a busy machine,
-# jobs side by side) spinning took 1.74-2.48x the best setting's time, sleeping at worst 1.37x (a tiny model on an
-# idle machine), threads=1 too (the SAE preset, idle): benchmarks/threads.py. OpenMP reads it once, when torch loads
-# it, so it is set before torch is imported; a user's own OMP_WAIT_POLICY (ACTIVE on a machine of one's own) wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy for this machine's load, before torch loads OpenMP (runner/waits.py): threads that sleep at once
+# where other processes use the cores, that spin a moment where none do; a user's own OMP_WAIT_POLICY wins.
+from runner import waits  # noqa: E402 - the package's own import runs nothing else first
+
+waits.choose()
 gc.disable()  # while torch and the rest load: what runner.collector_paused says (train() pauses it again to build)
 
 import difflib

@@ -68,6 +68,7 @@ class ConsoleLogger(Logger):
             "precision",
             "world_size",
             "threads",
+            "wait_policy",
             "distributed",
             "compile",
             "activation_checkpointing",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from runner import waits
 from runner.run import Run
 from runner.sweeps.job import SweepJob
 
@@ -42,7 +43,7 @@ def run_metadata(device: str, world_size: int) -> dict[str, Any]:
         "device": device,
         "world_size": world_size,
         "threads": torch.get_num_threads(),
-        "openmp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE from `python -m runner` unless set
+        "openmp_wait_policy": waits.chosen or {"policy": os.environ.get("OMP_WAIT_POLICY"), "why": "not chosen"},
     }
 
 
@@ -57,6 +58,7 @@ def run_info(run: Run, cfg: DictConfig, sweep: SweepJob | None = None) -> dict[s
         "precision": run.precision.name,
         "world_size": run.world_size,
         "threads": torch.get_num_threads(),  # intra-op threads: they change speed, and the last bits of results
+        "wait_policy": f"{waits.chosen['policy']}: {waits.chosen['why']}" if waits.chosen else "not chosen (library)",
         "distributed": f"{run.strategy.strategy}, backend {run.strategy.backend}, "
         f"{run.strategy.local_world_size} rank(s) per node on {run.world_size // run.strategy.local_world_size} "
         "node(s)",

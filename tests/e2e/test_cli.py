@@ -92,8 +92,9 @@ def test_two_epochs_write_every_file_with_exact_counts(runs: Runs) -> None:
     assert meta["hostname"] == socket.gethostname()
     assert meta["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert meta["world_size"] == 1
-    # python -m runner set OpenMP's passive wait before torch loaded it (the session did not set one of its own)
-    assert meta["openmp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    # python -m runner chose OpenMP's wait policy before torch loaded it, and says why (or that it was the user's)
+    chosen = meta["openmp_wait_policy"]
+    assert chosen["policy"] == os.environ.get("OMP_WAIT_POLICY", chosen["policy"]) and chosen["why"], chosen
 
     summary = read_json(run / "summary.json")
     assert SUMMARY_KEYS <= set(summary)

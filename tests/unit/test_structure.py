@@ -120,17 +120,39 @@ def test_every_module_imports_alone_in_a_fresh_process() -> None:
     assert not failures, failures
 
 
-def test_the_command_sets_openmp_s_wait_policy_before_anything_imports_torch() -> None:
-    # OpenMP reads OMP_WAIT_POLICY once, when torch loads it: the setdefault must run before the first import of
-    # torch or of any module that imports it (every runner module but the package's __init__ does)
+def test_the_command_chooses_openmp_s_wait_policy_before_anything_imports_torch() -> None:
+    # OpenMP reads OMP_WAIT_POLICY once, when torch loads it: the choice must run before the first import of torch or
+    # of any module that imports it (every runner module but the package's __init__ and runner.waits does)
     tree = ast.parse((ROOT / "runner" / "__main__.py").read_text())
     body = [node for node in tree.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
-    first_set = next(
-        i for i, node in enumerate(body) if "OMP_WAIT_POLICY" in ast.unparse(node) and "setdefault" in ast.unparse(node)
-    )
-    imports = [node for node in body[:first_set] if isinstance(node, ast.Import | ast.ImportFrom)]
-    assert [ast.unparse(node) for node in imports] == ["from __future__ import annotations", "import gc", "import os"]
-    assert "PASSIVE" in ast.unparse(body[first_set])
+    first = next(i for i, node in enumerate(body) if ast.unparse(node) == "waits.choose()")
+    imports = [ast.unparse(node) for node in body[:first] if isinstance(node, ast.Import | ast.ImportFrom)]
+    assert imports == ["from __future__ import annotations", "import gc", "import os", "from runner import waits"]
+    waits_imports = [
+        n
+        for n in ast.walk(ast.parse((ROOT / "runner" / "waits.py").read_text()))
+        if isinstance(n, ast.Import | ast.ImportFrom)
+    ]
+    assert {alias.name for n in waits_imports for alias in n.names} <= {"annotations", "os", "time"}
+
+
+@pytest.mark.parametrize(
+    ("running", "environ", "policy", "why"),
+    [
+        (3, {}, "PASSIVE", "2 other process(es) running"),  # this one and two others
+        (1, {}, None, "no other process running"),  # libgomp's own: spin a moment, then sleep
+        (None, {}, "PASSIVE", "not readable"),
+        (3, {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE", "yours (OMP_WAIT_POLICY set)"),
+        (3, {"GOMP_SPINCOUNT": "1000"}, None, "yours (GOMP_SPINCOUNT set)"),
+    ],
+)
+def test_the_wait_policy_follows_the_machine_s_load_unless_the_user_chose(running, environ, policy, why, monkeypatch):
+    from runner import waits
+
+    monkeypatch.setattr(waits, "_running", lambda: running)
+    monkeypatch.setattr(waits, "chosen", {})
+    chosen = waits.choose(environ)
+    assert environ.get("OMP_WAIT_POLICY") == policy and why in chosen["why"], chosen
 
 
 def test_every_python_m_tool_gets_the_wait_policy_and_a_library_import_does_not(tmp_path: Path) -> None:
@@ -143,10 +165,10 @@ def test_every_python_m_tool_gets_the_wait_policy_and_a_library_import_does_not(
     assert seen.stdout.strip() == "-m", seen
 
     def policy(argv0: str, **extra: str) -> str:
-        code = f"import os, sys; sys.argv[:1] = [{argv0!r}]; import runner; print(os.environ.get('OMP_WAIT_POLICY'))"
+        code = f"import sys; sys.argv[:1] = [{argv0!r}]; import runner.waits; print(runner.waits.chosen)"
         done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
         return done.stdout.strip()
 
-    assert policy("-m") == "PASSIVE"  # python -m runner.generate, runner.features, ...
-    assert policy("-c") == "None"  # import runner from a notebook or a script
-    assert policy("-m", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's own wins
+    assert "'why': " in policy("-m")  # python -m runner.generate, runner.features, ...: chosen (by the load)
+    assert policy("-c") == "{}"  # import runner from a notebook or a script: nothing
+    assert "'policy': 'ACTIVE', 'why': 'yours" in policy("-m", OMP_WAIT_POLICY="ACTIVE")  # the user's own wins
