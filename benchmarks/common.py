@@ -210,7 +210,8 @@ def spawn(command: list[str], out: Path, env: dict[str, str] | None = None, log:
 
     The worker reports its own peak GPU memory (Stamps.write's peak_gpu_mb): wait4 sees only host memory.
     """
-    # every contender under the OpenMP wait policy that `python -m runner` gives itself (runner/__main__.py)
+    # every contender under one OpenMP wait policy, PASSIVE unless the caller sets one: `python -m runner` would
+    # otherwise choose its own from the load at its start (runner/waits.py), which a hand-written loop does not
     policy = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     base = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **policy, "PYTHONPATH": str(ROOT)}
     child = {**base, **(env or {})}  # the caller's variables win (a worker's threads, its own compile cache)

@@ -1,8 +1,10 @@
 """OpenMP's wait policy, chosen once at start from how busy the machine is: what torch's idle threads do between
-parallel regions. On an idle machine they should spin a moment (libgomp's default): sleeping at once cost a tiny model
-1.37x a step. On a machine whose cores other processes use, they should sleep at once (PASSIVE): spinning against
-that work cost 1.7-2.5x (benchmarks/threads.py). OpenMP reads the policy once, when torch loads it, so this runs
-before torch is imported: from runner/__init__.py for every `python -m runner.<tool>`, and runner/__main__.py.
+parallel regions. On an idle machine they should spin a moment (libgomp's default): sleeping at once cost digits'
+tiny steps 1.40x. On a machine whose cores other processes use, they should sleep at once (PASSIVE): spinning against
+that work cost 2.0-2.9x. Chosen so, within 2% of the best of four settings on digits, the SAE and the lm presets,
+idle and loaded, but digits loaded (1.13x, where threads=1 wins): benchmarks/threads.py, benchmarks/README.md. OpenMP
+reads the policy once, when torch loads it, so this runs before torch is imported: from runner/__init__.py for every
+`python -m runner.<tool>`, and runner/__main__.py.
 
 A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. The choice and why are kept (`chosen`) for the start table and
 run.json. What it cannot see: load that starts after it (a second job launched a minute later); a sweep's parallel
