@@ -85,9 +85,7 @@ def evaluate_run(
             callback.on_validation_end(run, metrics)
     used = Path(weights) if weights is not None else run_dir / MODEL
     if foreign:  # the folder's own weights file
-        used = Path(cfg.imported.folder) / (
-            "sae.safetensors" if cfg.imported.format == "sparsify" else "sae_weights.safetensors"
-        )
+        used = Path(cfg.imported.weights)
     file = used / MODEL if used.is_dir() else used  # a checkpoint folder's weights file
     result = {
         "split": split,

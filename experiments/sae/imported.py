@@ -73,9 +73,11 @@ def read_folder(path: str | Path, hook: str | None = None) -> tuple[nn.Module, d
     cfg = _json(path / "cfg.json")
     if (path / SAELENS).is_file():
         sae, facts = _saelens(cfg, _tensors(path / SAELENS), path)
+        facts["weights"] = str(path / SAELENS)
     elif (path / SPARSIFY).is_file():
         sae, facts = _sparsify(cfg, _tensors(path / SPARSIFY), path)
         facts["hook"] = path.name  # sparsify names each SAE's folder by its hook point
+        facts["weights"] = str(path / SPARSIFY)
     else:
         raise ConfigError(f"{path} has a cfg.json but neither {SAELENS} (SAELens) nor {SPARSIFY} (sparsify)")
     return sae.eval().requires_grad_(False), facts

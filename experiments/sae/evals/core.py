@@ -46,10 +46,7 @@ def windows(source: SourceModel, tokens: int) -> Iterator[tuple[Any, torch.Tenso
         for batch in loader or ():
             if seen >= tokens:
                 return
-            mask = source.mask(batch)
-            if mask is None:  # a runner GPT's: every position from skip_positions on
-                mask = torch.ones(batch["tokens"][:, :-1].shape, dtype=torch.bool)
-                mask[:, : source.skip] = False
+            mask = source.row_mask(batch)
             seen += int(mask.sum())
             yield batch, mask
 

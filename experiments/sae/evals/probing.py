@@ -129,14 +129,6 @@ def _windows(source: SourceModel, tokens: int) -> list[dict[str, Any]]:
     return out
 
 
-def _mask(source: SourceModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    mask = source.mask(batch)
-    if mask is None:
-        mask = torch.ones(batch["tokens"][:, :-1].shape, dtype=torch.bool)
-        mask[:, : source.skip] = False
-    return mask
-
-
 def _sparse(values: torch.Tensor, indices: torch.Tensor | None, n: int) -> torch.Tensor:
     # codes as a sparse [rows, n_latents] matrix (float64), whatever their shape
     if indices is None:
@@ -156,7 +148,7 @@ def _features(sae: nn.Module, source: SourceModel, windows: list[dict[str, Any]]
     for done, start in enumerate(range(0, len(windows), 32), 1):
         chunk = windows[start : start + 32]
         batch = {"tokens": torch.tensor([w["tokens"] for w in chunk], dtype=torch.long)}
-        mask = _mask(source, batch)
+        mask = source.row_mask(batch)
         rows = source.activations(to_device(batch, source.device))
         x = sae.split(rows.float())[0] if sae.transcoder else rows.float()
         values, indices = sae.codes(x)

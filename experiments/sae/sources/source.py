@@ -151,6 +151,14 @@ class SourceModel:
         """[B, T]: which positions of a batch give rows (a transformers source); None: all from skip_positions on."""
         return None if self.pretrained is None else self.pretrained.mask(batch, self.skip)
 
+    def row_mask(self, batch: Any) -> torch.Tensor:
+        """[B, T]: True where a position of a batch of windows gives a row (`mask`, or all from skip_positions on)."""
+        mask = self.mask(batch)
+        if mask is None:
+            mask = torch.ones(batch["tokens"][:, :-1].shape, dtype=torch.bool)
+            mask[:, : self.skip] = False
+        return mask
+
     def positions(self, batch: Any, width: int) -> torch.Tensor:
         """The flat indices (window x `width` + position) of the positions that give an input batch's rows, in order."""
         mask = self.mask(batch)
