@@ -15,10 +15,9 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from experiments.sae.sources.source import SourceModel
+from experiments.sae.sources.source import SourceModel, hooked_source
 from runner import ConfigError
 from runner.rundir import write_atomic, write_json
-from runner.trained import TRUSTED_TARGETS
 
 EVALS = ("core", "probing", "absorption")
 
@@ -32,9 +31,7 @@ def source_of(cfg: DictConfig, device: torch.device) -> SourceModel:
             "its source model and read that model's text (an SAE of +experiment=sae_lm or sae_hf, or an imported "
             "one with source=)"
         )
-    trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
-    inputs, skip = data.get("inputs"), int(data.get("skip_positions", 0))
-    return SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs, data.get("target"))
+    return hooked_source(data, device)
 
 
 def evaluate(

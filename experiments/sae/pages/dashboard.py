@@ -25,11 +25,10 @@ from experiments.sae.pages.stats import (
     nearest,
 )
 from experiments.sae.pages.write import family_index, write_pages
-from experiments.sae.sources.source import SourceModel
+from experiments.sae.sources.source import hooked_source
 from runner import ConfigError
 from runner.outdir import within
 from runner.rundir import SUMMARY, read_json
-from runner.trained import TRUSTED_TARGETS
 
 BEFORE, AFTER = 24, 6  # tokens of text shown before and after a firing one
 
@@ -78,12 +77,7 @@ class _Text:
     texts = True
 
     def __init__(self, cfg: DictConfig, device: torch.device, tokens: int) -> None:
-        data = cfg.data
-        trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
-        skip, inputs = int(data.get("skip_positions", 0)), data.get("inputs")
-        # a transcoder's rows hold its target's columns too: the pages read the input side of them
-        target = data.get("target")
-        self.source = SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs, target)
+        self.source = hooked_source(cfg.data, device)  # a transcoder's: the pages read the input side of its rows
         self.tokens, self.windows, self.positions, self.splits, self.read = tokens, [], [], {}, 0
         if self.source.pretrained is not None:
             self.vocab = self.source.pretrained.vocab()

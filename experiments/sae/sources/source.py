@@ -417,3 +417,11 @@ def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     p = clean.double().log_softmax(-1)
     q = other.double().log_softmax(-1)
     return (p.exp() * (p - q)).sum(-1).mean()
+
+
+def hooked_source(data: Any, device: torch.device) -> SourceModel:
+    """The source model that a hooked run's `data` config (HookedData's keys) reads, on `device`; a transcoder's
+    rows hold its target's columns too."""
+    trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
+    skip, inputs = int(data.get("skip_positions", 0)), data.get("inputs")
+    return SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs, data.get("target"))
