@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from experiments.sae.evals.absorption import _absorbed
 from experiments.sae.evals.core import _score, core, windows
-from experiments.sae.evals.probing import char_categories, fit_logistic
+from experiments.sae.evals.probes import fit_logistic
+from experiments.sae.evals.probing import char_categories
 from experiments.sae.evals.run import source_of
 from runner.sae_eval import main
 from runner.trained import load_trained

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.evals.probing import fit_logistic
+from experiments.sae.evals.probes import fit_logistic
 from experiments.sae.sources.pretrained import max_positions
 from experiments.sae.sources.source import SourceModel
 

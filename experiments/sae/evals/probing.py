@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from experiments.lm.corpus import read_text, stdlib_sources
+from experiments.sae.evals.probes import fit_logistic
 from experiments.sae.sources.source import SourceModel
 from runner import ConfigError
 from runner.data import to_device
@@ -176,33 +177,6 @@ def _features(sae: nn.Module, source: SourceModel, windows: list[dict[str, Any]]
             working(done, -(-len(windows) // 32))
     cat = lambda parts: torch.cat(parts) if parts[0].layout == torch.strided else torch.cat(parts).coalesce()  # noqa: E731
     return {"positions": {k: cat(v) for k, v in pos.items()}, "windows": {k: cat(v) for k, v in win.items()}}
-
-
-def fit_logistic(
-    x: torch.Tensor, y: torch.Tensor, c: float = 1.0, balanced: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2 logistic regression as scikit-learn's LogisticRegression(C=c) fits it: (weights, bias) minimising
-    0.5 ||w||^2 + c * sum of the log losses (the bias unpenalised), by L-BFGS in float64; `balanced`: each class's
-    losses weighted by n / (2 n_class), as its class_weight="balanced"."""
-    x, sign = x.double(), y.double() * 2 - 1
-    weight = torch.ones_like(sign)
-    if balanced:
-        positives = y.double().sum().clamp(1, len(y) - 1)
-        weight = torch.where(y.bool(), len(y) / (2 * positives), len(y) / (2 * (len(y) - positives)))
-    w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([w], max_iter=1000, tolerance_grad=1e-8, line_search_fn="strong_wolfe")
-
-    def loss() -> torch.Tensor:
-        optimizer.zero_grad()
-        value = (
-            0.5 * w[:-1].pow(2).sum() + c * (weight * torch.nn.functional.softplus(-sign * (x @ w[:-1] + w[-1]))).sum()
-        )
-        value.backward()
-        return value
-
-    with torch.enable_grad():
-        optimizer.step(loss)
-    return w[:-1].detach(), w[-1].detach()
 
 
 def _balanced(positive: torch.Tensor, negative: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor | None:
