@@ -5,7 +5,10 @@
 First the imports: a GPU machine may have torch but not Hydra, and no internet. Each missing package is named with the
 way to bring its wheel (`wheels_hint`), and the check exits 2 before running anything. Then each step runs in a fresh
 process, from the repository root, in order (what a short lease must not miss first):
-- `pytest -m gpu` over tests/unit (4 xdist workers where pytest-xdist is installed);
+- `pytest -m "gpu or triton"` over tests/unit (4 xdist workers where pytest-xdist is installed): the Triton kernels'
+  tests compiled on the GPU;
+- runner's SAE step with its torch and its Triton kernels beside sparsify's, in one process (sae_kernels.py, with
+  the sparsify virtualenv's python where there is one), bf16 and fp32;
 - the benchmarks with `--device`: the SAE peers (where their virtualenvs are), the LM -> SAE pipeline, a transformers
   source, SAE throughput, a cross-layer transcoder, transcoders against the peers, the lm, overhead, startup,
   checkpoint.
@@ -79,7 +82,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
     def script(name: str, tag: str, *args: str) -> list[str]:
         return [py, bench(name), "--device", device, *args, "--json", str(out / f"{tag}.json")]
 
-    usual = ["--size", "usual", "--reps", str(reps), "--steps", "20"]
+    usual = ["--size", "usual", "--reps", str(reps), "--steps", "20", "--backward", "dense", "sparse", "triton"]
     lm, overhead = ["--reps", "1", "--steps", "30"], ["--reps", str(reps - 1), "--steps", "1000"]
     pipeline = ["--shape", "gpt2_small", "--reps", str(reps), "--precision", "bf16", "model.n_latents=12288"]
     lightning = importlib.util.find_spec("lightning") is not None
@@ -94,11 +97,17 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
     transcoder_peers += ["--dir", str(out / "peers-transcoders"), "--runner-args", "model.encoder_init=0.6"]
     # a few test processes share the GPU: most tests are small, and the compiled ones wait on Inductor's CPU work
     xdist = ["-n", "4"] if importlib.util.find_spec("xdist") else []
-    tests = [py, "-m", "pytest", "-m", "gpu", "tests/unit", "-q", "-p", "no:cacheprovider", "--durations=15", *xdist]
+    tests = [py, "-m", "pytest", "-m", "gpu or triton", "tests/unit", "-q", "-p", "no:cacheprovider", "--durations=15"]
+    tests += xdist
     # in order of what a short lease must not miss; each weight is the step's seconds on an H200 (2026-11-26,
     # measured, or guessed for the last five), ~15 minutes in all: a shorter budget cuts the last ones
+    # runner's SAE step (torch and Triton kernels) beside sparsify's, in one process: its virtualenv's python
+    kernels_py = str(ROOT / ".venv-sparsify" / "bin" / "python") if have_peers else py
+    kernels = [kernels_py, bench("sae_kernels"), "--device", device, "--reps", "5", "--steps", "20"]
     plan = [
         ("gpu tests", 80, tests),
+        ("sae kernels bf16", 30, [*kernels, "--precision", "bf16", "--json", str(out / "sae-kernels-bf16.json")]),
+        ("sae kernels fp32", 30, [*kernels, "--precision", "fp32", "--json", str(out / "sae-kernels-fp32.json")]),
         (PEERS_USUAL, 130, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")),
         # GPT-2 small's residual stream after block 6, a 16x SAE fed from a ring on the GPU, against a hand loop
         ("sae pipeline", 40, script("sae_pipeline", "sae-pipeline", *pipeline)),

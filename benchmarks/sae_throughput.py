@@ -1,7 +1,7 @@
 """SAE training throughput: runner's fit() against a minimal hand-written loop of the same SAE, in one process.
 
     python benchmarks/sae_throughput.py [--size preset|usual] [--model topk|batchtopk|matryoshka] [--device cpu|cuda]
-                                        [--precision fp32|bf16] [--backward dense sparse] [--steps 60] [--reps 3]
+                                        [--precision fp32|bf16] [--backward dense sparse triton] [--steps 60] [--reps 3]
                                         [--json out.json]
 
 Sizes: `preset`, the default TopK SAE of +experiment=sae (d=256, 1024 latents, k=5, AuxK, batch 2048) on its synthetic
@@ -18,10 +18,12 @@ torch.cuda.synchronize() at the start and the end only. The SAE's step reads not
 masks the dead latents on the device). On the CPU, torch's default Adam in both.
 
 `--backward`: the SAE's encoder backward, autograd's dense one (`model.sparse_backward=false`) and the one restricted to
-the picked latents (`true`, experiments/sae/coders/sparse.py); each is run by both loops, all four contenders
-interleaved in one process (the order rotates each repetition), so the table gives runner / hand for each backward and
-sparse / dense for each loop, as medians of the per-repetition ratios with their min and max. The top-level figures of
-`--json` (hand_samples_per_s, runner_samples_per_s, ratio) are the first backward's.
+the picked latents (`true`, experiments/sae/coders/sparse.py) with the torch kernels (`model.kernels=torch`), and
+`triton`, the same with the Triton kernels (experiments/sae/coders/kernels.py: CUDA, or the CPU under
+TRITON_INTERPRET=1); each is run by both loops, all contenders interleaved in one process (the order rotates each
+repetition), so the table gives runner / hand for each backward and each / dense for each loop, as medians of the
+per-repetition ratios with their min and max. The top-level figures of `--json` (hand_samples_per_s,
+runner_samples_per_s, ratio) are the first backward's.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ LOG_EVERY = 50  # runner's log rows, and the hand loop's one read of the device,
 MODELS = {"topk": TopKSAE, "batchtopk": BatchTopKSAE, "matryoshka": MatryoshkaSAE}  # --model
 
 
-def setup(size: str, model: str, steps: int, batch: int, device: str, sparse_backward: bool):
+def setup(size: str, model: str, steps: int, batch: int, device: str, backward: str):
     d, n, k, _ = SIZES[size]
     torch.manual_seed(0)
     if size == "preset":
@@ -73,7 +75,10 @@ def setup(size: str, model: str, steps: int, batch: int, device: str, sparse_bac
     module = SyntheticData if size == "preset" else DataModule
     loader = module(splits, batch_size=batch, shuffle=False).train_loader(device=torch.device(device))
     torch.manual_seed(1)
-    model = MODELS[model](d_in=d, n_latents=n, k=k, dead_window="10st", sparse_backward=sparse_backward).to(device)
+    kernels = "triton" if backward == "triton" else "torch"  # triton: the sparse backward by its kernels
+    model = MODELS[model](
+        d_in=d, n_latents=n, k=k, dead_window="10st", sparse_backward=backward != "dense", kernels=kernels
+    ).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused(device))  # as runner's build makes it here
     progress = TrainingProgress(
         f"{steps}st",
@@ -103,12 +108,12 @@ def _stop(device: str, start: float, samples: int) -> dict[str, float | None]:
 
 
 def hand_written(
-    size: str, model: str, steps: int, batch: int, device: str, precision: str, sparse: bool
+    size: str, model: str, steps: int, batch: int, device: str, precision: str, backward: str
 ) -> tuple[dict, Tensor]:
     """The loop by hand: no read from the device in it (the model's own aside) but one every LOG_EVERY steps, where it
     tells the SAE whether latents died since the last, as runner's log rows do (on CUDA AuxK runs from then on only:
     without it the hand loop would skip AuxK's work there and train another SAE)."""
-    model, opt, loader, progress = setup(size, model, steps, batch, device, sparse)
+    model, opt, loader, progress = setup(size, model, steps, batch, device, backward)
     sched = wsd(optimizer=opt, progress=progress).scheduler
     autocast = _precision(precision, device).autocast
     dead = torch.zeros((), device=device)  # the window's dead fractions, summed on the device
@@ -129,10 +134,10 @@ def hand_written(
 
 
 def runner_fit(
-    size: str, model: str, steps: int, batch: int, device: str, precision: str, sparse: bool
+    size: str, model: str, steps: int, batch: int, device: str, precision: str, backward: str
 ) -> tuple[dict, Tensor]:
     """runner's fit() on a Run built by hand with the same model, optimizer, schedule and loader."""
-    model, opt, loader, progress = setup(size, model, steps, batch, device, sparse)
+    model, opt, loader, progress = setup(size, model, steps, batch, device, backward)
     run = Run(
         task=model,
         optimizer=opt,
@@ -159,7 +164,8 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="topk", help="the SAE (k, latents: the size's)")
     parser.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--backward", nargs="+", choices=["dense", "sparse"], default=["dense", "sparse"])
+    backwards = ["dense", "sparse", "triton"]  # triton: the sparse one by experiments/sae/coders/kernels.py (CUDA)
+    parser.add_argument("--backward", nargs="+", choices=backwards, default=["dense", "sparse"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=None, help="default: the size's")
     parser.add_argument("--reps", type=int, default=3)
@@ -178,9 +184,7 @@ def main() -> None:
         shift = rep % len(contenders)
         for loop, bwd in contenders[shift:] + contenders[:shift]:  # rotate who goes first
             fn = loops[loop]
-            figures, decoders[loop, bwd] = fn(
-                args.size, args.model, args.steps, batch, device, args.precision, bwd == "sparse"
-            )
+            figures, decoders[loop, bwd] = fn(args.size, args.model, args.steps, batch, device, args.precision, bwd)
             rates[loop, bwd].append(figures["samples_per_s"])
             if figures["peak_gpu_mb"] is not None:
                 peaks[loop, bwd].append(figures["peak_gpu_mb"])
@@ -205,9 +209,9 @@ def main() -> None:
             "runner_all": rates["runner", bwd],
         }
     faster = {}
-    if len(args.backward) == 2:  # sparse / dense in samples/s, per loop and repetition
-        faster = {
-            loop: _spread([s / d for s, d in zip(rates[loop, "sparse"], rates[loop, "dense"], strict=True)])
+    for bwd in (b for b in args.backward if b != "dense" and "dense" in args.backward):  # each / dense, per rep
+        faster[bwd] = {
+            loop: _spread([s / d for s, d in zip(rates[loop, bwd], rates[loop, "dense"], strict=True)])
             for loop in loops
         }
     first = backwards[args.backward[0]]
@@ -229,7 +233,7 @@ def main() -> None:
         "mfu": first["mfu"],
         "max_decoder_diff": max(b["max_decoder_diff"] for b in backwards.values()),
         "backward": backwards,
-        "sparse_over_dense": faster,
+        "over_dense": faster,
     }
     shape = f"d={d} latents={n} k={k} batch={batch}"
     print(f"{where}; {args.model}, {args.precision}; {shape}; {args.steps} steps x {args.reps} reps")
@@ -244,8 +248,9 @@ def main() -> None:
             f"{bwd}: runner / hand = {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})   "
             f"max |decoder difference| = {figures['max_decoder_diff']:.2e}"
         )
-    for loop, r in faster.items():
-        print(f"{loop}: sparse / dense backward = {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})")
+    for bwd, per_loop in faster.items():
+        for loop, r in per_loop.items():
+            print(f"{loop}: {bwd} / dense backward = {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -10,6 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's kernels (experiments/sae/coders/kernels.py) run in its interpreter on the CPU, against the torch path;
+    # it must be set before they are defined. Where CUDA is, they (and Inductor's) compile and run on the GPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from helpers import CONF_DIR, SAE_LM, TINY_LM, compose_job, finished_run, module_runs, run_in_background, stop_runs
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig

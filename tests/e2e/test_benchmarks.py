@@ -25,7 +25,17 @@ SMOKE = {
     "overhead": ["--steps", "70", "--warmup", "5", "--reps", "1", "--sizes", "tiny"],
     "startup": ["--steps", "3", "--reps", "1"],
     # Matryoshka on BatchTopK codes: the most SAE code on one path (TopK is the default's, trained by other tests)
-    "sae_throughput": ["--model", "matryoshka", "--steps", "4", "--reps", "1", "--batch", "256"],
+    # and its three encoder backwards: dense, sparse by torch, sparse by the Triton kernels (in Triton's interpreter:
+    # tests/conftest.py sets TRITON_INTERPRET=1 without a GPU, and the scripts inherit it)
+    "sae_throughput": [
+        *("--model", "matryoshka", "--steps", "4", "--reps", "1", "--batch", "256"),
+        *("--backward", "dense", "sparse", "triton"),
+    ],
+    # runner's SAE step with its torch and its Triton kernels (sparsify's row needs its virtualenv's python)
+    "sae_kernels": [
+        *("--precision", "fp32", "--d", "32", "--n-latents", "256", "--k", "4", "--batch", "64"),
+        *("--steps", "2", "--reps", "2", "--warmup", "1"),
+    ],
     # a one-block source, a ring of 2048 positions refilled every 8 steps of 128
     "sae_multi": ["--n-layer", "1", "--cycles", "1", "--reps", "1", "data.buffer_size=2048", "data.batch_size=128"],
     # a 2-block GPT-2 of width 64 (GPT-2's vocabulary) as a transformers source
@@ -177,9 +187,18 @@ def test_sae_throughput_smoke(runs: dict[str, Future]) -> None:
     assert result["shape"] == {"d_in": 256, "n_latents": 1024, "k": 5, "batch": 256} and result["mfu"] is None  # CPU
     assert result["model"] == "matryoshka"
     assert result["hand_samples_per_s"] > 0 and result["runner_samples_per_s"] > 0
-    # both encoder backwards, each run by both loops: identical decoders within a backward
-    assert set(result["backward"]) == {"dense", "sparse"} and set(result["sparse_over_dense"]) == {"hand", "runner"}
+    # the three encoder backwards, each run by both loops: identical decoders within a backward
+    assert set(result["backward"]) == {"dense", "sparse", "triton"}
+    assert set(result["over_dense"]) == {"sparse", "triton"}
+    assert set(result["over_dense"]["triton"]) == {"hand", "runner"}
     assert all(figures["max_decoder_diff"] == 0.0 for figures in result["backward"].values())
+
+
+def test_sae_kernels_smoke(runs: dict[str, Future]) -> None:
+    result = runs["sae_kernels"].result()
+    assert set(result["contenders"]) == {"runner torch", "runner triton"}  # no sparsify in this python
+    for row in result["contenders"].values():
+        assert len(row["all"]) == 2 and row["min"] <= row["samples_per_s"] <= row["max"] and row["min"] > 0
 
 
 def test_sae_multi_smoke(runs: dict[str, Future]) -> None:

@@ -28,9 +28,9 @@ def test_a_missing_package_is_named_with_the_way_to_bring_its_wheel() -> None:
 def test_the_plan_runs_the_gpu_tests_first_and_every_benchmark_on_the_device(tmp_path: Path) -> None:
     plan = gpu_check.steps("cuda", tmp_path, reps=2)
     names = [name for name, _, _ in plan]
-    assert names[0] == "gpu tests" and plan[0][2][1:6] == ["-m", "pytest", "-m", "gpu", "tests/unit"]
+    assert names[0] == "gpu tests" and plan[0][2][1:6] == ["-m", "pytest", "-m", "gpu or triton", "tests/unit"]
     benchmarks = {"overhead", "lm bf16", "sae usual bf16", "sae usual fp32", "sae preset", "checkpoint", "sae pipeline"}
-    assert benchmarks | {"sae hf"} <= set(names)
+    assert benchmarks | {"sae hf", "sae kernels bf16", "sae kernels fp32"} <= set(names)
     for name, weight, command in plan[1:]:
         assert command[command.index("--device") + 1] == "cuda" and weight > 0, name
         assert Path(command[command.index("--json") + 1]).parent == tmp_path, name  # one folder

@@ -7,14 +7,20 @@ import torch
 import torch.nn.functional as F
 
 from experiments.sae.coders.base import SAE, geometric_median  # noqa: F401 (geometric_median: re-exported)
-from experiments.sae.coders.sparse import Pre, pick, pick_columns, pick_flat, plain, top_indices
+from experiments.sae.coders.sparse import Pre, bag, pick, pick_columns, pick_flat, plain, top_indices
 from runner import ConfigError
 from runner.progress import parse_duration
 from runner.trust import buildable
 
 
 def auxk_loss(
-    pre: Pre, dead: torch.Tensor, W_dec: torch.Tensor, k_aux: int, residual: torch.Tensor, masked: bool
+    pre: Pre,
+    dead: torch.Tensor,
+    W_dec: torch.Tensor,
+    k_aux: int,
+    residual: torch.Tensor,
+    masked: bool,
+    kernels: str = "torch",
 ) -> torch.Tensor:
     """How badly the top k_aux `dead` latents (of `pre`, decoded by `W_dec`) reconstruct `residual`, normalised by its
     variance; exactly 0, with no gradient to any latent, when none is dead.
@@ -23,15 +29,15 @@ def auxk_loss(
     their top min(k_aux, n_dead) decoded densely, which with k_aux ~ d/2 codes per row is faster on the CPU than an
     embedding_bag (measured 33 vs 50 ms per step). masked: the top k_aux of every latent with the live ones at -inf,
     which ReLU turns into zero codes (no value, no gradient) when fewer than k_aux are dead, decoded sparsely, and
-    multiplied by (any dead): nothing is read from the device. A SparsePre's gradient reaches the dead columns only
-    (gathered: densely in them; masked: the picked entries).
+    multiplied by (any dead): nothing is read from the device (`kernels`: the SAE's choice for that sparse decode).
+    A SparsePre's gradient reaches the dead columns only (gathered: densely in them; masked: the picked entries).
     """
     sst = (residual - residual.mean(0)).pow(2).sum(1).mean().clamp_min(1e-8)
     values = plain(pre)
     if masked:
         picked = values.masked_fill(~dead, float("-inf")).topk(min(k_aux, values.shape[1]), dim=1).indices
         top = pick(pre, picked).masked_fill(~dead[picked], float("-inf"))  # live picks: no value, no gradient
-        aux = F.embedding_bag(picked, W_dec, per_sample_weights=F.relu(top).to(W_dec.dtype), mode="sum")
+        aux = bag(picked, F.relu(top).to(W_dec.dtype), W_dec, kernels)
         return (aux - residual).pow(2).sum(1).mean() / sst * dead.any()
     dead_idx = dead.nonzero().flatten()
     if len(dead_idx) == 0:
@@ -79,7 +85,7 @@ class TopKSAE(SAE):
         masked = x.device.type != "cpu"
         if masked and not self.auxk_active:
             return {"auxk_loss": torch.zeros((), device=x.device)}
-        auxk = auxk_loss(pre, self.dead, self.W_dec, self.k_aux, (x - recon).detach(), masked)
+        auxk = auxk_loss(pre, self.dead, self.W_dec, self.k_aux, (x - recon).detach(), masked, self.kernels)
         return {"auxk_loss": auxk.detach(), "auxk_term": self.auxk_coeff * auxk}
 
 

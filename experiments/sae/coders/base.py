@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.sae.coders.sparse import Pre, SparsePre
+from experiments.sae.coders.kernels import check_choice
+from experiments.sae.coders.sparse import Pre, SparsePre, bag
 from experiments.sae.objectives import batch_errors, split_statistics, unexplained
 from runner import ConfigError, check_whole
 from runner.progress import parse_duration
@@ -72,8 +73,10 @@ class SAE(nn.Module):
         encoder_init: str | float = "unit",
         d_out: int | None = None,
         skip: bool = False,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
+        self.kernels = check_choice(kernels)  # the sparse products' Triton kernels on CUDA (coders/kernels.py)
         if isinstance(d_in, bool) or not isinstance(d_in, int) or d_in < 1:
             raise ConfigError(
                 f"model.d_in={d_in}: the SAE's input width is unknown (its data gives none). Several hooked modules "
@@ -307,8 +310,7 @@ class SAE(nn.Module):
             # Sums k decoder rows per sample instead of a dense [B, n] x [n, d] product (k << n).
             # the codes in the decoder's precision: under bf16 autocast they come from a bf16 product, and
             # embedding_bag (which autocast leaves alone) takes one dtype
-            codes = values.to(self.W_dec.dtype)
-            return F.embedding_bag(indices, self.W_dec, per_sample_weights=codes, mode="sum") + self.b_dec
+            return bag(indices, values.to(self.W_dec.dtype), self.W_dec, self.kernels) + self.b_dec
         return self._dense(values, indices) @ self.W_dec + self.b_dec
 
     def _dense(self, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:

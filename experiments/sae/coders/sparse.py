@@ -25,7 +25,10 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from experiments.sae.coders.kernels import GatheredDecode, transpose_product, use_triton
 
 
 class SparsePre:
@@ -34,6 +37,7 @@ class SparsePre:
 
     def __init__(self, x: torch.Tensor, sae: nn.Module) -> None:
         self.x, self.W_enc, self.b_enc, self.b_dec = x, sae.W_enc, sae.b_enc, sae.pre_bias
+        self.triton = use_triton(getattr(sae, "kernels", "auto"), x.device)  # W_enc's gradient by its kernel
         with torch.no_grad():
             self.centered = x - self.b_dec  # SAE.pre_activations' arithmetic: the same values
             self.values = torch.addmm(self.b_enc, self.centered, self.W_enc)
@@ -57,7 +61,7 @@ def pick(pre: Pre, indices: torch.Tensor, values: torch.Tensor | None = None) ->
     flat = indices + rows * pre.values.shape[1]
     if values is None:
         values = pre.values.flatten().gather(0, flat.flatten()).view_as(flat)
-    return _Pick.apply(flat, values.detach(), pre.centered, pre.x, pre.W_enc, pre.b_enc, pre.b_dec)
+    return _Pick.apply(pre.triton, flat, values.detach(), pre.centered, pre.x, pre.W_enc, pre.b_enc, pre.b_dec)
 
 
 def pick_flat(pre: Pre, flat: torch.Tensor) -> torch.Tensor:
@@ -65,7 +69,7 @@ def pick_flat(pre: Pre, flat: torch.Tensor) -> torch.Tensor:
     if not isinstance(pre, SparsePre):
         return pre.flatten().gather(0, flat.flatten()).view_as(flat)
     values = pre.values.flatten().gather(0, flat.flatten()).view_as(flat)
-    return _Pick.apply(flat, values, pre.centered, pre.x, pre.W_enc, pre.b_enc, pre.b_dec)
+    return _Pick.apply(pre.triton, flat, values, pre.centered, pre.x, pre.W_enc, pre.b_enc, pre.b_dec)
 
 
 def pick_columns(pre: Pre, columns: torch.Tensor) -> torch.Tensor:
@@ -96,6 +100,14 @@ def top_indices(flat: torch.Tensor, count: int) -> torch.Tensor:
         if len(candidates) >= count:
             return candidates[flat[candidates].topk(count, sorted=False).indices]
     return flat.topk(count, sorted=False).indices
+
+
+def bag(indices: torch.Tensor, weights: torch.Tensor, W: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """F.embedding_bag(indices, W, per_sample_weights=weights, mode="sum"): the rows of W at indices [B, m], weighted
+    and summed per row; its backward by the Triton kernels where `kernels` runs them on W's device."""
+    if torch.is_grad_enabled() and use_triton(kernels, W.device):
+        return GatheredDecode.apply(indices, weights, W)
+    return F.embedding_bag(indices, W, per_sample_weights=weights, mode="sum")
 
 
 def sparse_mm(
@@ -143,20 +155,25 @@ class _Pick(torch.autograd.Function):
     """Picked pre-activations (`values`, at flat indices); the backward makes the encoder's gradients from them only."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, values: torch.Tensor, centered: torch.Tensor, *inputs: torch.Tensor):
+    def forward(
+        ctx: Any, triton: bool, flat: torch.Tensor, values: torch.Tensor, centered: torch.Tensor, *inputs: torch.Tensor
+    ):
         x, W_enc, b_enc, b_dec = inputs  # passed only so that autograd routes their gradients here
         ctx.save_for_backward(flat, centered, W_enc)
+        ctx.triton = triton
         return values.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         flat, centered, W_enc = ctx.saved_tensors
-        _, _, _, needs_x, needs_W, needs_b_enc, needs_b_dec = ctx.needs_input_grad
+        _, _, _, _, needs_x, needs_W, needs_b_enc, needs_b_dec = ctx.needs_input_grad
         batch, n = centered.shape[0], W_enc.shape[1]
         g = grad.to(W_enc.dtype).flatten()  # the backward in the weights' precision
         rows, cols = flat.div(n, rounding_mode="floor").flatten(), flat.remainder(n).flatten()
         grad_x = grad_W = grad_b_enc = grad_b_dec = None
-        if needs_W:  # W_enc^T's gradient [n, d]: each picked (latent, sample) adds g x its centred input
+        if needs_W and ctx.triton:  # the same sums, written as W_enc's [d, n] by one kernel (coders/kernels.py)
+            grad_W = transpose_product(rows, cols, g, n, centered.to(g.dtype), layout="dn")
+        elif needs_W:  # W_enc^T's gradient [n, d]: each picked (latent, sample) adds g x its centred input
             grad_W = scatter_rows(cols, rows, g, (n, batch), centered.to(g.dtype)).t()
         if needs_b_enc or needs_b_dec:
             grad_b_enc = W_enc.new_zeros(n).index_add_(0, cols, g)
@@ -164,7 +181,7 @@ class _Pick(torch.autograd.Function):
             grad_b_dec = -(W_enc @ grad_b_enc)
         if needs_x:  # each pick adds g x its latent's encoder column to its sample's row
             grad_x = scatter_rows(rows, cols, g, (batch, n), W_enc.t())
-        return None, None, None, grad_x, grad_W, grad_b_enc if needs_b_enc else None, grad_b_dec
+        return None, None, None, None, grad_x, grad_W, grad_b_enc if needs_b_enc else None, grad_b_dec
 
 
 class _PickColumns(torch.autograd.Function):
