@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import finished_run
+from helpers import SAE_LM, finished_run
 from safetensors.torch import load_file
 
 from experiments.sae.coders.activations import BatchTopKSAE, ReLUSAE, TopKSAE
@@ -198,3 +198,25 @@ def test_the_command_exports_a_finished_run_and_says_why_not_otherwise(
     finished_run(tmp_path / "digits", "+experiment=digits", *small)
     assert main([str(tmp_path / "digits"), "--format", "saelens"]) == 2
     assert "has no export" in capsys.readouterr().err
+
+
+def test_an_exported_run_names_its_hook_point_and_model_as_saelens_and_sparsify_read_them(
+    sae_lm_run: Path, lm_run: Path, tmp_path: Path
+) -> None:
+    # runner.export rebuilds the run (load_trained), whose config keeps the source inside its data: the metadata must
+    # still name the hooked module and the source model, so that a user can attach the export to the model
+    assert main([str(sae_lm_run), "--format", "saelens", "--out", str(tmp_path / "one")]) == 0
+    metadata = json.loads((tmp_path / "one" / "cfg.json").read_text())["metadata"]
+    assert (metadata["hook_name"], metadata["model_name"]) == ("blocks.1.hook_resid_post", str(lm_run))
+    # several hooked modules (model=sae_multi): each SAE's folder names its own
+    family = tmp_path / "family"
+    family.mkdir()
+    overrides = [o for o in SAE_LM if not o.startswith("model.")] + ["model=sae_multi", "model.ks=[4]"]
+    overrides += ["model.base.n_latents=32", "source.module=[blocks.0,blocks.1]"]
+    finished_run(family, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *overrides)
+    assert main([str(family), "--format", "saelens", "--out", str(tmp_path / "many")]) == 0
+    hooks = {
+        folder.name: json.loads((folder / "cfg.json").read_text())["metadata"]["hook_name"]
+        for folder in (tmp_path / "many").iterdir()
+    }
+    assert sorted(hooks.values()) == ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"], hooks

@@ -237,15 +237,17 @@ class SAE(nn.Module):
         """Latents that have not fired within dead_window."""
         return self.since_fired >= self.dead_window
 
-    def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
+    def export(self, fmt: str, out: Any, cfg: Any, module: str | None = None) -> list[Any]:
         """Write this SAE in another tool's folder layout (experiments/sae/formats.py) for runner.export; `cfg` is
-        the run's config (its hook point and source name the export's metadata). The folders written."""
+        the run's config: its data's source (the hooked module, a transcoder's target, the source model) names the
+        export's metadata; `module`, the one this SAE reads where the source hooks several. The folders written."""
         from experiments.sae.formats import export
 
-        source = cfg.get("source") or {}
-        module = source.get("module") if isinstance(source.get("module"), str) else None
-        target = source.get("target") if isinstance(source.get("target"), str) else None
-        return [export(self, fmt, out, module, source.get("checkpoint"), target=target)]
+        # the run as trained has `source`; as load_trained rebuilds it, its data holds what `source` gave it
+        source = cfg.get("source") or cfg.get("data") or {}
+        names = {key: value if isinstance(value := source.get(key), str) else None for key in ("module", "target")}
+        model = source.get("checkpoint")
+        return [export(self, fmt, out, module or names["module"], str(model) if model else None, names["target"])]
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """Write this SAE's feature pages to `out` for runner.features (experiments/sae/pages/dashboard.py);

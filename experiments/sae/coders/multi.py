@@ -118,7 +118,11 @@ class MultiSAE(nn.Module):
 
     def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
         """Each SAE in its own folder under `out` (SAE.export), named as its weights file is."""
-        return [folder for name, sae in self.saes.items() for folder in sae.export(fmt, within(out, name), cfg)]
+        return [
+            folder
+            for name, sae in self.saes.items()
+            for folder in sae.export(fmt, within(out, name), cfg, self.hook_of.get(name))
+        ]
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """Every SAE's feature pages in the folder of its name under `out` (SAE.features), and a page linking them."""
