@@ -1,4 +1,5 @@
-"""Scores of a learned dictionary against known ground-truth features."""
+"""Scores of a learned dictionary: against known ground-truth features, and the fraction of the loss a splice
+recovers."""
 
 from __future__ import annotations
 
@@ -23,3 +24,17 @@ def feature_recovery(
 def relative_error(estimate: torch.Tensor, truth: torch.Tensor) -> float:
     """||estimate - truth|| / ||truth|| (Frobenius): how far a learned map is from the true one (0: exact)."""
     return (torch.linalg.norm(estimate.float() - truth.float()) / torch.linalg.norm(truth.float())).item()
+
+
+# An ablation that moves the loss by less than this share of it leaves the recovered fraction meaningless: a ratio
+# of two differences near float noise (issue 46: 1.58 "recovered" from an ablation that cost 0.03%)
+MIN_ABLATION_GAP = 1e-3
+
+
+def loss_recovered(ablated: float, spliced: float, clean: float) -> tuple[float, str | None]:
+    """(ablated - spliced) / (ablated - clean), the share of the ablation's loss the splice recovers; NaN with the
+    reason when the ablation moves the loss by under MIN_ABLATION_GAP of it (nothing to divide by)."""
+    gap = ablated - clean
+    if not abs(gap) >= MIN_ABLATION_GAP * max(abs(clean), 1e-12):  # a NaN loss too
+        return float("nan"), f"the ablation moves the loss by {gap:.3g} of {clean:.4g}: too little to divide by"
+    return (ablated - spliced) / gap, None

@@ -3,6 +3,7 @@ from the source, and the GPT's loss with the SAE spliced in against zero and mea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from helpers import TINY_LM, StopAt, assert_resume_is_exact, finished_run
 
+from experiments.sae import metrics as metrics_module
 from experiments.sae.sources.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.sources.source import SourceModel
 from runner import ConfigError
@@ -49,6 +51,24 @@ def test_sae_lm_trains_on_the_residual_stream_and_reports_loss_recovered(compose
     assert 0 < m["val/fve"] <= 1 and 0 < m["val/l0"] <= 8
     # KL(clean || spliced) in nats per token: positive, and below what either ablation costs
     assert 0 < m["val/kl_spliced"] < m["val/kl_mean_ablated"] < m["val/kl_zero_ablated"], m
+
+
+def test_a_recovered_fraction_whose_ablation_barely_moves_the_loss_is_nan_and_said_so(
+    compose_cfg: Callable, lm_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # issue 46's figures: a zero ablation costing 0.03% of the loss gave "1.584 recovered"
+    value, why = metrics_module.loss_recovered(ablated=6.908, spliced=6.905, clean=6.906)
+    assert math.isnan(value) and "moves the loss by 0.002 of 6.906: too little to divide by" in why
+    assert metrics_module.loss_recovered(ablated=5.0, spliced=4.5, clean=4.0) == (0.5, None)
+    # here the mean ablation moves this tiny GPT's loss by about 1%: with the bar at 5%, its fraction is undefined
+    monkeypatch.setattr(metrics_module, "MIN_ABLATION_GAP", 0.05)
+    cfg = compose_cfg("+experiment=sae_lm", f"source.checkpoint={lm_run}", "source.layer=1", *SAE_LM_SMALL)
+    m = fit(build(cfg)).state.metrics
+    assert math.isnan(m["val/loss_recovered_mean"]) and 0 < m["val/loss_recovered"] <= 1.05, m
+    notes = [line for line in capsys.readouterr().err.splitlines() if "loss_recovered" in line]
+    assert len(notes) == 1, notes  # once a run, though it validates more than once
+    assert notes[0].startswith("note: val/loss_recovered_mean is NaN: mean ablation of blocks.1: the ablation moves")
+    assert notes[0].endswith("Read val/kl_spliced and ce_spliced instead")
 
 
 def test_evaluate_reports_the_spliced_loss_the_run_validated_with(lm_run: Path, tmp_path: Path) -> None:

@@ -28,14 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.sae.metrics import loss_recovered
 from experiments.sae.sources.source import SourceModel, Splice
 from runner.data import to_device
 
 DENSE = (0.01, 0.1)  # SAEBench core's dense-latent thresholds: firing on more than 1% and 10% of positions
 HISTOGRAM = torch.linspace(-8, 0, 33)  # log10 density bins; a latent that never fires is counted apart
-# An ablation that moves the loss by less than this share of it leaves the recovered fraction meaningless: a ratio
-# of two differences near float noise (issue 46: 1.58 "recovered" from an ablation that cost 0.03%)
-MIN_ABLATION_GAP = 1e-3
 
 
 def windows(source: SourceModel, tokens: int) -> Iterator[tuple[Any, torch.Tensor]]:
@@ -66,13 +64,6 @@ def per_token(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, cl
         ]
     )
     return ce, kl
-
-
-def _score(ablated: float, spliced: float, clean: float) -> tuple[float, str | None]:
-    gap = ablated - clean
-    if abs(gap) < MIN_ABLATION_GAP * max(abs(clean), 1e-12):
-        return float("nan"), f"the ablation moves the loss by {gap:.3g} of {clean:.4g}: too little to divide by"
-    return (ablated - spliced) / gap, None
 
 
 class _Sums:
@@ -219,7 +210,7 @@ def _downstream(losses: dict[str, torch.Tensor], positions: int) -> dict[str, An
     for name in ("spliced", "zero_ablated", "mean_ablated"):
         out[f"ce_{name}"], out[f"kl_{name}"] = ce[name], kl[name]
     for ablation, suffix in (("zero_ablated", ""), ("mean_ablated", "_mean")):
-        score, note = _score(ce[ablation], ce["spliced"], ce["clean"])
+        score, note = loss_recovered(ce[ablation], ce["spliced"], ce["clean"])
         out[f"ce_loss_score{suffix}"] = score
         out[f"kl_div_score{suffix}"] = (
             (kl[ablation] - kl["spliced"]) / kl[ablation] if kl[ablation] > 1e-12 else float("nan")

@@ -4,6 +4,7 @@ through a shuffling ring buffer (experiments.sae.sources.buffer), and the splice
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from experiments.sae.coders.multi import combined, hook_name, members
+from experiments.sae.metrics import loss_recovered
 from experiments.sae.sources.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.sources.cache import SHARD_ROWS, cached, identity
 from experiments.sae.sources.source import Replacement, SourceModel, Splice
@@ -168,6 +170,7 @@ class SpliceEval(Callback):
         self.skip, self.inputs, self.target = skip_positions, inputs, target
         self.source: SourceModel | None = None
         self.ablated: dict[str, dict] = {}
+        self.noted: set[tuple[str, str]] = set()  # the recovered fractions said to be undefined
         self.provides = tuple(
             f"val/{name}"
             for name in (
@@ -224,13 +227,14 @@ class SpliceEval(Callback):
                 metrics.update({f"val/{at}{what}_{name}_ablated": value for what, value in ablated.items()})
         per_sae = {}
         for prefix, got in spliced.items():
-            zero, mean = self.ablated[f"{where[prefix]}:zero"], self.ablated[f"{where[prefix]}:mean"]
-            per_sae[prefix] = {
-                "ce_spliced": got["ce"],
-                **({"kl_spliced": got["kl"]} if "kl" in got else {}),
-                "loss_recovered": _recovered(zero["ce"], got["ce"], clean["ce"]),
-                "loss_recovered_mean": _recovered(mean["ce"], got["ce"], clean["ce"]),
-            }
+            per_sae[prefix] = {"ce_spliced": got["ce"], **({"kl_spliced": got["kl"]} if "kl" in got else {})}
+            for name, suffix in (("zero", ""), ("mean", "_mean")):
+                value, why = loss_recovered(self.ablated[f"{where[prefix]}:{name}"]["ce"], got["ce"], clean["ce"])
+                per_sae[prefix][f"loss_recovered{suffix}"] = value
+                if why and run.strategy.is_main and (prefix, name) not in self.noted:
+                    self.noted.add((prefix, name))  # once a run: the ablations are measured once
+                    print(f"note: val/{prefix}loss_recovered{suffix} is NaN: {name} ablation of {where[prefix]}: "
+                          f"{why}. Read val/{prefix}kl_spliced and ce_spliced instead", file=sys.stderr)  # fmt: skip
         for prefix, values in per_sae.items():
             metrics.update({f"val/{prefix}{name}": value for name, value in values.items()})
         if len(per_sae) > 1:
@@ -246,11 +250,6 @@ class SpliceEval(Callback):
             return Splice(inputs, sae.splice_writes(inputs, targets))
         read, through = self.source.name, _through(sae)
         return Splice([read], {at: lambda captured: through(captured[read])})
-
-
-def _recovered(ablated: float, spliced: float, clean: float) -> float:
-    # an ablation that costs nothing (an untrained model's MLP, to float32's precision) leaves the fraction undefined
-    return (ablated - spliced) / (ablated - clean) if ablated != clean else float("nan")
 
 
 def _through(sae: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
