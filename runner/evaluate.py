@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from runner import ConfigError, check_whole, trust
 from runner.build import build_data
+from runner.cli import key_values
 from runner.load import ATTACH, ATTACH_TEXT, is_foreign, load_model
 from runner.log.console import ConsoleLogger
 from runner.outdir import write_failed
@@ -182,6 +183,7 @@ def read_options(args: list[str], defaults: dict[str, Any], texts: tuple[str, ..
 
 
 def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    argv = key_values(argv, ("split", "weights", "device", "trusted_targets", "data.", *ATTACH))
     if not argv or "=" in argv[0] or argv[0] in ("-h", "--help"):
         raise ConfigError(USAGE)
     options: dict[str, Any] = {}

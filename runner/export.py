@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from runner import ConfigError
+from runner.cli import as_flags
 from runner.outdir import clear_temporaries, output_folder, staged, write_failed
 from runner.rundir import DiskFull
 from runner.trained import load_trained
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="a finished run folder (or its model.safetensors)")
     parser.add_argument("--format", required=True, help="saelens or sparsify")
     parser.add_argument("--out", type=Path, help="the folder to write (default: RUN_DIR/export-FORMAT)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(as_flags(sys.argv[1:] if argv is None else argv, ("format", "out")))
     run_dir = args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
     try:
         model, cfg = load_trained(args.run_dir)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import ConfigError
+from runner.cli import key_values
 from runner.evaluate import checked_device, read_options
 from runner.load import ATTACH, ATTACH_TEXT, load_model
 from runner.outdir import output_folder, write_failed
@@ -42,6 +43,7 @@ USAGE = (
 
 
 def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
+    argv = key_values(argv, DEFAULTS, ("--serve",))
     serve = "--serve" in argv
     argv = [a for a in argv if a != "--serve"]
     if not argv or "=" in argv[0] or argv[0].startswith("-"):

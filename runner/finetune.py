@@ -25,6 +25,7 @@ from torch import nn
 from runner import ConfigError, check_whole, trust
 from runner.ckpt.files import ADAPTER
 from runner.ckpt.weights import read_weights, save_weights
+from runner.cli import as_flags
 from runner.rundir import CONFIG, MODEL, read_run_config
 
 MERGED = "model.merged.safetensors"
@@ -180,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("command", choices=["merge"])
     parser.add_argument("run_dir")
     parser.add_argument("--base", help="the base weights, if not the run's init_from (a run folder or .safetensors)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(as_flags(sys.argv[1:] if argv is None else argv, ("base",)))
     try:
         print(merge(args.run_dir, args.base))
     except ConfigError as error:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from runner import ConfigError
+from runner.cli import key_values
 from runner.evaluate import checked_device, read_options
 from runner.trained import load_trained, trusted_here
 
@@ -36,6 +37,7 @@ USAGE = "usage: python -m runner.generate RUN_DIR [prompt=TEXT] [max_new_tokens=
 
 
 def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
+    argv = key_values(argv, DEFAULTS)
     if not argv or "=" in argv[0] or argv[0] in ("-h", "--help"):
         raise ConfigError(USAGE)
     options = read_options(argv[1:], DEFAULTS, ("prompt", "device", "weights"), "")

@@ -18,6 +18,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 from runner import ConfigError
+from runner.cli import as_flags
 
 MODEL = '''"""NAME's model: an nn.Module with training_step (and validation_step) is all runner needs."""
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="runner init", description="Create a project of your own for runner.")
     parser.add_argument("directory")
     parser.add_argument("--name", default="project", help="the Python package of your code (default: project)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(as_flags(sys.argv[1:] if argv is None else argv, ("name",)))
     try:
         written = init(args.directory, args.name)
     except ConfigError as error:

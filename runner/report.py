@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import ConfigError
+from runner.cli import as_flags
 from runner.outdir import make_dir, output_folder
 from runner.rundir import write_atomic
 from runner.sweeps.results import (
@@ -128,6 +129,9 @@ def plot_run(run_dir: Path, path: Path) -> int:
     return len(panels)
 
 
+OPTIONS = ("metric", "mode", "top", "plot", "out")  # also KEY=VALUE (runner.cli), and no_plot=true
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the leaderboard of DIR, write its results.csv and plots; the exit code (2: nothing to report)."""
     parser = argparse.ArgumentParser(
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-plot", action="store_true", help="no plots")
     parser.add_argument("--out", type=Path, help="where results.csv and plots/ go (default: DIR)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(as_flags(sys.argv[1:] if argv is None else argv, OPTIONS, ("no_plot",)))
 
     if not args.dir.is_dir():
         print(f"error: {args.dir} is not a folder: give a sweep folder or a run folder", file=sys.stderr)

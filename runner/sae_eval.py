@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import ConfigError
+from runner.cli import key_values
 from runner.evaluate import checked_device, read_options
 from runner.load import ATTACH, ATTACH_TEXT, load_model
 from runner.log.console import ConsoleLogger
@@ -38,6 +39,7 @@ USAGE = (
 
 
 def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
+    argv = key_values(argv, DEFAULTS, ("--limit",))
     limit = "--limit" in argv
     argv = [a for a in argv if a != "--limit"]
     if not argv or "=" in argv[0] or argv[0].startswith("-"):

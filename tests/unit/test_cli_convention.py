@@ -1,0 +1,75 @@
+"""One CLI convention for every tool (runner/cli.py): KEY=VALUE, with `--key VALUE`, `--key=VALUE` and dashed keys
+read the same, so that a user who guesses either spelling is understood. Each tool is called both ways and must do
+the same thing: the options it reads, or the files it writes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import finished_run
+
+from runner import ConfigError, evaluate, export, features, finetune, generate, init, report, sae_eval
+from runner.train import train
+
+
+def test_the_reading_tools_take_both_spellings_alike() -> None:
+    same = [
+        (
+            features._options,
+            ["RUN", "tokens=100", "out=pages", "top=4", "--serve", "port=9000"],
+            ["RUN", "--tokens", "100", "--out=pages", "--top", "4", "--serve", "--port", "9000"],
+        ),
+        (
+            sae_eval._options,
+            ["SAE", "evals=[core]", "tokens=1000", "--limit", "source=hf:gpt2", "skip_positions=1"],
+            ["SAE", "--evals", "[core]", "--tokens=1000", "--limit", "--source", "hf:gpt2", "--skip-positions", "1"],
+        ),
+        (
+            generate._options,
+            ["RUN", "max_new_tokens=5", "prompt=hello world", "seed=3"],
+            ["RUN", "--max-new-tokens", "5", "--prompt", "hello world", "--seed=3"],
+        ),
+        (
+            evaluate._arguments,
+            ["RUN", "split=test", "data.batch_size=4", "device=cpu"],
+            ["RUN", "--split", "test", "--data.batch_size=4", "--device", "cpu"],
+        ),
+    ]
+    for parse, key_value, dashed in same:
+        assert parse(dashed) == parse(key_value), parse.__module__
+    with pytest.raises(ConfigError, match="--tokens needs a value: give --tokens VALUE, or tokens=VALUE"):
+        features._options(["RUN", "--tokens"])
+    with pytest.raises(ConfigError, match="'--colour=red': give KEY=VALUE with KEY one of tokens, out"):
+        features._options(["RUN", "--colour=red"])  # an unknown key is refused with the keys, either spelling
+
+
+def test_export_report_init_and_finetune_take_both_spellings_alike(
+    compose_cfg: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sae = tmp_path / "sae"
+    sae.mkdir()
+    finished_run(sae, "+experiment=sae", "model.n_latents=64", "data.batch_size=64", "trainer.max_duration=2st",
+                 "logger=none", "checkpoint=none")  # fmt: skip
+    assert export.main([str(sae), "format=sparsify", f"out={tmp_path / 'a'}"]) == 0
+    assert export.main([str(sae), "--format", "sparsify", "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a" / "sae.safetensors").read_bytes() == (tmp_path / "b" / "sae.safetensors").read_bytes()
+
+    train(compose_cfg("+experiment=digits", "trainer.max_duration=3st", "trainer.log_interval=1st", "logger=jsonl",
+                      "checkpoint=none", "callbacks=none"))  # fmt: skip
+    run = tmp_path / "run"
+    assert report.main([str(run), f"out={tmp_path / 'r1'}", "no_plot=true", "top=1"]) == 0
+    assert report.main([str(run), "--out", str(tmp_path / "r2"), "--no-plot", "--top", "1"]) == 0
+    assert (tmp_path / "r1" / "results.csv").read_text() == (tmp_path / "r2" / "results.csv").read_text()
+    assert not (tmp_path / "r1" / "plots").exists()
+
+    assert init.main([str(tmp_path / "p1"), "name=mine"]) == 0
+    assert init.main([str(tmp_path / "p2"), "--name", "mine"]) == 0
+    assert sorted(p.name for p in (tmp_path / "p1").rglob("*")) == sorted(p.name for p in (tmp_path / "p2").rglob("*"))
+    assert (tmp_path / "p1" / "mine").is_dir()
+
+    merged = []
+    monkeypatch.setattr(finetune, "merge", lambda run_dir, base: merged.append((run_dir, base)) or "merged")
+    assert finetune.main(["merge", "RUN", "base=BASE"]) == finetune.main(["merge", "RUN", "--base", "BASE"]) == 0
+    assert merged == [("RUN", "BASE"), ("RUN", "BASE")]
