@@ -237,6 +237,17 @@ class SAE(nn.Module):
         """Latents that have not fired within dead_window."""
         return self.since_fired >= self.dead_window
 
+    @classmethod
+    def load_from_disk(cls, path: Any, **options: Any) -> SAE:
+        """The SAE of a runner run, or of a SAELens or sparsify folder, as those tools spell it (runner.api.load_sae:
+        `name=` one of a family, `hook=` one of a sparsify run's); refused if it is not a `cls`."""
+        from runner.api import load_sae
+
+        sae = load_sae(path, **options)
+        if not isinstance(sae, cls):
+            raise ConfigError(f"{path} holds a {type(sae).__name__}, not a {cls.__name__}: load it with SAE")
+        return sae
+
     def export(self, fmt: str, out: Any, cfg: Any, module: str | None = None) -> list[Any]:
         """Write this SAE in another tool's folder layout (experiments/sae/formats.py) for runner.export; `cfg` is
         the run's config: its data's source (the hooked module, a transcoder's target, the source model) names the
