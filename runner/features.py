@@ -24,6 +24,7 @@ from runner import ConfigError
 from runner.cli import key_values
 from runner.evaluate import checked_device, read_options
 from runner.load import ATTACH, ATTACH_TEXT, load_model
+from runner.log.console import ConsoleLogger
 from runner.outdir import output_folder, write_failed
 from runner.rundir import DiskFull
 from runner.trained import trusted_here
@@ -154,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         try:
             out.mkdir(parents=True, exist_ok=True)
-            pages = model.features(cfg, run_dir, out, tokens=options["tokens"], top=options["top"], device=device)
+            working = ConsoleLogger().working  # the pass's progress: a bar in a terminal, a line now and then elsewhere
+            pages = model.features(
+                cfg, run_dir, out, tokens=options["tokens"], top=options["top"], device=device, working=working
+            )
         except (OSError, DiskFull) as error:
             kept = "any pages there may be incomplete (the same command writes them whole)"
             raise write_failed(error, f"making the feature pages in {out}", kept) from None

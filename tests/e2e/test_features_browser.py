@@ -108,6 +108,31 @@ def test_markup_in_the_corpus_is_shown_as_text(pages: Path) -> None:
     assert "<script>" in shown and "</div><img" in shown
 
 
+@browser
+def test_every_latent_shows_five_fifths_or_says_why_and_no_blank_token_cell(pages: Path) -> None:
+    # issue 46: a fifth was missing, blank cells where the token was a space, histograms without a count axis
+    def cells(view: str) -> list[str]:  # the text of every token cell (top tokens, promotes, suppresses)
+        found = re.findall(r'<td class="text ctx">(.*?)</td>', view)
+        return [html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in found]
+
+    index, _ = _browser((pages / "index.html").as_uri())
+    assert cells(index) and all(text.strip() for text in cells(index)), cells(index)
+    assert "\u2423" in "".join(cells(index))  # this corpus's space tokens, drawn
+    assert re.search(r'class="axis"><span>[\d,]+</span><span>latents</span><span>0</span>', index)
+    densities = re.findall(r'href="#latent=(\d+)">\d+</a></td><td>([^<]+)</td>', index)  # densest first
+    fired = [latent for latent, density in densities if density != "0"]
+    # the densest latents and the rarest one that fired: five fifths, or a note saying why not
+    for latent in [*fired[:4], fired[-1]]:
+        view, console = _browser(f"{(pages / 'index.html').as_uri()}#latent={latent}")
+        assert console == [], console
+        fifths = re.findall(r'<h3 class="quantile">examples from the (\d+)-(\d+)% quantile', view)
+        note = re.search(r'class="muted note">(\d) of the 5 fifths have no examples: it fired on', view)
+        assert len(fifths) == 5 or (note and int(note.group(1)) == 5 - len(fifths)), (latent, fifths)
+        assert fifths == sorted(fifths, key=lambda f: -int(f[0]))  # the strongest fifth first, none twice
+        assert all(text.strip() for text in cells(view)), (latent, cells(view))
+        assert re.search(r'class="axis"><span>[\d,]+</span><span>rows</span><span>0</span>', view)
+
+
 def test_serve_serves_the_pages_on_localhost_until_ctrl_c(sae_run: Path, tmp_path: Path) -> None:
     with socket.socket() as probe:  # a free port
         probe.bind(("127.0.0.1", 0))

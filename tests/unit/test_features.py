@@ -17,6 +17,7 @@ from experiments.sae.pages.dashboard import BEFORE
 from experiments.sae.pages.stats import QUANTILES, LatentStats, bin_edges, logit_lens, nearest, top_per_group
 from experiments.sae.pages.write import CHUNK
 from experiments.sae.sources.source import SourceModel
+from runner import features as features_module
 from runner.features import main
 from runner.trained import load_trained
 
@@ -61,6 +62,28 @@ def test_streaming_statistics_equal_brute_force_over_the_whole_matrix(sparse: bo
         assert below <= (q + 1) / QUANTILES and upto >= q / QUANTILES, (latent, q, below, upto)
 
 
+def test_a_latent_whose_activations_fill_one_bin_still_shows_every_fifth_in_order() -> None:
+    # issue 46: such a latent's quantile sections skipped the 60-80% fifth (each bin went to one fifth, by its middle)
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.zeros(3000, 2)
+    codes[:, 0] = 1.0 + 0.04 * torch.rand(3000, generator=gen)  # one log10 bin holds every activation
+    codes[::3, 1] = torch.rand(1000, generator=gen) * 5 + 0.01  # spread over a few decades
+    stats = LatentStats(2, top=8, samples=3)
+    for start in range(0, 3000, 250):
+        stats.add(codes[start : start + 250], None, first_row=start)
+    r = stats.result()
+    for latent in (0, 1):
+        rows, low, high = r["sample_rows"][latent], r["sample_low"][latent], r["sample_high"][latent]
+        assert (rows >= 0).all(), (latent, rows)  # five fifths, three examples each
+        assert not set(rows.flatten().tolist()) & set(r["top_rows"][latent].tolist())  # none repeats the strongest
+        assert (low <= high).all() and (high[:-1] <= low[1:]).all(), (low, high)  # the fifths in order
+        fired = codes[:, latent][codes[:, latent] > 0]
+        for q in range(QUANTILES):
+            for row in rows[q].tolist():
+                share = float((fired < codes[row, latent]).double().mean())  # the rank of its value, brute force
+                assert q / QUANTILES - 0.1 <= share <= (q + 1) / QUANTILES + 0.1, (latent, q, share)  # a sample's rank
+
+
 def test_top_per_group_keeps_the_largest_of_each_group_with_their_payload() -> None:
     groups = torch.tensor([2, 0, 2, 0, 2, 1])
     values = torch.tensor([5.0, 1.0, 7.0, 3.0, 6.0, 4.0])
@@ -79,7 +102,7 @@ def test_the_logit_lens_and_neighbours_come_from_the_weights() -> None:
 
 
 def test_an_sae_on_a_gpt_gets_pages_whose_contexts_are_the_text_around_its_strongest_activations(
-    sae_lm_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    sae_lm_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 400 positions: the held-out windows alone (16 of 32 tokens, the first position skipped)
     assert main([str(sae_lm_run), "tokens=400", "top=4", f"out={tmp_path / 'a'}"]) == 0
@@ -120,10 +143,15 @@ def test_an_sae_on_a_gpt_gets_pages_whose_contexts_are_the_text_around_its_stron
         a, b = _data(tmp_path / "a" / "data" / name), _data(tmp_path / "b" / "data" / name)
         a.pop("seconds", None), b.pop("seconds", None)
         assert a == b, name
-    # more text than the held-out windows hold: the training windows follow
+    # more text than the held-out windows hold: the training windows follow; the pass tells the console how far it
+    # is (a bar in a terminal, a line now and then elsewhere), batch by batch to its end
+    heard: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(features_module.ConsoleLogger, "working", lambda self, *call: heard.append(call))
     assert main([str(sae_lm_run), "tokens=3000", f"out={tmp_path / 'c'}"]) == 0
     more = _data(tmp_path / "c" / "data" / "index.js")
     assert more["splits"]["val"] == 16 and more["splits"]["train"] > 0 and more["rows"] >= 3000
+    assert [done for _, done, _ in heard] == list(range(1, len(heard) + 1)) and len(heard) > 2
+    assert {what for what, _, _ in heard} == {"feature pages"} and heard[-1][1] == heard[-1][2]
 
 
 def test_an_sae_on_synthetic_data_shows_each_latent_s_best_true_feature(compose_cfg: Callable, tmp_path: Path) -> None:

@@ -148,25 +148,31 @@ def write(
     device: str = "cpu",
     batch_rows: int = 4096,
     rows_of: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
+    working: Callable[[str, int, int | None], None] | None = None,
 ) -> list[Path]:
     """Look at each SAE of `family` ((metric prefix, SAE) pairs of a run of `cfg` in `run_dir`; a MultiSAE's give
     `rows_of`, the columns each reads; a cross-layer transcoder's, each layer's normalised input) over `tokens` rows and
     write its pages under `out` (one folder per SAE of a family); returns the index pages written. A transcoder's
-    latents are looked at where they read: its input's contexts; the logit lens reads what they write."""
+    latents are looked at where they read: its input's contexts; the logit lens reads what they write. `working`
+    (what, batches done, batches in all) hears of the pass's progress (runner's console: a bar, or a line now and
+    then)."""
     started, device_ = time.perf_counter(), torch.device(device)
     hooked = str(cfg.data.get("_target_", "")).endswith("HookedData")
     inputs: _Text | _Rows = _Text(cfg, device_, tokens) if hooked else _Rows(cfg, tokens)
     for _, sae in family:
         sae.to(device_)
     stats = {prefix: LatentStats(sae.n_latents, top=top) for prefix, sae in family}
-    first = 0
+    first, batches = 0, None
     with torch.no_grad():
-        for acts in inputs.batches():
+        for done, acts in enumerate(inputs.batches(), 1):
+            batches = batches or -(-tokens // len(acts))  # the pass's length, from its first batch's rows
             for chunk in acts.to(device_).split(batch_rows):
                 for prefix, sae in family:
                     x = rows_of(chunk, prefix.rstrip("/")) if rows_of else sae.split(chunk)[0]
                     stats[prefix].add(*sae.codes(x), first)
                 first += len(chunk)
+            if working is not None:
+                working("feature pages", done, max(batches, done))
     seconds = time.perf_counter() - started
     summary, written = (read_json(run_dir / SUMMARY) or {}).get("metrics", {}), []
     for prefix, sae in family:

@@ -2,13 +2,15 @@
 
 The pass encodes held-out rows chunk by chunk and keeps, per latent, only fixed-size state: how often it fires, the
 sum and max of its activations, a histogram of their log10 (HIST_BINS bins from 1e-3), its `top` strongest rows, and
-`samples` rows from each bin of that histogram. No [rows x latents] matrix is ever held: each chunk's firing (row,
-latent, value) triples are merged into the per-latent tops by one sort. At the end the histogram says which bins make
-up each fifth of a latent's activations, and each quantile shows `samples` of its bins' rows (sae_vis shows examples
-across a latent's range alike). Which rows a bin keeps is decided by a hash of (row, latent), so the same rows in the
-same order give the same pages. Then, from the weights alone: the tokens each decoder direction promotes and
-suppresses through the source model's final norm and unembedding (the logit lens), and each latent's nearest latents
-by decoder cosine."""
+`2 x samples x QUANTILES` rows from each bin of that histogram. No [rows x latents] matrix is ever held: each chunk's
+firing (row, latent, value) triples are merged into the per-latent tops by one sort. At the end each kept row is
+placed in its fifth of the latent's activations by the rows below its bin (the histogram) and its rank among its
+bin's kept rows (a uniform sample of the bin), so a bin that spans several fifths (a latent whose activations fall
+in one or two bins) feeds each of them; each fifth shows `samples` of its rows that are not among the strongest
+(sae_vis shows examples across a latent's range alike), with the range of its kept rows. Which rows a bin keeps is
+decided by a hash of (row, latent), so the same rows in the same order give the same pages. Then, from the weights
+alone: the tokens each decoder direction promotes and suppresses through the source model's final norm and
+unembedding (the logit lens), and each latent's nearest latents by decoder cosine."""
 
 from __future__ import annotations
 
@@ -78,7 +80,10 @@ class LatentStats:
         self.hist += torch.bincount(latent * HIST_BINS + bins, minlength=n * HIST_BINS).view(n, HIST_BINS)
         self._top = self._merged(self._top, latent, value, row, self.top, n)
         key, priority = latent * HIST_BINS + bins, _mix(row, latent)
-        self._samples = self._merged(self._samples, key, priority, row, self.samples, n * HIST_BINS, value)
+        # enough for every fifth when one bin holds all of a latent's activations, twice over: a row's rank among them
+        # places it to within ~1/sqrt(2 x samples x QUANTILES) of its share
+        per_bin = 2 * self.samples * QUANTILES
+        self._samples = self._merged(self._samples, key, priority, row, per_bin, n * HIST_BINS, value)
 
     @staticmethod
     def _merged(
@@ -102,22 +107,24 @@ class LatentStats:
     def result(self) -> dict[str, torch.Tensor]:
         """density (fraction of rows it fires on), mean (over its firings) and max activation, hist [n, HIST_BINS],
         top_rows / top_values [n, top] (-1 / 0 where it fired on fewer rows), and per quantile of its activations
-        (the lowest fifth first) sample_rows / sample_values [n, QUANTILES, samples] (-1 / 0 where empty) and the
-        range of the bins that make it up, sample_low / sample_high [n, QUANTILES] (0 / 0 where empty)."""
+        (the lowest fifth first) sample_rows / sample_values [n, QUANTILES, samples] (-1 / 0 where empty: a latent
+        that fired on too few rows beyond its strongest) and the range of the kept rows in it, sample_low /
+        sample_high [n, QUANTILES] (0 / 0 where empty)."""
         n = self.n_latents
         top_rows, top_values = self._table(self._top[0], self._top[2], self._top[1], n, self.top)
-        quantile = self._quantiles()  # [n, HIST_BINS]
-        key, priority, row, value = self._samples
-        latent, kept_bin = key // HIST_BINS, key % HIST_BINS
-        picked = top_per_group(latent * QUANTILES + quantile[latent, kept_bin], priority, self.samples, row, value)
+        group, quantile, row, value, priority = self._placed()
+        bound = self.rows + 1  # (latent, row) pairs as one number: a kept row among its latent's strongest is not shown
+        shown = ~torch.isin(group * bound + row, self._top[0] * bound + self._top[2])
+        cell = group * QUANTILES + quantile
+        picked = top_per_group(cell[shown], priority[shown], self.samples, row[shown], value[shown])
         sample_rows, sample_values = self._table(picked[0], picked[2], picked[3], n * QUANTILES, self.samples)
-        edges, filled = bin_edges(), self.hist > 0
-        low = torch.full((n, QUANTILES), float("inf"), dtype=torch.float64)
-        high = torch.zeros(n, QUANTILES, dtype=torch.float64)
-        low.scatter_reduce_(1, quantile, torch.where(filled, edges[:-1], float("inf")).expand(n, -1), "amin")
-        high.scatter_reduce_(1, quantile, torch.where(filled, edges[1:], 0.0).expand(n, -1), "amax")
+        low = torch.full((n * QUANTILES,), float("inf")).scatter_reduce_(0, cell, value, "amin")
+        high = torch.zeros(n * QUANTILES).scatter_reduce_(0, cell, value, "amax")
+        empty = (sample_rows < 0).all(1)
+        low[empty], high[empty] = 0.0, 0.0
         return {
             "density": self.count.double() / max(self.rows, 1),
+            "fired": self.count,
             "mean": self.total / self.count.clamp_min(1),
             "max": self.peak,
             "hist": self.hist,
@@ -125,15 +132,25 @@ class LatentStats:
             "top_values": top_values,
             "sample_rows": sample_rows.view(n, QUANTILES, self.samples),
             "sample_values": sample_values.view(n, QUANTILES, self.samples),
-            "sample_low": low.nan_to_num(posinf=0.0).float(),
-            "sample_high": torch.minimum(high, self.peak.double().unsqueeze(1)).float(),  # the top bin is open
+            "sample_low": low.view(n, QUANTILES),
+            "sample_high": high.view(n, QUANTILES),
         }
 
-    def _quantiles(self) -> torch.Tensor:
-        # each latent's bins -> the quantile of its activations each falls in (by the middle of the bin's share)
-        cumulative = self.hist.cumsum(1).double()
-        middle = (cumulative - self.hist / 2) / cumulative[:, -1:].clamp_min(1)
-        return (middle * QUANTILES).long().clamp(0, QUANTILES - 1)
+    def _placed(self) -> tuple[torch.Tensor, ...]:
+        # The kept rows (latent, quantile, row, value, priority): a row's share of its latent's activations below it
+        # is the rows of the bins below plus its rank among its bin's kept rows, a uniform sample of that bin.
+        key, priority, row, value = self._samples
+        order = torch.argsort(value, stable=True)
+        order = order[torch.argsort(key[order], stable=True)]  # by bin, then by value
+        key, priority, row, value = key[order], priority[order], row[order], value[order]
+        rank = torch.arange(len(key)) - torch.searchsorted(key, key)
+        kept = torch.bincount(key, minlength=self.n_latents * HIST_BINS)[key]
+        latent, b = key // HIST_BINS, key % HIST_BINS
+        hist = self.hist.double()
+        below = (hist.cumsum(1) - hist)[latent, b] + (rank + 0.5) / kept * hist[latent, b]
+        share = below / hist.sum(1).clamp_min(1)[latent]
+        quantile = (share * QUANTILES).long().clamp(0, QUANTILES - 1)
+        return latent, quantile, row, value, priority
 
     @staticmethod
     def _table(group: torch.Tensor, row: torch.Tensor, value: torch.Tensor, groups: int, k: int) -> tuple:

@@ -57,11 +57,17 @@ def _latent(inputs: Any, r: dict[str, torch.Tensor], views: dict[str, Any], i: i
     # everything latent i's own view shows
     latent = {
         "contexts": _items(inputs, r["top_rows"][i].tolist(), r["top_values"][i].tolist()),
-        "intervals": _intervals(inputs, r, i),
+        "intervals": (intervals := _intervals(inputs, r, i)),
         "hist": r["hist"][i].tolist(),
         "near": views["near"][i].tolist(),
         "near_cos": _rounded(views["near_cos"][i], 3),
     }
+    if len(intervals) < QUANTILES:  # the page says why a fifth has no examples
+        fired = int(r["fired"][i])
+        latent["note"] = (
+            f"{QUANTILES - len(intervals)} of the {QUANTILES} fifths have no examples: it fired on {fired:,} "
+            f"row{'s' if fired != 1 else ''} here, and its strongest ones are shown above, not again"
+        )
     if (lens := views["lens"]) is not None:
         for side in ("promoted", "suppressed"):
             pairs = zip(lens[side][i].tolist(), _rounded(lens[f"{side}_logits"][i], 3), strict=True)

@@ -30,22 +30,28 @@ const FEATURES = (() => {
   }
 
   const VISIBLE = { "\n": "\u21b5", "\t": "\u21e5", "\r": "\u240d" };
+  const SHOWN = { ...VISIBLE, " ": "\u2423" };
   function tokenText(id) {
     const text = index.vocab ? index.vocab[id] : "#" + id + " ";
     return text === undefined ? "#" + id : text;
   }
-  function token(id, strength) {
+  // alone (a table cell, a firing token) a blank token is drawn: a space as \u2423, an empty one as \u2205; in a
+  // context's running text only line breaks and tabs are
+  function token(id, strength, alone = strength !== undefined) {
     const raw = tokenText(id);
-    const shown = VISIBLE[raw] || (strength !== undefined && raw === " " ? "\u2423" : raw);
-    const span = el("span", { class: "tok" + (VISIBLE[raw] ? " ws" : "") }, shown);
+    const blank = /^\s*$/.test(raw);
+    const drawn = raw === "" ? "\u2205" : [...raw].map((c) => SHOWN[c] || c).join("");
+    const shown = alone && blank ? drawn : VISIBLE[raw] || raw;
+    const span = el("span", { class: "tok" + (shown !== raw ? " ws" : "") }, shown);
     if (strength !== undefined) {
       span.classList.add("fire");
       span.style.background = `rgba(255, 140, 0, ${Math.max(0.15, Math.min(1, strength)).toFixed(2)})`;
     }
     return span;
   }
-  function tokens(ids) {
-    return el("span", {}, ...ids.map((id) => token(id)));
+  function tokens(ids) {  // a latent's top tokens; one that never fired here has none, and says so
+    if (!ids.length) return el("span", { class: "muted" }, "never fired");
+    return el("span", {}, ...ids.map((id) => token(id, undefined, true)));
   }
 
   function context(item, peak) {
@@ -58,10 +64,13 @@ const FEATURES = (() => {
     return line;
   }
 
-  function bars(counts, title) {
+  // a histogram: its bars, and a count axis (the tallest bar's count, 0) saying what they count
+  function bars(counts, title, counted) {
     const top = Math.max(1, ...counts);
-    return el("div", { title }, el("div", { class: "bars" },
-      ...counts.map((c) => el("div", { style: `height:${(60 * c) / top}px`, title: String(c) }))));
+    return el("div", { class: "hist", title },
+      el("div", { class: "axis" }, el("span", {}, top.toLocaleString()), el("span", {}, counted), el("span", {}, "0")),
+      el("div", { class: "bars" },
+        ...counts.map((c) => el("div", { style: `height:${(60 * c) / top}px`, title: String(c) }))));
   }
 
   function header() {
@@ -115,7 +124,7 @@ const FEATURES = (() => {
     const h = index.log_density_hist;
     app.replaceChildren(header(),
       el("h2", {}, "log10 firing density of the latents that fired"),
-      bars(h.counts, `from 1e${h.low} to 1e${h.high}`),
+      bars(h.counts, `from 1e${h.low} to 1e${h.high}`, "latents"),
       el("div", { class: "muted" }, `1e${h.low} \u2192 1e${h.high}`),
       el("div", { class: "controls" }, "min density ", minInput, index.texts ? "top token contains " : null,
         index.texts ? tokenInput : null,
@@ -135,7 +144,7 @@ const FEATURES = (() => {
 
   function logitTable(title, pairs) {
     return el("div", {}, el("h3", {}, title), el("table", {}, el("tbody", {},
-      ...pairs.map(([id, logit]) => el("tr", {}, el("td", { class: "text ctx" }, token(id)), el("td", {}, fmt(logit, 3)))))));
+      ...pairs.map(([id, logit]) => el("tr", {}, el("td", { class: "text ctx" }, token(id, undefined, true)), el("td", {}, fmt(logit, 3)))))));
   }
 
   function showLatent(i) {
@@ -154,16 +163,17 @@ const FEATURES = (() => {
           latent.truth ? el("span", {}, `best true feature ${latent.truth[0]} (cos ${fmt(latent.truth[1], 3)})`) : null)];
       if (first >= 0) {
         const low = (b) => fmt(Math.pow(10, h.low + b / h.per_decade), 2);
-        parts.push(el("h3", {}, "activations (log10 bins)"), bars(latent.hist.slice(first, last + 1), ""),
+        parts.push(el("h3", {}, "activations (log10 bins)"), bars(latent.hist.slice(first, last + 1), "", "rows"),
           el("div", { class: "muted" }, `${low(first)} \u2192 ${low(last + 1)}`));
       }
       parts.push(el("h3", {}, index.texts ? "strongest contexts" : "strongest rows"),
         el("div", { id: "contexts" }, ...latent.contexts.map((c) => context(c, peak))));
       for (const interval of latent.intervals) {
         const fifth = `${(100 * interval.quantile) / index.quantiles}-${(100 * (interval.quantile + 1)) / index.quantiles}%`;
-        parts.push(el("h3", {}, `examples from the ${fifth} quantile of its activations (${interval.low} to ${interval.high})`),
+        parts.push(el("h3", { class: "quantile" }, `examples from the ${fifth} quantile of its activations (${interval.low} to ${interval.high})`),
           ...interval.items.map((c) => context(c, peak)));
       }
+      if (latent.note) parts.push(el("p", { class: "muted note" }, latent.note));
       const cols = el("div", { class: "cols" });
       if (latent.promoted) {
         const note = index.lens_tied ? " (unembedding tied to the embedding)" : "";
