@@ -1,11 +1,13 @@
-"""`python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [--serve] [port=8000]`: feature
-dashboards of a finished SAE run (or of an SAE folder of SAELens or sparsify, with `source=MODEL`, the model it reads:
-runner.trained.load_model): per latent its strongest contexts in the source's text, examples across its range of
-activation, how often it fires, a histogram, the tokens it promotes and suppresses, its nearest latents. Static pages
-in DIR (default RUN_DIR/features; a symlink in the run folder never leads them elsewhere: runner.outdir): open
-DIR/index.html from disk, or `--serve` them to this machine's browser (PagesHandler). The model writes them
+"""`python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [neuronpedia=true] [--serve]
+[port=8000]`: feature dashboards of a finished SAE run (or of an SAE folder of SAELens or sparsify, with `source=MODEL`,
+the model it reads: runner.trained.load_model): per latent its strongest contexts in the source's text, examples across
+its range of activation, how often it fires, a histogram, the tokens it promotes and suppresses, its nearest latents.
+Static pages in DIR (default RUN_DIR/features; a symlink in the run folder never leads them elsewhere: runner.outdir):
+open DIR/index.html from disk, or `--serve` them to this machine's browser (PagesHandler). The model writes them
 (`features(cfg, run_dir, out, ...)`: runner's SAEs, experiments/sae/pages/dashboard.py), built under the same trust
-rules as evaluation (runner.trained.load_trained). Exit codes: 0, or 2 with a one-line message."""
+rules as evaluation (runner.trained.load_trained). `neuronpedia=true` writes the same latents as Neuronpedia's upload
+batches too (DIR/neuronpedia/batch-N.json: experiments/sae/pages/neuronpedia.py). Exit codes: 0, or 2 with a one-line
+message."""
 
 from __future__ import annotations
 
@@ -34,11 +36,13 @@ DEFAULTS: dict[str, Any] = {
     "out": None,
     "top": 16,
     "device": "cpu",
+    "neuronpedia": False,  # the pages' data as Neuronpedia's upload batches too (experiments/sae/pages/neuronpedia.py)
     "port": 8000,
     **dict.fromkeys(ATTACH),  # an SAE folder of SAELens or sparsify: the model it reads (runner.trained.load_model)
 }
 USAGE = (
-    "usage: python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [--serve] [port=8000]\n"
+    "usage: python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [neuronpedia=true] "
+    "[--serve] [port=8000]\n"
     "       python -m runner.features SAE_DIR source=MODEL [hook=NAME] [module=MODULE] ...   (SAELens, sparsify)"
 )
 
@@ -56,6 +60,8 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
             value = options[key] = int(value)  # tokens=2e6
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{key}={value!r}: give a whole number >= 1")
+    if not isinstance(options["neuronpedia"], bool):
+        raise ConfigError(f"neuronpedia={options['neuronpedia']!r}: give true or false")
     if options["port"] > 65535:
         raise ConfigError(f"port={options['port']}: give a port from 1 to 65535, e.g. port=8000")
     return Path(argv[0]), options, serve
@@ -157,7 +163,14 @@ def main(argv: list[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             working = ConsoleLogger().working  # the pass's progress: a bar in a terminal, a line now and then elsewhere
             pages = model.features(
-                cfg, run_dir, out, tokens=options["tokens"], top=options["top"], device=device, working=working
+                cfg,
+                run_dir,
+                out,
+                tokens=options["tokens"],
+                top=options["top"],
+                device=device,
+                working=working,
+                neuronpedia=options["neuronpedia"],
             )
         except (OSError, DiskFull) as error:
             kept = "any pages there may be incomplete (the same command writes them whole)"

@@ -173,9 +173,9 @@ class Spliced(nn.Module):
         """Tell the coder the last logged row (SAE.logged)."""
         self.coder.logged(metrics)
 
-    def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
+    def export(self, fmt: str, out: Any, cfg: Any, summary: dict | None = None) -> list[Any]:
         """The coder in another tool's layout (SAE.export): what it was trained by does not change what it is."""
-        return self.coder.export(fmt, out, cfg)
+        return self.coder.export(fmt, out, cfg, summary=summary)
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """The coder's feature pages (SAE.features)."""

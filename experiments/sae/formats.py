@@ -21,6 +21,9 @@ Which architecture becomes which:
 - JumpReLU: `jumprelu`. ReLU: SAELens `standard`. Gated: SAELens `gated` (b_enc written as b_gate, with r_mag and
   b_mag; SAELens has no gated transcoder, so a gated transcoder is refused).
 - sparsify has top-k only: anything else is refused, with the format that takes it.
+- hf: a Hugging Face repository folder, ready for `huggingface_hub.upload_folder`: each SAE in SAELens's layout in a
+  folder named by its hook point (SAELens's `sae_id`), and a README.md model card (`hub_card`) naming the source
+  model, hook, width, k, the data and the run's metrics. Nothing is uploaded: that is the user's call.
 - Transcoders: SAELens's `transcoder` (ReLU) and `jumprelu_transcoder` (JumpReLU, BatchTopK), with a skip connection
   `skip_transcoder` and `jumprelu_skip_transcoder`; their encoders read the input uncentred
   (`apply_b_dec_to_input` false), as runner's do. SAELens has no top-k transcoder: sparsify's (`transcode`, and
@@ -40,7 +43,7 @@ from torch import nn
 from runner import ConfigError
 from runner.rundir import write_atomic
 
-FORMATS = ("saelens", "sparsify")
+FORMATS = ("saelens", "sparsify", "hf")  # hf: a Hugging Face repository folder of SAELens folders and a model card
 # SAELens's transcoder classes, by (inference, skip connection); it has no top-k one
 TRANSCODERS = {
     ("standard", False): "transcoder",
@@ -109,7 +112,7 @@ def export(
 ) -> Path:
     """Write `sae` in format `fmt` to the folder `out` (made here; refused if it holds files); returns `out`. `hook`
     names the module it reads, `target` a transcoder's target module, `model` the source model (SAELens metadata)."""
-    if fmt not in FORMATS:
+    if fmt not in FORMATS[:2]:  # a repository (hf) is SAELens folders and a card: SAE.export writes one
         raise ConfigError(f"--format {fmt}: give one of {', '.join(FORMATS)}")
     kind = architecture(sae)
     _refuse(sae, fmt, kind)
@@ -179,3 +182,83 @@ def _sparsify_cfg(sae: nn.Module) -> dict[str, Any]:
 def _write(path: Path, data: dict[str, Any]) -> None:
     # renamed into place (as the weights): a symlink at the name is replaced, never written through
     write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+CARD_METRICS = {  # the run's summary metrics a card quotes, by what it calls them
+    "fve": "explained variance (held out)",
+    "l0": "L0",
+    "dead_fraction": "dead fraction",
+    "loss_recovered": "loss recovered (zero ablation)",
+    "kl_spliced": "KL spliced (nats/token)",
+}
+
+
+def sae_id(hook: str | None, name: str | None = None) -> str:
+    """The folder of an SAE in a repository: its hook point as SAELens names it (its `sae_id`), else its name."""
+    return _hook_name(hook) or name or "sae"
+
+
+def hub_card(out: Path, folders: dict[Path, str], cfg: Any, summary: dict[str, Any] | None) -> Path:
+    """Write `out`/README.md, the model card of a repository holding SAELens folders (their cfg.json say what each
+    is), each with the prefix of its metrics in the run's summary (a family's SAE name and "/"; one SAE: ""), trained
+    by the run of `cfg` whose summary.json is `summary`; returns its path."""
+    summary = summary or {}
+    metrics, progress = summary.get("metrics") or {}, summary.get("progress") or {}
+    data = cfg.get("data") or {}
+    source = data.get("checkpoint")
+    rows, models = [], set()
+    for folder, prefix in folders.items():
+        saelens = json.loads((folder / "cfg.json").read_text())
+        meta = saelens.get("metadata") or {}
+        models.add(meta.get("model_name"))
+        quoted = [metrics.get(f"val/{prefix}{key}") for key in CARD_METRICS]
+        cells = [f"`{folder.relative_to(out)}`", saelens["architecture"], f"`{meta.get('hook_name')}`",
+                 str(saelens["d_in"]), f"{saelens['d_sae']:,}", str(saelens.get("k", "-")),
+                 *("-" if v is None else f"{v:.4g}" for v in quoted)]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    model = ", ".join(sorted(str(m) for m in models if m)) or str(source)
+    head = ["sae_id (folder)", "architecture", "hook", "d_in", "width", "k", *CARD_METRICS.values()]
+    trained = ", ".join(f"{progress[k]:,} {k}" for k in ("step", "samples", "tokens") if progress.get(k))
+    text = [
+        "---",
+        "library_name: saelens",
+        "tags:\n- sparse-autoencoder\n- mechanistic-interpretability\n- runner",
+        "---",
+        "",
+        f"# Sparse autoencoders of {model}",
+        "",
+        f"Trained with runner on the activations of `{model}` at the hook points below"
+        + (f" ({trained})." if trained else "."),
+        f"Data: {_data_words(data)}.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---" for _ in head) + " |",
+        *rows,
+        "",
+        "Metrics are the run's last validation (its summary.json); each folder is SAELens's layout, so:",
+        "",
+        "```python",
+        "from sae_lens import SAE",
+        f'sae = SAE.load_from_disk("{next(iter(folders)).relative_to(out)}")  # in a clone of this repository',
+        "```",
+        "",
+        "or, with runner, `SAE.load_from_disk(path)` (experiments.sae.coders.base.SAE).",
+        "",
+    ]
+    path = out / "README.md"
+    write_atomic(path, "\n".join(text).encode())
+    return path
+
+
+def _data_words(data: Any) -> str:
+    # what a card says the SAEs were trained on, from the run's data config
+    if data.get("checkpoint") is None:
+        return f"{data.get('_target_', 'activations')} rows"
+    words = f"activations of `{data.get('module')}` of `{data.get('checkpoint')}`"
+    inputs = data.get("inputs") or {}
+    text = inputs.get("dataset") or inputs.get("paths")
+    if text:
+        words += f", on the text of {text}"
+    if data.get("samples_per_epoch"):
+        words += f", {data.get('samples_per_epoch'):,} positions an epoch"
+    return words

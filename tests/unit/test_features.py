@@ -160,6 +160,8 @@ def test_an_sae_on_synthetic_data_shows_each_latent_s_best_true_feature(compose_
     overrides += ["data.splits.d=16", "data.splits.n_features=16", "trainer.max_duration=30st", "logger=none"]
     run.mkdir()
     finished_run(run, *overrides, "checkpoint=none")
+    assert main([str(run), "tokens=512", "neuronpedia=true", f"out={tmp_path / 'np'}"]) == 2  # no text to show
+    assert not (tmp_path / "np" / "index.html").exists()
     assert main([str(run), "tokens=512", f"out={tmp_path / 'pages'}"]) == 0
     index = _data(tmp_path / "pages" / "data" / "index.js")
     assert not index["texts"] and index["vocab"] is None and index["rows"] == 512 and len(index["truth"]) == 32
@@ -175,7 +177,7 @@ def test_an_sae_on_synthetic_data_shows_each_latent_s_best_true_feature(compose_
         ([], "usage: python -m runner.features RUN_DIR"),
         (["tokens=0"], "tokens=0: give a whole number >= 1"),
         (["tokens=lots"], "tokens='lots': give a whole number >= 1"),
-        (["depth=3"], "'depth=3': give KEY=VALUE with KEY one of tokens, out, top, device, port"),
+        (["depth=3"], "'depth=3': give KEY=VALUE with KEY one of tokens, out, top, device, neuronpedia, port"),
         (["device=cuda:7"], "device=cuda:7: this machine has"),
     ],
 )
@@ -261,3 +263,42 @@ def test_a_cross_layer_transcoder_gets_a_folder_per_layer_each_reading_its_layer
         with torch.no_grad():
             values, indices = task.coders[layer].codes(inputs[layer] * task.input_scale[layer])
         assert index["density"] == _density(task.coders[layer]._dense(values, indices))
+
+
+# NeuronpediaDashboardFeature.to_dict()'s keys (SAEDashboard, sae_dashboard/neuronpedia/neuronpedia_dashboard.py)
+NEURONPEDIA_KEYS = {
+    *("feature_index", "neuron_alignment_indices", "neuron_alignment_values", "neuron_alignment_l1"),
+    *("correlated_neurons_indices", "correlated_neurons_l1", "correlated_neurons_pearson"),
+    *("correlated_features_indices", "correlated_features_l1", "correlated_features_pearson"),
+    *("neg_str", "neg_values", "pos_str", "pos_values", "frac_nonzero", "freq_hist_data_bar_values"),
+    *("freq_hist_data_bar_heights", "logits_hist_data_bar_heights", "logits_hist_data_bar_values"),
+    *("n_prompts_total", "n_tokens_in_prompt", "dataset", "decoder_weights_dist", "activations"),
+}
+
+
+def test_neuronpedia_batches_hold_every_latent_as_its_uploads_take_them(
+    sae_lm_run: Path, lm_run: Path, tmp_path: Path
+) -> None:
+    assert main([str(sae_lm_run), "tokens=400", "neuronpedia=true", f"out={tmp_path / 'p'}"]) == 0
+    batches = sorted((tmp_path / "p" / "neuronpedia").glob("batch-*.json"))
+    assert [b.name for b in batches] == ["batch-0.json"]  # 64 latents: one chunk
+    batch = json.loads(batches[0].read_text())
+    assert (batch["model_id"], batch["layer"], batch["sae_set"]) == (str(lm_run), 1, "runner")
+    index = _data(tmp_path / "p" / "data" / "index.js")
+    features = batch["features"]
+    assert [f["feature_index"] for f in features] == list(range(64))
+    for feature in features:
+        assert set(feature) == NEURONPEDIA_KEYS
+        i = feature["feature_index"]
+        assert feature["frac_nonzero"] == pytest.approx(index["density"][i], rel=1e-2)
+        assert len(feature["pos_str"]) == len(feature["pos_values"]) == 8 and all(feature["pos_str"])
+        if not feature["activations"]:
+            assert index["density"][i] == 0
+            continue
+        top = feature["activations"][0]
+        assert top["bin_min"] == -1 and top["bin_max"] == pytest.approx(index["max"][i], rel=1e-3)
+        for context in feature["activations"]:
+            assert len(context["tokens"]) == len(context["values"]) and all(isinstance(t, str) for t in context["tokens"])
+            assert sum(v != 0 for v in context["values"]) == 1  # the firing token's activation alone (see the module)
+    assert sum(bool(f["activations"]) for f in features) > 32
+    assert main([str(sae_lm_run), "neuronpedia=maybe"]) == 2

@@ -10,6 +10,7 @@ tests/e2e/test_sae_peers_load.py loads the same folders with the real packages."
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from helpers import SAE_LM, finished_run
 from safetensors.torch import load_file
 
 from experiments.sae.coders.activations import BatchTopKSAE, ReLUSAE, TopKSAE
+from experiments.sae.coders.base import SAE
 from experiments.sae.coders.jumprelu import JumpReLUSAE
 from experiments.sae.coders.matryoshka import MatryoshkaSAE
 from experiments.sae.formats import export
@@ -220,3 +222,37 @@ def test_an_exported_run_names_its_hook_point_and_model_as_saelens_and_sparsify_
         for folder in (tmp_path / "many").iterdir()
     }
     assert sorted(hooks.values()) == ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"], hooks
+
+
+def test_a_hugging_face_repository_folder_holds_saelens_folders_and_a_model_card(
+    sae_lm_run: Path, lm_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(sae_lm_run, run)
+    summary = {"progress": {"step": 8, "samples": 512}, "metrics": {"val/fve": 0.8123, "val/l0": 4.0}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert main([str(run), "format=hf", f"out={tmp_path / 'repo'}"]) == 0
+    repo = tmp_path / "repo"
+    assert sorted(p.name for p in repo.iterdir()) == ["README.md", "blocks.1.hook_resid_post"]
+    card = (repo / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: saelens\ntags:\n- sparse-autoencoder\n")
+    assert f"# Sparse autoencoders of {lm_run}" in card and "(8 step, 512 samples)" in card
+    assert f"Data: activations of `blocks.1` of `{lm_run}`" in card
+    row = "| `blocks.1.hook_resid_post` | topk | `blocks.1.hook_resid_post` | 32 | 64 | 4 | 0.8123 | 4 | - | - | - |"
+    assert row in card, card
+    sae = SAE.load_from_disk(repo / "blocks.1.hook_resid_post")  # as a clone of the repository is loaded
+    assert (sae.d_in, sae.n_latents, sae.k) == (32, 64, 4)
+    # a family: one repository, a folder per SAE named by its hook point, one card over them all
+    family = tmp_path / "family"
+    family.mkdir()
+    overrides = [o for o in SAE_LM if not o.startswith("model.")] + ["model=sae_multi", "model.ks=[4]"]
+    overrides += ["model.base.n_latents=32", "source.module=[blocks.0,blocks.1]"]
+    finished_run(family, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *overrides)
+    assert main([str(family), "format=hf", f"out={tmp_path / 'many'}"]) == 0
+    folders = sorted(p.name for p in (tmp_path / "many").iterdir())
+    assert folders == ["README.md", "blocks.0.hook_resid_post", "blocks.1.hook_resid_post"], folders
+    card = (tmp_path / "many" / "README.md").read_text()
+    assert [line.split(" | ")[0] for line in card.splitlines() if line.startswith("| `blocks.")] == [
+        "| `blocks.0.hook_resid_post`",
+        "| `blocks.1.hook_resid_post`",
+    ]

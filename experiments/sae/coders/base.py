@@ -248,17 +248,24 @@ class SAE(nn.Module):
             raise ConfigError(f"{path} holds a {type(sae).__name__}, not a {cls.__name__}: load it with SAE")
         return sae
 
-    def export(self, fmt: str, out: Any, cfg: Any, module: str | None = None) -> list[Any]:
+    def export(self, fmt: str, out: Any, cfg: Any, module: str | None = None, summary: dict | None = None) -> list[Any]:
         """Write this SAE in another tool's folder layout (experiments/sae/formats.py) for runner.export; `cfg` is
         the run's config: its data's source (the hooked module, a transcoder's target, the source model) names the
-        export's metadata; `module`, the one this SAE reads where the source hooks several. The folders written."""
-        from experiments.sae.formats import export
+        export's metadata; `module`, the one this SAE reads where the source hooks several; `summary`, the run's
+        summary.json (a repository's model card quotes its metrics). The folders written."""
+        from experiments.sae.formats import export, hub_card, sae_id
+        from runner.outdir import within
 
         # the run as trained has `source`; as load_trained rebuilds it, its data holds what `source` gave it
         source = cfg.get("source") or cfg.get("data") or {}
         names = {key: value if isinstance(value := source.get(key), str) else None for key in ("module", "target")}
-        model = source.get("checkpoint")
-        return [export(self, fmt, out, module or names["module"], str(model) if model else None, names["target"])]
+        model, hook = source.get("checkpoint"), module or names["module"]
+        args = (hook, str(model) if model else None, names["target"])
+        if fmt == "hf":  # a repository: the SAELens folder named by its hook point, and the model card
+            folder = export(self, "saelens", within(out, sae_id(hook)), *args)
+            hub_card(out, {folder: ""}, cfg, summary)
+            return [out]
+        return [export(self, fmt, out, *args)]
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
         """Write this SAE's feature pages to `out` for runner.features (experiments/sae/pages/dashboard.py);

@@ -157,7 +157,7 @@ class CrossLayerTranscoder(nn.Module):
         family = [(f"layer{layer}/", coder) for layer, coder in enumerate(self.coders)]
         return write(family, cfg, run_dir, out, rows_of=rows_of, **options)
 
-    def export(self, fmt: str, out: Any, cfg: Any) -> list[Any]:
+    def export(self, fmt: str, out: Any, cfg: Any, summary: dict | None = None) -> list[Any]:
         """Refused: neither SAELens nor sparsify has a cross-layer transcoder format to write."""
         raise ConfigError(
             f"--format {fmt}: neither SAELens nor sparsify loads cross-layer transcoders; the run's model.safetensors "

@@ -92,6 +92,11 @@ class _Text:
             self.splits[split] = self.splits.get(split, 0) + len(windows)
             yield self.source.activations(batch).float()
 
+    @property
+    def window(self) -> int:
+        """Tokens a window holds (0 before the first)."""
+        return int(self.windows[0].shape[1]) if self.windows else 0
+
     def context(self, row: int) -> dict[str, Any]:
         """The tokens around `row`'s position, and where in them it is."""
         window, position = divmod(int(self.all_positions[row]), self.windows[0].shape[1])
@@ -149,15 +154,18 @@ def write(
     batch_rows: int = 4096,
     rows_of: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
     working: Callable[[str, int, int | None], None] | None = None,
+    neuronpedia: bool = False,
 ) -> list[Path]:
     """Look at each SAE of `family` ((metric prefix, SAE) pairs of a run of `cfg` in `run_dir`; a MultiSAE's give
     `rows_of`, the columns each reads; a cross-layer transcoder's, each layer's normalised input) over `tokens` rows and
     write its pages under `out` (one folder per SAE of a family); returns the index pages written. A transcoder's
     latents are looked at where they read: its input's contexts; the logit lens reads what they write. `working`
     (what, batches done, batches in all) hears of the pass's progress (runner's console: a bar, or a line now and
-    then)."""
+    then); `neuronpedia`: the pages' data as Neuronpedia's upload batches too (pages/neuronpedia.py)."""
     started, device_ = time.perf_counter(), torch.device(device)
     hooked = str(cfg.data.get("_target_", "")).endswith("HookedData")
+    if neuronpedia and not hooked:  # said before the pass, not after it
+        raise ConfigError("neuronpedia=true: Neuronpedia's features are shown on text; this run's rows have none")
     inputs: _Text | _Rows = _Text(cfg, device_, tokens) if hooked else _Rows(cfg, tokens)
     for _, sae in family:
         sae.to(device_)
@@ -178,16 +186,19 @@ def write(
     for prefix, sae in family:
         metrics = {name: summary.get(f"val/{prefix}{name}") for name in ("fve", "l0", "dead_fraction")}
         title = f"{type(sae).__name__} {prefix.rstrip('/')}".strip()
+        module = cfg.data.get("module")
         head = {
             "title": title,
             "rows": first,
             "seconds": round(seconds, 1),
             "splits": inputs.splits,
             "metrics": metrics,
+            "hook": module if isinstance(module, str) else prefix.rstrip("/"),
+            "model": str(cfg.data.get("checkpoint") or ""),
         }
         views = _weights_views(sae, inputs)
         folder = within(out, prefix.rstrip("/"))  # a family's SAE names come from the run's config
-        written.append(write_pages(folder, sae, stats[prefix].result(), inputs, views, head))
+        written.append(write_pages(folder, sae, stats[prefix].result(), inputs, views, head, neuronpedia))
     if len(family) > 1:
         family_index(out, [p.rstrip("/") for p, _ in family])
         written.insert(0, out / "index.html")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from experiments.sae.pages.neuronpedia import write_batch
 from experiments.sae.pages.stats import HIST_BINS, HIST_LOW, HIST_PER_DECADE, QUANTILES
 from runner.outdir import clear_temporaries, make_dir
 from runner.rundir import write_atomic
@@ -84,11 +85,17 @@ def _top_tokens(latent: dict[str, Any]) -> list[int]:
 
 
 def write_pages(
-    folder: Path, sae: nn.Module, r: dict[str, torch.Tensor], inputs: Any, views: dict[str, Any], head: dict[str, Any]
+    folder: Path,
+    sae: nn.Module,
+    r: dict[str, torch.Tensor],
+    inputs: Any,
+    views: dict[str, Any],
+    head: dict[str, Any],
+    neuronpedia: bool = False,
 ) -> Path:
     """Write one SAE's pages to `folder`: the static files, the index data and its latents' data files, from its
     statistics `r` (LatentStats.result), the `inputs` they came from, the weights' `views` and the index's `head`;
-    returns the index page."""
+    with `neuronpedia`, the same latents as Neuronpedia's batch files too (neuronpedia.py). Returns the index page."""
     for made in (folder, folder / "data"):  # real folders: a symlink planted at either name is replaced
         clear_temporaries(make_dir(made))  # and what a killed run left in them removed
     for old in (folder / "data").glob("latents-*.js"):
@@ -102,6 +109,8 @@ def write_pages(
         _script(
             folder / "data" / f"latents-{start // CHUNK:04d}.js", "FEATURES.chunk", {"start": start, "latents": chunk}
         )
+        if neuronpedia:
+            write_batch(folder / "neuronpedia" / f"batch-{start // CHUNK}.json", sae, chunk, r, inputs, head)
     density = r["density"]
     fired = density[density > 0].log10().float()
     counts = torch.histc(fired, bins=42, min=-7, max=0) if len(fired) else torch.zeros(42)
