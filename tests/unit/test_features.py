@@ -298,7 +298,8 @@ def test_neuronpedia_batches_hold_every_latent_as_its_uploads_take_them(
         top = feature["activations"][0]
         assert top["bin_min"] == -1 and top["bin_max"] == pytest.approx(index["max"][i], rel=1e-3)
         for context in feature["activations"]:
-            assert len(context["tokens"]) == len(context["values"]) and all(isinstance(t, str) for t in context["tokens"])
+            assert len(context["tokens"]) == len(context["values"])
+            assert all(isinstance(t, str) for t in context["tokens"])
             assert sum(v != 0 for v in context["values"]) == 1  # the firing token's activation alone (see the module)
     assert sum(bool(f["activations"]) for f in features) > 32
     assert main([str(sae_lm_run), "neuronpedia=maybe"]) == 2
