@@ -1,6 +1,6 @@
-"""The README's quality figures, checked against what the code gives: every command the README quotes a result of is
-run (one after another, each in a fresh run folder) and each quoted figure is compared with the run's own, at the
-README's precision. Times are left out: they are the machine's, not the code's.
+"""The README's quality figures (and its docs/ pages'), checked against what the code gives: every command they quote
+a result of is run (one after another, each in a fresh run folder) and each quoted figure is compared with the run's
+own, at the README's precision. Times are left out: they are the machine's, not the code's.
 
     python benchmarks/readme_figures.py [--only digits,sae] [--threads N] [--dir DIR] [--json out.json]
 
@@ -81,8 +81,10 @@ SAE_COLUMNS: list[Figure] = [
 
 
 def readme_text() -> str:
-    """The README with its line breaks as spaces (a figure's sentence may wrap)."""
-    return " ".join(README.read_text().split())
+    """The README and the docs/ pages it links, with line breaks as spaces (a figure's sentence may wrap): a figure is
+    checked on whichever page quotes it."""
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    return " ".join(" ".join(page.read_text().split()) for page in pages)
 
 
 def checks(text: str, only: set[str] | None) -> dict[str, tuple[str, list[tuple[str, list[Figure]]]]]:
