@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from experiments.sae.evals.absorption import _absorbed
-from experiments.sae.evals.core import _score, core, windows
+from experiments.sae.evals.core import core, windows
 from experiments.sae.evals.probes import fit_logistic
 from experiments.sae.evals.probing import char_categories
 from experiments.sae.evals.run import source_of
+from experiments.sae.metrics import loss_recovered
 from runner.sae_eval import main
 from runner.trained import load_trained
 
@@ -69,9 +70,9 @@ def test_core_metrics_equal_brute_force_over_the_same_positions(sae_lm_run: Path
 
 
 def test_a_score_whose_ablation_costs_nothing_is_undefined_and_says_why() -> None:
-    score, note = _score(ablated=6.908, spliced=6.95, clean=6.906)
+    score, note = loss_recovered(ablated=6.908, spliced=6.95, clean=6.906)
     assert np.isnan(score) and "too little to divide by" in note
-    assert _score(ablated=8.0, spliced=5.0, clean=4.0) == (0.75, None)
+    assert loss_recovered(ablated=8.0, spliced=5.0, clean=4.0) == (0.75, None)
 
 
 def test_the_cli_writes_json_and_a_page_and_refuses_by_name(
