@@ -5,6 +5,7 @@ corpus that holds `<script>` and `</div>` shows them as text; and `--serve` serv
 from __future__ import annotations
 
 import html
+import json
 import re
 import shutil
 import signal
@@ -115,6 +116,15 @@ def test_every_latent_shows_five_fifths_or_says_why_and_no_blank_token_cell(page
         found = re.findall(r'<td class="text ctx">(.*?)</td>', view)
         return [html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in found]
 
+    # every latent's data: five fifths, or a note that says how many are empty (that no example repeats a strongest
+    # row is tested on rows in tests/unit/test_features.py: this corpus repeats its text, so contexts repeat here)
+    data = (pages / "data" / "latents-0000.js").read_text()
+    latents = json.loads(re.fullmatch(r"FEATURES\.chunk\((.*)\);\n", data, re.DOTALL).group(1))["latents"]
+    assert len(latents) == 64
+    for number, latent in latents.items():
+        intervals = latent["intervals"]
+        assert len(intervals) == 5 or latent["note"].startswith(f"{5 - len(intervals)} of the 5 fifths"), number
+    assert sum(len(latent["intervals"]) == 5 for latent in latents.values()) > 32
     index, _ = _browser((pages / "index.html").as_uri())
     assert cells(index) and all(text.strip() for text in cells(index)), cells(index)
     assert "\u2423" in "".join(cells(index))  # this corpus's space tokens, drawn
