@@ -122,6 +122,6 @@ def test_the_kernels_choice_is_checked_and_auto_keeps_the_cpu_on_torch() -> None
     with pytest.raises(ConfigError, match=r"model.kernels='cuda': give one of auto, triton, torch"):
         TopKSAE(d_in=8, n_latents=16, kernels="cuda")
     assert not kernels.use_triton("auto", torch.device("cpu"))  # the interpreter only when asked for by name
-    interpreted = kernels.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = kernels.HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
     assert kernels.use_triton("triton", torch.device("cpu")) == interpreted
     assert not kernels.use_triton("torch", torch.device("cuda"))

@@ -16,6 +16,8 @@ inputs (one-hot products in IEEE fp32, not TF32): the weights' gradients equal t
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from typing import Any
 
@@ -23,11 +25,9 @@ import torch
 
 from runner import ConfigError
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # Triton comes with torch's CUDA builds; elsewhere the torch path runs
-    triton = None
+# Triton comes with torch's CUDA builds (and the dev extra); elsewhere the torch path runs. It is imported only where
+# the kernels run (triton_kernels.py).
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 CHOICES = ("auto", "triton", "torch")
 
@@ -36,7 +36,7 @@ def check_choice(kernels: str) -> str:
     """`kernels` if it is a choice this machine can honour at all; else a ConfigError saying what to give."""
     if kernels not in CHOICES:
         raise ConfigError(f"model.kernels={kernels!r}: give one of {', '.join(CHOICES)}")
-    if kernels == "triton" and triton is None:
+    if kernels == "triton" and not HAVE_TRITON:
         raise ConfigError("model.kernels=triton: Triton is not installed (it comes with torch's CUDA builds)")
     return kernels
 
@@ -44,58 +44,11 @@ def check_choice(kernels: str) -> str:
 def use_triton(kernels: str, device: torch.device) -> bool:
     """Whether the Triton kernels run for tensors on `device`: on CUDA unless `kernels` is torch; elsewhere only
     when asked for by name under Triton's interpreter (TRITON_INTERPRET=1: the tests' way)."""
-    if kernels == "torch" or triton is None:
+    if kernels == "torch" or not HAVE_TRITON:
         return False
     if device.type == "cuda":
         return True
     return kernels == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-if triton is not None:
-
-    @triton.jit
-    def _transpose_kernel(
-        cols, rows, vals, bounds, dense, out, n, d, dense_row, out_l, out_d,
-        BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        block, part = tl.program_id(0), tl.program_id(1)
-        start, end = tl.load(bounds + block), tl.load(bounds + block + 1)
-        latents = (block * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)  # offsets past 2^31 at d x n > 2^31
-        columns = part * BLOCK_D + tl.arange(0, BLOCK_D)
-        acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
-        first = start
-        while first < end:  # a while, not a range: Triton's interpreter cannot take loaded bounds as a range's
-            entries = first + tl.arange(0, BLOCK_E)
-            inside = entries < end
-            col = tl.load(cols + entries, mask=inside, other=-1)
-            row = tl.load(rows + entries, mask=inside, other=0)
-            val = tl.load(vals + entries, mask=inside, other=0.0).to(tl.float32)
-            where = dense + row[:, None] * dense_row + columns[None, :]
-            tile = tl.load(where, mask=inside[:, None] & (columns[None, :] < d), other=0.0).to(tl.float32)
-            onehot = tl.where(col[None, :] == latents[:, None], val[None, :], 0.0)
-            acc += tl.dot(onehot, tile, input_precision="ieee")
-            first += BLOCK_E
-        where = out + latents[:, None] * out_l + columns[None, :] * out_d
-        tl.store(where, acc.to(out.dtype.element_ty), mask=(latents[:, None] < n) & (columns[None, :] < d))
-
-    @triton.jit
-    def _row_dots_kernel(
-        indices, dense, matrix, out, k, dense_row, matrix_row,
-        D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0)
-        picks = tl.arange(0, BLOCK_K)
-        inside = picks < k
-        index = tl.load(indices + b * k + picks, mask=inside, other=0)
-        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for first in range(0, D, BLOCK_D):  # the width a constant: one kernel per model width, its loop unrolled
-            columns = first + tl.arange(0, BLOCK_D)
-            within = columns < D
-            g = tl.load(dense + b * dense_row + columns, mask=within, other=0.0).to(tl.float32)
-            where = matrix + index[:, None] * matrix_row + columns[None, :]
-            rows = tl.load(where, mask=inside[:, None] & within[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(rows * g[None, :], axis=1)
-        tl.store(out + b * k + picks, acc.to(out.dtype.element_ty), mask=inside)
 
 
 BLOCK_L, BLOCK_E, BLOCK_D = 32, 32, 64
@@ -106,28 +59,30 @@ def transpose_product(
 ) -> torch.Tensor:
     """S^T @ dense for the [B, n] matrix S holding `values` at distinct (rows, cols): [n, d] (layout "nd"), or its
     transpose [d, n] written as such (layout "dn", an encoder weight's). In dense's dtype; nothing is read back."""
+    compiled = importlib.import_module("experiments.sae.coders.triton_kernels")
     dense = dense.contiguous()
     d = dense.shape[1]
     cols, order = cols.flatten().sort()
     rows, values = rows.flatten()[order], values.flatten()[order]
-    blocks = triton.cdiv(n, BLOCK_L)
+    blocks = -(-n // BLOCK_L)
     starts = torch.arange(blocks + 1, device=cols.device) * BLOCK_L
     bounds = torch.searchsorted(cols, starts.to(cols.dtype))
     out = torch.empty((n, d) if layout == "nd" else (d, n), dtype=dense.dtype, device=dense.device)
     out_l, out_d = (d, 1) if layout == "nd" else (1, n)
-    grid = (blocks, triton.cdiv(d, BLOCK_D))
-    _transpose_kernel[grid](cols, rows, values, bounds, dense, out, n, d, dense.stride(0), out_l, out_d,
+    grid = (blocks, -(-d // BLOCK_D))
+    compiled.transpose_kernel[grid](cols, rows, values, bounds, dense, out, n, d, dense.stride(0), out_l, out_d,
                             BLOCK_L=BLOCK_L, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D)  # fmt: skip
     return out
 
 
 def row_dots(indices: torch.Tensor, dense: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """out[b, j] = dense[b] . matrix[indices[b, j]] for indices [B, k], dense [B, d], matrix [n, d]; fp32 sums."""
+    compiled = importlib.import_module("experiments.sae.coders.triton_kernels")
     indices, dense, matrix = indices.contiguous(), dense.contiguous(), matrix.contiguous()
     batch, k = indices.shape
     out = torch.empty(batch, k, dtype=dense.dtype, device=dense.device)
-    block_k = max(16, triton.next_power_of_2(k))
-    _row_dots_kernel[(batch,)](indices, dense, matrix, out, k, dense.stride(0), matrix.stride(0),
+    block_k = max(16, 1 << (k - 1).bit_length())  # a power of two, as tl.arange takes
+    compiled.row_dots_kernel[(batch,)](indices, dense, matrix, out, k, dense.stride(0), matrix.stride(0),
                                D=dense.shape[1], BLOCK_K=block_k, BLOCK_D=64)  # fmt: skip
     return out
 
