@@ -376,14 +376,28 @@ def _preset_groups(experiment: str) -> list[str]:
     return [next(iter(e)).removeprefix("override /") for e in entries if isinstance(e, DictConfig)]
 
 
+def _preset_body(experiment: str) -> set[str]:
+    # the groups a preset writes keys of in its own body (a group's option files write only their own group: below)
+    return set(OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml")) - {"defaults"}
+
+
+# Only a preset's own body can put its keys into another option of a group (the options write only their own group,
+# test_only_presets_debug_and_searches_write_outside_their_group): the cases are the groups a preset's body writes.
 LEAK_CASES = [
     (experiment, group, option)
     for experiment in EXPERIMENTS
     for group in _preset_groups(experiment)
-    if group in ("model", "data", "optimizer", "scheduler", "callbacks")
+    if group in ("model", "data", "optimizer", "scheduler", "callbacks") and group in _preset_body(experiment)
     for g, option in OPTIONS
     if g == group
 ]
+
+
+def test_only_presets_debug_and_searches_write_outside_their_group() -> None:
+    # an option file with `# @package _global_` could write another group's keys; only these may
+    writers = {p.relative_to(CONF_DIR).parts[0] for p in CONF_DIR.rglob("*.yaml") if "@package" in p.read_text()}
+    assert writers <= {"experiment", "debug", "hparams_search"}, writers
+    assert len(LEAK_CASES) >= 30  # the presets that tune a group in their body (digits' callbacks, sae's optimizer...)
 
 
 @pytest.fixture(scope="module")
