@@ -37,8 +37,9 @@ def write_batch(
     layer = re.search(r"(?:^|\.)(\d+)(?:\.|$)", str(head.get("hook") or ""))
     meta = {"model_id": head.get("model") or "", "layer": int(layer.group(1)) if layer else 0, "sae_set": "runner"}
     extra = {"n_prompts_total": sum(inputs.splits.values()), "n_tokens_in_prompt": inputs.window, "dataset": ""}
-    W_dec = sae.W_dec.detach().float().cpu()
-    features = [{**_feature(i, latent, r, inputs, W_dec[i]), **extra} for i, latent in latents.items()]
+    rows = sae.W_dec.detach()[list(latents)].float().cpu()  # this batch's decoder rows, not the whole decoder again
+    pairs = zip(latents.items(), rows, strict=True)
+    features = [{**_feature(i, latent, r, inputs, row), **extra} for (i, latent), row in pairs]
     make_dir(path.parent)
     write_atomic(path, json.dumps({**meta, "features": features}).encode())
     return path
