@@ -302,4 +302,7 @@ def test_neuronpedia_batches_hold_every_latent_as_its_uploads_take_them(
             assert all(isinstance(t, str) for t in context["tokens"])
             assert sum(v != 0 for v in context["values"]) == 1  # the firing token's activation alone (see the module)
     assert sum(bool(f["activations"]) for f in features) > 32
+    # the same folder written again without them: no batch is left that the pages no longer match
+    assert main([str(sae_lm_run), "tokens=400", f"out={tmp_path / 'p'}"]) == 0
+    assert not list((tmp_path / "p" / "neuronpedia").glob("batch-*.json"))
     assert main([str(sae_lm_run), "neuronpedia=maybe"]) == 2

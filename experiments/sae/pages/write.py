@@ -98,8 +98,8 @@ def write_pages(
     with `neuronpedia`, the same latents as Neuronpedia's batch files too (neuronpedia.py). Returns the index page."""
     for made in (folder, folder / "data"):  # real folders: a symlink planted at either name is replaced
         clear_temporaries(make_dir(made))  # and what a killed run left in them removed
-    for old in (folder / "data").glob("latents-*.js"):
-        old.unlink()  # a smaller SAE written over a bigger one leaves no stale chunk
+    for old in [*(folder / "data").glob("latents-*.js"), *(folder / "neuronpedia").glob("batch-*.json")]:
+        old.unlink()  # a smaller SAE (or pages without neuronpedia=true) written over others leaves no stale chunk
     for name in ("index.html", "app.js"):
         write_atomic(folder / name, (STATIC / name).read_bytes())
     n, top_tokens = sae.n_latents, []
