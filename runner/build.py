@@ -137,20 +137,23 @@ def _optimizer(cfg: DictConfig, groups: list[dict[str, Any]], device: torch.devi
     return optimizer
 
 
-def decided_by_data(model: DictConfig, data: Any) -> dict[str, Any]:
-    """The model keys the data decides (data.model_args: an SAE's d_in is its activations' width), where the config
-    leaves them null; a value the user set must agree, or the model would not fit its data."""
+def decided_by_data(model: DictConfig, data: Any, strategy: Any = None) -> dict[str, Any]:
+    """The model keys the data decides (data.model_args: an SAE's d_in is its activations' width) and the strategy
+    (its model_args: whether a family's SAEs are spread over ranks), where the config leaves them null; a value the
+    user set must agree, or the model would not fit its data or its ranks."""
     given = {}
-    for key, value in getattr(data, "model_args", {}).items():
-        if key not in model:
-            continue
-        if model[key] is None:
-            given[key] = value
-        elif model[key] != value:
-            raise ConfigError(
-                f"model.{key}={model[key]}, but the data gives {value} ({type(data).__name__}); leave model.{key} "
-                "out: it follows the data"
-            )
+    for who, source in (("the data", data), ("distributed", strategy)):
+        for key, value in getattr(source, "model_args", {}).items():
+            if key not in model:
+                continue
+            if model[key] is None:
+                given[key] = value
+            elif model[key] != value:
+                hint = " (distributed=spread spreads a family's SAEs over the ranks)" if who == "distributed" else ""
+                raise ConfigError(
+                    f"model.{key}={model[key]}, but {who} gives {value} ({type(source).__name__}); leave model.{key} "
+                    f"out: it follows {who}{hint}"
+                )
     return given
 
 
@@ -193,7 +196,7 @@ def _build(cfg: DictConfig) -> Run:
     trainer = cfg.trainer
     if trainer.max_nonfinite_steps < 1:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
-    task = instantiate(cfg.model, **decided_by_data(cfg.model, data)).to(dist.device)
+    task = instantiate(cfg.model, **decided_by_data(cfg.model, data, dist)).to(dist.device)
     if cfg.get("init_from"):
         load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True), say=dist.is_main)
     task = instantiate(cfg.finetune).apply(task) if _on(cfg, "finetune") else task  # adapts init_from's weights

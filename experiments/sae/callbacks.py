@@ -44,10 +44,11 @@ class GroundTruthRecovery(Callback):
         dataset = run.val_loader.dataset if run.val_loader is not None else None
         if getattr(dataset, "true_features", None) is None:
             return
-        per_sae = {}
-        for prefix, sae in members(run.task):
-            per_sae[prefix] = self._scores(sae, dataset)
-            metrics.update({f"val/{prefix}{k}": v for k, v in per_sae[prefix].items()})
+        own = {prefix: self._scores(sae, dataset) for prefix, sae in members(run.task)}
+        # every rank's SAEs' scores (distributed=spread: each rank scores its own; elsewhere every rank all of them)
+        per_sae = {prefix: scores for part in run.strategy.gather(own) for prefix, scores in part.items()}
+        for prefix, scores in per_sae.items():
+            metrics.update({f"val/{prefix}{k}": v for k, v in scores.items()})
         if len(per_sae) > 1:  # a family's unprefixed scores: the mean over its SAEs
             metrics.update({f"val/{k}": v for k, v in combined(per_sae).items()})
 
@@ -86,6 +87,15 @@ class ResampleDead(Callback):
         self.every, self.until = parse_duration(every), parse_duration(until)
         self.samples, self.encoder_scale = samples, encoder_scale
         self.resampled = 0
+
+    def on_fit_start(self, run: Run) -> None:
+        """Refuse a family spread over ranks: its ranks hold different SAEs, and resampling draws rank 0's inputs for
+        the same SAEs on every rank."""
+        if any(getattr(sae, "sees_global_batch", False) for _, sae in members(run.task)):
+            raise ConfigError(
+                "callbacks.sae_resample does not run under distributed=spread; AuxK (the TopK SAEs' default) revives "
+                "dead latents without it: leave sae_resample out, or use distributed=ddp"
+            )
 
     @torch.no_grad()
     def on_optimizer_step(self, run: Run) -> None:

@@ -24,6 +24,8 @@ class Single:
     is_main = True
     backend = "none"
     strategy = "single"
+    # model keys the strategy decides (runner.build): a family's SAEs are spread over ranks only by distributed=spread
+    model_args = {"distribute": False}
 
     def __init__(self, device: str = "auto") -> None:
         self.device = pick_device(device)

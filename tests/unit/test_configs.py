@@ -72,6 +72,7 @@ def _host(group: str, option: str) -> str:
 # options no experiment selects, with the experiment they are for
 HOSTS = {("data", "tokens_file"): "lm", ("finetune", "lora"): "lm", ("model", "gpt2_small"): "lm"}
 HOSTS[("data", "transcoder_synthetic")] = "sae"  # the synthetic preset, with a transcoder's rows
+HOSTS[("distributed", "spread")] = "sae"  # with a family to spread (model=sae_multi, below)
 
 
 def _with_digits_params() -> list:
@@ -111,6 +112,8 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
     overrides = [f"+experiment={host}"] + ([] if group == "experiment" else [_select(group, option)])
     if (group, option) == ("data", "activations_file") or host == "sae_file":
         overrides.append(f"data.train_path={inputs['acts']}")
+    if (group, option) == ("distributed", "spread"):
+        overrides.append("model=sae_multi")
     if (group, option) == ("data", "tokens_file"):
         overrides += [f"data.train_path={inputs['tokens']}", "data.val_fraction=0.1"]
     if host == "sae_digits":

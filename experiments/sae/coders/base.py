@@ -41,9 +41,19 @@ def geometric_median(points: torch.Tensor, iterations: int = 100, tol: float = 1
     return median
 
 
-def every_rank(rows: torch.Tensor) -> torch.Tensor:
-    """Every rank's `rows` in rank order (the global batch, as one process would see it); this rank's alone."""
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+def ranks_share(sae: nn.Module) -> bool:
+    """Whether other ranks train copies of `sae` on other rows of each batch (DDP, FSDP), not this rank alone on
+    every rank's rows (distributed=spread: `sees_global_batch`)."""
+    return (
+        not getattr(sae, "sees_global_batch", False)
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+
+
+def every_rank(rows: torch.Tensor, sae: nn.Module) -> torch.Tensor:
+    """Every rank's `rows` in rank order (the global batch, as one process would see it) where ranks share `sae`."""
+    if not ranks_share(sae):
         return rows
     # once per run (a data-dependent init): the ranks' first batches, whatever their sizes, through pickling
     samples: list[Any] = [None] * torch.distributed.get_world_size()
@@ -130,6 +140,7 @@ class SAE(nn.Module):
         self._init_checked = False  # the host's copy of `initialized` once read: it never turns false again
         self.auxk_active = False  # CUDA: whether AuxK runs, from the last log row (logged)
         self.sparse_backward = False  # TopK-style subclasses may turn it on: their codes pick from pre-activations
+        self.sees_global_batch = False  # distributed=spread: this rank alone trains it, on every rank's rows
         if unit_norm_decoder:
             self.W_dec.register_hook(self._remove_parallel_grad)
 
@@ -145,7 +156,7 @@ class SAE(nn.Module):
         """Data-dependent init from a sample of raw data rows: the input (and target) scale and the decoder bias.
         Under several processes, from every rank's sample (in rank order: the global batch, as one process would
         see it)."""
-        x, y = (part.float() for part in self.split(every_rank(rows)))
+        x, y = (part.float() for part in self.split(every_rank(rows, self)))
         if self.normalize_input:
             self.input_scale.fill_(_unit_scale(x))
             if self.transcoder:
@@ -210,7 +221,7 @@ class SAE(nn.Module):
     def _track(self, codes_fired: torch.Tensor, batch: int) -> None:
         # codes_fired: [n_latents] bool, latents that fired anywhere in this micro-batch
         rows: int | torch.Tensor = batch
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if ranks_share(self):
             # Every rank's rows: a latent fired if it fired on any rank, and the window counts all ranks' rows (one
             # small all-reduce queued on the device). Otherwise DDP, which broadcasts buffers from rank 0 at each
             # forward, would leave rank 0's data alone deciding which latents are dead.

@@ -94,7 +94,7 @@ class CrossLayerTranscoder(nn.Module):
     @torch.no_grad()
     def initialize_from(self, rows: torch.Tensor) -> None:
         """Each layer's input and target scales, and its target's bias at the geometric median of the first batch."""
-        inputs, targets = self.split(every_rank(rows).float())
+        inputs, targets = self.split(every_rank(rows, self).float())
         for layer, (x, y) in enumerate(zip(inputs, targets, strict=True)):
             if self.normalize_input:
                 self.input_scale[layer], self.target_scale[layer] = _unit_scale(x), _unit_scale(y)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from experiments.sae.coders.base import SAE
+from experiments.sae.coders.spread import Spread, placement
 from runner import ConfigError
 from runner.outdir import within
 from runner.trust import buildable
@@ -78,6 +79,7 @@ class MultiSAE(nn.Module):
         widths: Sequence[int] | None = None,
         saes: dict[str, Callable[..., SAE]] | None = None,
         hooks: dict[str, int] | None = None,
+        distribute: bool | None = None,
     ) -> None:
         super().__init__()
         if base is None and (ks or widths):
@@ -85,17 +87,46 @@ class MultiSAE(nn.Module):
         makers = family(base, ks, widths, saes)
         self.hook_of: dict[str, str] = {}  # SAE name -> the module it reads, with several hooked modules
         self.columns: dict[str, tuple[int, int]] = {}  # SAE name -> its module's columns of the rows
+        plan: dict[str, tuple[Callable[..., SAE], int | None]] = {}  # SAE name -> (constructor, d_in)
         if not hooks:
-            self.saes = nn.ModuleDict({name: make(d_in=d_in) for name, make in makers.items()})
-            return
-        built, start = {}, 0
-        for module, width in hooks.items():
+            plan = {name: (make, d_in) for name, make in makers.items()}
+        start = 0
+        for module, width in (hooks or {}).items():
             for name, make in makers.items():
                 member = f"{hook_name(module)}_{name}"
-                built[member] = make(d_in=width)
+                plan[member] = (make, width)
                 self.hook_of[member], self.columns[member] = module, (start, start + width)
             start += width
+        self.spread: Spread | None = None
+        owners = dict.fromkeys(plan, 0)
+        self.distribute = bool(distribute)  # distributed=spread asks it (runner.build); one process: no change
+        if distribute and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            with torch.device("meta"):  # sizes only: no memory, no random numbers drawn
+                sizes = [sum(p.numel() for p in make(d_in=d).parameters()) for make, d in plan.values()]
+            owners = dict(zip(plan, placement(sizes, torch.distributed.get_world_size()), strict=True))
+            self.spread = Spread(owners, {name: self.columns.get(name) for name in plan})
+        rank = self.spread.rank if self.spread is not None else 0
+        # Each SAE from a seed of its own (one draw of the run's generator for all), so that it starts alike on
+        # whichever rank builds it; the SAEs other ranks train stay on the meta device: names and shapes, no memory.
+        seed = int(torch.randint(2**62, ()))
+        built = {}
+        for i, (name, (make, width)) in enumerate(plan.items()):
+            if owners[name] != rank:
+                with torch.device("meta"):
+                    built[name] = make(d_in=width)
+                continue
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + i)
+                built[name] = make(d_in=width)
+            built[name].sees_global_batch = self.spread is not None
         self.saes = nn.ModuleDict(built)
+        self.mine = [name for name in plan if owners[name] == rank]
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> MultiSAE:
+        # .to(), .float() and the like move this rank's SAEs: the others' meta placeholders have no data to move
+        for name in self.mine:
+            self.saes[name]._apply(fn, recurse)
+        return self
 
     def rows_of(self, batch: Any, name: str) -> Any:
         """The batch as SAE `name` reads it: its module's columns (every column with one hooked module)."""
@@ -112,9 +143,9 @@ class MultiSAE(nn.Module):
         return {name: f"saes.{name}." for name in self.saes}
 
     def after_optimizer_step(self) -> None:
-        """Each SAE's constraint and dead-latent clock."""
-        for sae in self.saes.values():
-            sae.after_optimizer_step()
+        """Each SAE's constraint and dead-latent clock (this rank's)."""
+        for name in self.mine:
+            self.saes[name].after_optimizer_step()
 
     def export(self, fmt: str, out: Any, cfg: Any, summary: dict | None = None) -> list[Any]:
         """Each SAE in its own folder under `out` (SAE.export), named as its weights file is; as a repository (hf),
@@ -143,35 +174,44 @@ class MultiSAE(nn.Module):
 
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each SAE the last logged row, under its own prefix (SAE.logged)."""
-        for name, sae in self.saes.items():
-            sae.logged(metrics, prefix=f"{name}/")
+        for name in self.mine:
+            self.saes[name].logged(metrics, prefix=f"{name}/")
+
+    def _steps(self, kind: str, batch: Any) -> dict[str, dict[str, Any]]:
+        # Each SAE's outputs of its `kind` step on its rows. Spread over ranks: this rank's SAEs run on every rank's
+        # rows, and every SAE's outputs reach every rank (detached: an SAE's gradient is its own rank's).
+        if self.spread is None:
+            return {name: getattr(sae, kind)(self.rows_of(batch, name)) for name, sae in self.saes.items()}
+        rows = self.spread.rows(batch)
+        own = {name: getattr(self.saes[name], kind)(rows[name]) for name in self.mine}
+        shared = self.spread.share(kind, own)
+        if kind == "training_step":
+            # the family's loss, the same on every rank, with the gradient of this rank's SAEs' losses (x - x: 0)
+            mine = torch.stack([own[name]["loss"] for name in self.mine]).sum()
+            shared[self.mine[0]]["loss"] = shared[self.mine[0]]["loss"] + (mine - mine.detach())
+        return shared
 
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The sum of the SAEs' losses, and each SAE's metrics under its name."""
-        out: dict[str, torch.Tensor] = {}
-        losses = []
-        for name, sae in self.saes.items():
-            step = sae.training_step(self.rows_of(batch, name))
-            losses.append(step["loss"])
-            out.update({f"{name}/{key}": value for key, value in step.items()})
-        out["loss"] = torch.stack(losses).sum()
+        per_sae = self._steps("training_step", batch)
+        out = {f"{name}/{key}": value for name, step in per_sae.items() for key, value in step.items()}
+        out["loss"] = torch.stack([step["loss"] for step in per_sae.values()]).sum()
         return out
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """Each SAE's validation statistics under its name."""
-        return {
-            f"{name}/{k}": v
-            for name, sae in self.saes.items()
-            for k, v in sae.validation_step(self.rows_of(batch, name)).items()
-        }
+        per_sae = self._steps("validation_step", batch)
+        return {f"{name}/{k}": v for name, step in per_sae.items() for k, v in step.items()}
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each SAE's metrics under its name, their sum as `loss` and their mean under every other shared name."""
         per_sae = {}
-        for name, sae in self.saes.items():
+        for name in self.mine:  # spread over ranks: each rank summarises its own SAEs, then every rank has all
             mine = {key.split("/", 1)[1]: value for key, value in means.items() if key.startswith(f"{name}/")}
-            summary = getattr(sae, "validation_summary", None)
+            summary = getattr(self.saes[name], "validation_summary", None)
             per_sae[name] = summary(mine) if summary is not None else mine
+        if self.spread is not None:
+            per_sae = self.spread.share("validation_summary", per_sae)
         return {
             **{f"{name}/{key}": value for name, metrics in per_sae.items() for key, value in metrics.items()},
             **combined(per_sae),
@@ -194,6 +234,6 @@ def members(task: nn.Module) -> list[tuple[str, SAE]]:
     MultiSAE's; a wrapper's (experiments/sae/end_to_end.Spliced: its `coder`) are its coder's."""
     if isinstance(getattr(task, "coder", None), nn.Module):
         return members(task.coder)
-    if isinstance(task, MultiSAE):
-        return [(f"{name}/", sae) for name, sae in task.saes.items()]
+    if isinstance(task, MultiSAE):  # spread over ranks: this rank's
+        return [(f"{name}/", task.saes[name]) for name in task.mine]
     return [("", task)]
