@@ -44,9 +44,10 @@ class GroundTruthRecovery(Callback):
         dataset = run.val_loader.dataset if run.val_loader is not None else None
         if getattr(dataset, "true_features", None) is None:
             return
-        own = {prefix: self._scores(sae, dataset) for prefix, sae in members(run.task)}
-        # every rank's SAEs' scores (distributed=spread: each rank scores its own; elsewhere every rank all of them)
-        per_sae = {prefix: scores for part in run.strategy.gather(own) for prefix, scores in part.items()}
+        per_sae = {prefix: self._scores(sae, dataset) for prefix, sae in members(run.task)}
+        if any(getattr(sae, "sees_global_batch", False) for _, sae in members(run.task)):
+            # distributed=spread: each rank scored its own SAEs; every rank gets all the scores
+            per_sae = {prefix: scores for part in run.strategy.gather(per_sae) for prefix, scores in part.items()}
         for prefix, scores in per_sae.items():
             metrics.update({f"val/{prefix}{k}": v for k, v in scores.items()})
         if len(per_sae) > 1:  # a family's unprefixed scores: the mean over its SAEs

@@ -64,6 +64,7 @@ class ConsoleLogger(Logger):
             "task",
             "parameters",
             "trainable_parameters",
+            "parameters_on_rank_0",
             "device",
             "precision",
             "world_size",

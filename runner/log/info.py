@@ -47,6 +47,12 @@ def run_metadata(device: str, world_size: int) -> dict[str, Any]:
     }
 
 
+def _held(task: torch.nn.Module) -> dict[str, int]:
+    # distributed=spread: rank 0 holds its own SAEs' parameters, the others' are placeholders (the meta device)
+    held = sum(q.numel() for q in task.parameters() if not q.is_meta)
+    return {"parameters_on_rank_0": held} if held != sum(q.numel() for q in task.parameters()) else {}
+
+
 def run_info(run: Run, cfg: DictConfig, sweep: SweepJob | None = None) -> dict[str, Any]:
     """Facts for the loggers' start(): what the console's startup table shows and what wandb stores as config."""
     p = run.progress
@@ -54,6 +60,7 @@ def run_info(run: Run, cfg: DictConfig, sweep: SweepJob | None = None) -> dict[s
         "task": type(run.task).__name__,
         "parameters": sum(q.numel() for q in run.task.parameters()),
         "trainable_parameters": sum(q.numel() for q in run.task.parameters() if q.requires_grad),  # LoRA: adapters
+        **_held(run.task),
         "device": str(run.device),
         "precision": run.precision.name,
         "world_size": run.world_size,

@@ -80,15 +80,18 @@ class Spread:
         return out
 
     def _exchange(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        # flat pieces with their sizes (alltoallv): gloo's list form wants one shape for every peer
         width = t.shape[-1]
-        send = []
-        for rank in range(self.world_size):
-            ranges = self._columns(rank, width)
-            send.append(t if ranges == [(0, width)] else torch.cat([t[:, a:b] for a, b in ranges], 1).contiguous())
+        send = [torch.cat([t[:, a:b] for a, b in self._columns(rank, width)], 1) for rank in range(self.world_size)]
         mine = sum(b - a for a, b in self._columns(self.rank, width))
-        received = [t.new_empty(n, mine) for n in sizes]
-        dist.all_to_all(received, send)
-        return torch.cat(received)
+        received = t.new_empty(sum(sizes) * mine)
+        dist.all_to_all_single(
+            received,
+            torch.cat([part.reshape(-1) for part in send]),
+            [n * mine for n in sizes],
+            [part.numel() for part in send],
+        )
+        return received.view(sum(sizes), mine)
 
     def share(self, kind: str, own: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
         """Every SAE's outputs on every rank, from each rank's own (`kind`: a step's name, each kind keeps its own
