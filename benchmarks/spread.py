@@ -1,7 +1,7 @@
 """A family of SAEs spread over ranks (distributed=spread) against the same family replicated (distributed=ddp): the
 SAE state each rank holds and the throughput, on 1, 2 and 4 gloo ranks; and the plan for a model that no CPU holds.
 
-    python benchmarks/spread.py [--ranks 1 2 4] [--steps 30] [--json out.json] [override ...]
+    python benchmarks/spread.py [--ranks 1 2 4] [--steps 30] [--device cpu|cuda] [--json out.json] [override ...]
     python benchmarks/spread.py --plan          # the memory and communication formula, Llama-3-8B on 8 x 80 GB
 
 The family is +experiment=sae's synthetic activations (d 256, 1024 true features) with model=sae_multi and four TopK
@@ -129,6 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plan", action="store_true", help="print the Llama-3-8B plan and stop")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -141,15 +142,16 @@ def main() -> None:
         return
     from benchmarks.common import machine
 
-    print(f"{machine()}; 4 TopK SAEs 256 -> 4096, batch 512 per rank")
+    print(f"{machine()}; 4 TopK SAEs 256 -> 4096, batch 512 per rank, on {args.device}")
     rows = []
     for ranks in args.ranks:
         for strategy in ("ddp", "spread"):
-            rows.append(launch(ranks, strategy, args.steps, overrides))
+            rows.append(launch(ranks, strategy, args.steps, [f"distributed.device={args.device}", *overrides]))
             print(json.dumps(rows[-1]), flush=True)
     one = next(r for r in rows if r["ranks"] == min(args.ranks) and r["strategy"] == "ddp")
     print(
-        "| ranks | strategy | SAE state per rank, MB | vs replicated | peak RSS per rank, MB | samples/s | vs 1 rank |"
+        "| ranks | strategy | SAE state per rank, MB | vs replicated | peak RSS per rank, MB | samples/s | "
+        f"vs {one['ranks']} rank(s), ddp |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -160,7 +162,7 @@ def main() -> None:
             f"{r['samples_per_s']:,.0f} | {r['samples_per_s'] / one['samples_per_s']:.2f} |"
         )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"device": args.device, "machine": machine(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,11 @@ SMOKE = {
     ],
     # 3 layers of 16, 32 latents a layer: the CLT and its per-layer transcoders, 12 steps each
     "clt": ["--layers", "3", "--d", "16", "--n-latents", "32", "--k", "4", "--batch", "64", "--steps", "12"],
+    # a family of 4 SAEs of 64 latents on 16-wide rows, replicated and spread over 2 ranks, 4 steps each
+    "spread": [
+        *("--ranks", "2", "--steps", "4", "model.base.n_latents=64", "data.splits.d=16", "data.splits.n_features=32"),
+        "data.batch_size=64",
+    ],
     "stream": [
         "--batches",
         "20",
@@ -306,6 +311,16 @@ def test_clt_smoke(runs: dict[str, Future]) -> None:
     assert results["per_layer"]["params"] == 3 * (16 * 32 + 32) + 3 * (32 * 16 + 16)
     assert results["clt"]["params"] == 3 * (16 * 32 + 32) + 6 * (32 * 16 + 16)
     assert all(r["step_ms"] > 0 and r["peak_mb"] > 100 for r in results.values())
+
+
+def test_spread_smoke(runs: dict[str, Future]) -> None:
+    ddp, spread = runs["spread"].result()["rows"]
+    assert (ddp["strategy"], spread["strategy"], ddp["ranks"], spread["ranks"]) == ("ddp", "spread", 2, 2)
+    # 4 SAEs of 16 x 64 (+ biases) in fp32 with gradients and Adam's two moments (and its step count, a float32 per
+    # tensor): all of them, or two per rank
+    family = (4 * (2 * 16 * 64 + 64 + 16) * 4 * 4 + 4 * 4 * 4) / 2**20
+    assert ddp["sae_state_mb"] == pytest.approx(family) and spread["sae_state_mb"] == pytest.approx(family / 2)
+    assert ddp["samples_per_s"] > 0 and spread["samples_per_s"] > 0
 
 
 def test_sae_eval_smoke(runs: dict[str, Future]) -> None:
