@@ -125,7 +125,8 @@ class HookedActivations(Dataset):
     Under several processes every rank holds the same ring (the same seed, the source's same inputs) and takes the
     rows of every rank's micro-batch, keeping its own share: the ranks train on different rows, together the rows one
     process would take micro-batch after micro-batch (and rank 0's saved state resumes them all). Each rank runs the
-    source for all of them: the price of that simplicity, which sharding the source would avoid."""
+    source for all of them, unless the source is sharded (source.shard=fsdp): then each rank runs its slice of every
+    batch of inputs through its shards, and every rank gets every slice's rows (SourceModel.activations)."""
 
     def __init__(self, buffer: ActivationBuffer, size: int, history: int = 4) -> None:
         self.buffer, self.size = buffer, size

@@ -53,8 +53,14 @@ class HookedData(DataModule):
         inputs: dict | None = None,
         target: str | Sequence[str] | None = None,
         tokens: bool = False,
+        shard: str | None = None,
         **loader,
     ) -> None:
+        if shard is not None and (cache is not None or tokens):
+            raise ConfigError(
+                f"source.shard={shard} runs the source on every rank in step; "
+                f"{'source.cache' if cache is not None else 'data.tokens'} runs it elsewhere: set source.shard=null"
+            )
         if tokens and cache is not None:
             raise ConfigError(
                 f"source.cache={cache} with data.tokens=true: an end-to-end coder trains on the source's windows, "
@@ -70,7 +76,7 @@ class HookedData(DataModule):
                 f"data.buffer_size={buffer_size} must hold at least two batches "
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
             )
-        source = SourceModel(checkpoint, module, "cpu", trusted_targets, skip_positions, inputs, target)
+        source = SourceModel(checkpoint, module, "cpu", trusted_targets, skip_positions, inputs, target, shard)
         if source.data.val_loader() is None:
             raise ConfigError(
                 f"the source run {checkpoint} has no validation split, which the SAE validates (and splices) on: "
@@ -113,6 +119,8 @@ class HookedData(DataModule):
             self.model_args["source"] = source
         if cache is not None:
             self.info = {"activation_cache": str(cache), "cached_rows": len(train)}
+        if source.ranks is not None:  # run.json says what each rank holds of the source (rank 0's, as every rank's)
+            self.info["source_parameters"] = source_parameters(source.model)
 
     def train_loader(
         self, rank: int = 0, world_size: int = 1, device: torch.device | None = None, accumulate: int = 1
@@ -165,9 +173,10 @@ class SpliceEval(Callback):
         skip_positions: int = 0,
         inputs: dict | None = None,
         target: str | Sequence[str] | None = None,
+        shard: str | None = None,
     ) -> None:
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
-        self.skip, self.inputs, self.target = skip_positions, inputs, target
+        self.skip, self.inputs, self.target, self.shard = skip_positions, inputs, target, shard
         self.source: SourceModel | None = None
         self.ablated: dict[str, dict] = {}
         self.noted: set[tuple[str, str]] = set()  # the recovered fractions said to be undefined
@@ -186,12 +195,21 @@ class SpliceEval(Callback):
             )
         )
 
+    def on_fit_start(self, run) -> None:
+        """Refuse a sharded source beside a family spread over ranks: each rank splices its own SAEs, one forward
+        each, and a sharded model's forwards must run on every rank in step."""
+        if self.shard and any(getattr(sae, "sees_global_batch", False) for _, sae in members(run.task)):
+            raise ConfigError(
+                "source.shard=fsdp with distributed=spread: callbacks.sae_splice splices each rank's own SAEs, so the "
+                "ranks would run different numbers of forwards through the sharded source; set source.shard=null "
+                "(or leave sae_splice out)"
+            )
+
     def on_validation_end(self, run, metrics: dict[str, float]) -> None:
         """Add the clean, ablated and spliced losses, the KL divergences and the fractions of loss recovered."""
         if self.source is None:
-            self.source = SourceModel(
-                self.checkpoint, self.module, run.device, self.trusted_targets, self.skip, self.inputs, self.target
-            )
+            where = (self.checkpoint, self.module, run.device, self.trusted_targets)
+            self.source = SourceModel(*where, self.skip, self.inputs, self.target, self.shard)
             acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
             means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
             targets = self.source.targets
@@ -235,6 +253,9 @@ class SpliceEval(Callback):
                     self.noted.add((prefix, name))  # once a run: the ablations are measured once
                     print(f"note: val/{prefix}loss_recovered{suffix} is NaN: {name} ablation of {where[prefix]}: "
                           f"{why}. Read val/{prefix}kl_spliced and ce_spliced instead", file=sys.stderr)  # fmt: skip
+        if any(getattr(sae, "sees_global_batch", False) for _, sae in family):
+            # distributed=spread: each rank spliced its own SAEs; every rank gets all of them
+            per_sae = {prefix: values for part in run.strategy.gather(per_sae) for prefix, values in part.items()}
         for prefix, values in per_sae.items():
             metrics.update({f"val/{prefix}{name}": value for name, value in values.items()})
         if len(per_sae) > 1:
@@ -254,3 +275,10 @@ class SpliceEval(Callback):
 
 def _through(sae: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda acts: sae(acts.float()).to(acts.dtype)
+
+
+def source_parameters(model: torch.nn.Module) -> dict[str, int]:
+    """A sharded model's parameters (counted once, tied ones too) and the elements of them this rank holds."""
+    params = list(model.parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return {"whole": sum(p.numel() for p in params), "on_this_rank": sum(t.numel() for t in local)}

@@ -69,7 +69,10 @@ class SourceModel:
         skip_positions: int = 0,
         inputs: dict[str, Any] | None = None,
         target: str | Sequence[str] | None = None,
+        shard: str | None = None,
     ) -> None:
+        if shard not in (None, "fsdp"):
+            raise ConfigError(f"source.shard={shard!r}: null (every rank holds the whole model) or fsdp")
         if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
             raise ConfigError(
                 f"source.skip_positions={skip_positions!r}: give how many first positions to leave out, >= 0"
@@ -105,6 +108,7 @@ class SourceModel:
         self.skip = skip_positions
         self.name = self.names[0]  # the module that splicing replaces unless told another
         self.widths: dict[str, int] = {}  # each module's width, known from the first activations
+        self.ranks = sharded(self, shard)  # (rank, world size) when the model is sharded over the ranks
 
     def _check_target(self, target: str | Sequence[str]) -> list[str]:
         # the target modules: one (a transcoder's), or one per source.module (a cross-layer transcoder's)
@@ -237,15 +241,23 @@ class SourceModel:
             yield seen
 
     def to(self, device: torch.device) -> SourceModel:
-        """Move the frozen model to `device`, where its inputs then go."""
-        self.device = torch.device(device)
-        self.model.to(self.device)
+        """Move the frozen model to `device`, where its inputs then go (a sharded model is on its rank's already)."""
+        if self.ranks is None:
+            self.device = torch.device(device)
+            self.model.to(self.device)
         return self
 
     @torch.no_grad()
     def activations(self, batch: Any) -> torch.Tensor:
         """The modules' outputs for one input batch, as [rows, d] (several: side by side); the model's forward stops
-        once the last of them ran (the blocks after it, the head and the loss are never computed)."""
+        once the last of them ran (the blocks after it, the head and the loss are never computed). Sharded over
+        ranks (source.shard=fsdp), each rank runs its slice of the batch and every rank gets every slice's rows."""
+        if self.ranks is None or batch_size_of(batch) < self.ranks[1]:
+            return self._activations(batch)  # a batch too small to slice: every rank runs it whole, in step
+        rank, world = self.ranks
+        return every_slice(self._activations(_slice(batch, rank, world, batch_size_of(batch))), world)
+
+    def _activations(self, batch: Any) -> torch.Tensor:
         captured: dict[str, torch.Tensor] = {}
         shapes: dict[str, torch.Size] = {}  # each output's: all but the width are the positions it covers
         # The kept positions are read off the inputs as the loader gave them (on the host) and go along as indices:
@@ -276,6 +288,10 @@ class SourceModel:
             for name in self.names:
                 hooks.enter_context(self._hook(name, grab(name)))
             self.loss(batch)
+        if self.ranks is not None:
+            # a forward cut short never reached the root's post-forward, which frees its gathered parameters (the
+            # embedding): free them here, or every rank would keep them whole
+            self.model.reshard()
         if len(captured) < len(self.names):  # the forward ended without running them
             idle = ", ".join(name for name in self.names if name not in captured)
             raise ConfigError(
@@ -425,3 +441,56 @@ def hooked_source(data: Any, device: torch.device) -> SourceModel:
     trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
     skip, inputs = int(data.get("skip_positions", 0)), data.get("inputs")
     return SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs, data.get("target"))
+
+
+def sharded(source: SourceModel, shard: str | None) -> tuple[int, int] | None:
+    """Shard `source`'s model over the ranks with FSDP2 (`fully_shard`, inference only) when asked and there are
+    several; (rank, world size), or None. Every submodule that owns parameters is a unit, gathered for its own forward
+    and freed after it: a rank holds its shards and one unit at a time. Every forward is then a collective, which the
+    ranks run in step: the buffer's fills, validation's batches and the splicing pass are the same on every rank. Tied
+    parameters stay with the root, gathered for the whole forward."""
+    if shard is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from runner.distributed.env import environment, pick_device
+
+    model, world = source.model, torch.distributed.get_world_size()
+    source.device = pick_device("auto", environment()["local_rank"])
+    mesh = init_device_mesh(source.device.type, (world,))
+    # a tied parameter (a GPT's head and embedding) must sit in one group: the root's, which holds what no unit takes
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    for module in reversed(list(model.modules())):  # children first, as fully_shard requires
+        own = list(module.parameters(recurse=False))
+        if module is not model and own and all(seen[id(p)] == 1 for p in own):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the root too: no backward will want them
+    if hasattr(model, "validation_step"):  # a runner task's loss is its validation_step, not forward()
+        register_fsdp_forward_method(model, "validation_step")
+    return torch.distributed.get_rank(), world
+
+
+def _slice(batch: Any, rank: int, world: int, size: int) -> Any:
+    # this rank's contiguous share of every tensor of the batch's `size` rows (windows, masks); other values (a
+    # count of tokens, which only the loss reads, and a cut-short forward never reaches it) stay as they are
+    if isinstance(batch, torch.Tensor):
+        return torch.tensor_split(batch, world)[rank] if batch.ndim and len(batch) == size else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: _slice(v, rank, world, size) for k, v in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_slice(v, rank, world, size) for v in batch)
+    return batch
+
+
+def every_slice(rows: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's `rows` in rank order (their counts may differ: padded to the largest for the all-gather)."""
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    torch.distributed.all_gather(counts, torch.tensor([len(rows)]))  # gloo, on the host
+    most = int(max(counts))
+    padded = torch.cat([rows, rows.new_zeros(most - len(rows), *rows.shape[1:])])
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(parts, padded)
+    return torch.cat([part[: int(n)] for part, n in zip(parts, counts, strict=True)])
