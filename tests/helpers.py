@@ -458,6 +458,14 @@ def popen(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subproces
     )
 
 
+def torchrun_worker(agent: int, rank: int) -> int:
+    """The pid of the worker of `rank` under the torchrun agent `agent` (to kill it as the OOM killer would)."""
+    for child in Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
+        if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+            return int(child)
+    raise AssertionError(f"no worker of rank {rank} under torchrun {agent}")
+
+
 def wait_for(proc: subprocess.Popen, pattern: str, cwd: Path, timeout: float = 120) -> Path:
     """The first path matching the glob `pattern` under `cwd`, waited for while `proc` runs."""
     deadline = time.monotonic() + timeout

@@ -27,6 +27,7 @@ from helpers import (
     python,
     summary,
     torchrun,
+    torchrun_worker,
     values,
     wait_for,
 )
@@ -79,20 +80,13 @@ def preempted(root: Path) -> dict[str, Any]:
     return {"stopped": stopped, "resumed": resumed, "run_dir": split}
 
 
-def _worker(agent: int, rank: int) -> int:
-    for child in Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
-        if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
-            return int(child)
-    raise AssertionError(f"no worker of rank {rank} under torchrun {agent}")
-
-
 def restarted(root: Path) -> dict[str, Any]:
     """A worker dies (OOM killer, hardware fault) once the first checkpoint exists; torchrun --max-restarts=1 starts
     both again. No hydra.run.dir: the restarted workers must find the dated folder of the first launch by themselves."""
     (root / "restarted").mkdir()
     proc = slow_torchrun(root / "restarted", 1, *CHECKPOINTED)
     wait_for(proc, "outputs/*/*/checkpoints/step-00000010", root / "restarted")
-    os.kill(_worker(proc.pid, 1), signal.SIGKILL)
+    os.kill(torchrun_worker(proc.pid, 1), signal.SIGKILL)
     _, err = proc.communicate(timeout=240)
     return {"code": proc.returncode, "err": err, "run_dirs": list((root / "restarted" / "outputs").glob("*/*"))}
 

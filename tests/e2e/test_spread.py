@@ -24,6 +24,7 @@ from helpers import (
     python,
     summary,
     torchrun,
+    torchrun_worker,
     wait_for,
     weights,
 )
@@ -76,13 +77,6 @@ def _rows(root: Path) -> Path:
     return root / "acts.npy"
 
 
-def _worker(agent: int, rank: int) -> int:
-    for child in Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
-        if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
-            return int(child)
-    raise AssertionError(f"no worker of rank {rank} under torchrun {agent}")
-
-
 def restarted(root: Path, family: list[str]) -> dict[str, Any]:
     """Rank 1 killed (OOM killer, a hardware fault) once the step-10 checkpoint exists; torchrun --max-restarts=1
     starts both again and they resume the run's newest checkpoint."""
@@ -90,7 +84,7 @@ def restarted(root: Path, family: list[str]) -> dict[str, Any]:
     args = [*TORCHRUN, "--max-restarts=1", "-m", "runner", *family, "distributed=spread", "data.batch_size=32", *slow]
     proc = popen(*args, f"hydra.run.dir={root / 'restarted'}", cwd=root)
     wait_for(proc, "restarted/checkpoints/step-00000010", root)
-    os.kill(_worker(proc.pid, 1), signal.SIGKILL)
+    os.kill(torchrun_worker(proc.pid, 1), signal.SIGKILL)
     _, err = proc.communicate(timeout=240)
     return {"code": proc.returncode, "err": err, "run_dir": root / "restarted"}
 
