@@ -150,7 +150,7 @@ class DataModule:
             per_batch = self.val_batch_size * world_size  # one batch on every rank
             kept = limited(limit, math.ceil(n / per_batch), "data.limit_val_batches")
             n = min(n, kept * per_batch) if isinstance(limit, int) else max(min(world_size, n), int(limit * n))
-        sampler = torch.utils.data.BatchSampler(ValidationShard(n, rank, world_size), self.val_batch_size, False)
+        sampler = ValidationShard(n, rank, world_size, self.val_batch_size)
         return self._loader(dataset, sampler, device or torch.device("cpu"), self.seed + rank)
 
 

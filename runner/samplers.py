@@ -114,16 +114,24 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
 
 
 class ValidationShard(torch.utils.data.Sampler):
-    """Every `world_size`-th index from `rank`, no padding: each sample is evaluated exactly once over all ranks."""
+    """Every `world_size`-th index from `rank` in batches of at most `batch_size`, no padding: each sample is
+    evaluated exactly once over all ranks. Every rank gets as many batches (a rank whose shard is one sample short of
+    another batch splits its last one), so that a task whose validation_step is a collective (a family spread over
+    the ranks, distributed=spread) is called as often on every rank."""
 
-    def __init__(self, n: int, rank: int, world_size: int) -> None:
-        self.indices = range(rank, n, world_size)
+    def __init__(self, n: int, rank: int, world_size: int, batch_size: int) -> None:
+        indices = list(range(rank, n, world_size))
+        self.batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+        most = math.ceil(math.ceil(n / world_size) / batch_size)  # rank 0's: its shard is the largest
+        while 0 < len(self.batches) < most and len(self.batches[-1]) > 1:
+            last = self.batches.pop()
+            self.batches += [last[:-1], last[-1:]]
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.batches)
 
 
 def limited(limit: float | int | None, total: int, name: str) -> int:

@@ -107,6 +107,28 @@ class StopAt(Callback):
             run.request_stop("preempted")
 
 
+class FullDiskFrom(Callback):
+    """From optimizer step `step` on, rank 0's disk is full (every fsync fails with ENOSPC); the other ranks write
+    nothing. Only in a run started from scratch: its resume, on a disk with room again, trains to the end."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.armed = step, False
+
+    def on_fit_start(self, run) -> None:
+        self.armed = run.progress.step == 0 and run.strategy.is_main
+
+    def on_optimizer_step(self, run) -> None:
+        if self.armed and run.progress.step == self.step:
+            import errno
+
+            from runner import rundir
+
+            def full(fd: int) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            rundir.os.fsync = full
+
+
 class SleepEachStep(Callback):
     """Sleeps `seconds` after every optimizer step: the run lives long enough for a test to signal it at a chosen
     moment (once a checkpoint exists, say) with steps to spare."""

@@ -91,6 +91,17 @@ def restarted(root: Path) -> dict[str, Any]:
     return {"code": proc.returncode, "err": err, "run_dirs": list((root / "restarted" / "outputs").glob("*/*"))}
 
 
+def full_disk(root: Path) -> dict[str, Any]:
+    """Rank 0's disk fills after step 12 (the other rank writes nothing), so the step-20 checkpoint cannot be saved;
+    then, with room again, resume=auto."""
+    folder = root / "full_disk"
+    full = ["+callbacks.full._target_=_tasks.FullDiskFrom", "+callbacks.full.step=12"]
+    failed = torchrun(*CHECKPOINTED, *full, f"hydra.run.dir={folder}", cwd=root)
+    left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    resumed = torchrun(*CHECKPOINTED, *full, f"hydra.run.dir={folder}", "resume=auto", cwd=root)
+    return {"failed": failed, "left": left, "resumed": resumed, "run_dir": folder}
+
+
 def two_nodes(root: Path) -> dict[str, Any]:
     """CHECKPOINTED as 2 nodes x 1 rank on this machine, with a c10d rendezvous."""
     (root / "nodes").mkdir()
@@ -186,6 +197,7 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "whole": lambda: whole(root),
         "preempted": lambda: preempted(root),
         "restarted": lambda: restarted(root),
+        "full_disk": lambda: full_disk(root),
         "two_nodes": lambda: two_nodes(root),
         "plateau": lambda: plateau(root),
         "skewed": lambda: skewed(root),
@@ -283,6 +295,20 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_job_resumes_its_own_ru
     assert list(run_dir.glob(".hydra/resume-*/config.yaml"))  # the restart's own config, beside the first one
     assert_same_weights(run_dir, the_whole_run(runs))
     assert metric_rows(run_dir) == metric_rows(the_whole_run(runs))
+
+
+def test_a_full_disk_on_rank_0_stops_every_rank_and_the_resume_loses_nothing(runs: dict[str, Future]) -> None:
+    outcome = runs["full_disk"].result()
+    failed = outcome["failed"]
+    assert failed.returncode != 0
+    assert "disk full" in failed.stderr, explain(failed)  # said by rank 0, which owns the files
+    assert "checkpoints/step-00000010/state.pt" in outcome["left"]
+    assert not any(".tmp" in name or "step-00000020" in name for name in outcome["left"]), outcome["left"]
+    resumed = ok(outcome["resumed"])
+    assert "resuming from" in resumed.stderr and "step 10" in resumed.stderr
+    assert_same_weights(outcome["run_dir"], the_whole_run(runs))
+    rows = metric_rows(outcome["run_dir"])
+    assert [r for r in rows if r["step"] > 10] == [r for r in metric_rows(the_whole_run(runs)) if r["step"] > 10]
 
 
 def test_rank_consistency_names_the_parameter_that_diverged(runs: dict[str, Future]) -> None:

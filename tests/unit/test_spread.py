@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from experiments.sae.coders.spread import placement
 from runner import ConfigError
 from runner.build import build
+from runner.samplers import ValidationShard
 
 SMALL = ("+experiment=sae", "data.splits.d=16", "data.splits.n_features=32", "checkpoint=none")
 
@@ -40,3 +41,13 @@ def test_distribute_set_by_hand_under_ddp_names_the_option_that_does_it(compose_
     cfg = compose_cfg(*SMALL, "model=sae_multi", "model.ks=[2,4]", "model.distribute=true", "distributed=ddp")
     with pytest.raises(ConfigError, match=r"model.distribute=True, but distributed gives False.*distributed=spread"):
         build(cfg)
+
+
+def test_every_rank_gets_as_many_validation_batches_each_sample_once() -> None:
+    # a spread family's validation_step is a collective: 129 + 128 samples in batches of 128 would be 2 + 1 calls
+    for n, world, size in ((257, 2, 128), (179, 2, 32), (10, 4, 3), (8, 2, 4)):
+        shards = [list(ValidationShard(n, rank, world, size)) for rank in range(world)]
+        assert len({len(batches) for batches in shards}) == 1, (n, world, size)
+        assert sorted(i for batches in shards for batch in batches for i in batch) == list(range(n))
+        assert all(0 < len(batch) <= size for batches in shards for batch in batches)
+    assert [len(b) for b in ValidationShard(257, 1, 2, 128)] == [127, 1]
