@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from experiments.sae.coders.multi import combined, members
+from experiments.sae.coders.multi import combined, from_every_rank, members, spread_over_ranks
 from experiments.sae.metrics import feature_recovery, relative_error
 from runner import ConfigError
 from runner.progress import parse_duration
@@ -44,10 +44,8 @@ class GroundTruthRecovery(Callback):
         dataset = run.val_loader.dataset if run.val_loader is not None else None
         if getattr(dataset, "true_features", None) is None:
             return
-        per_sae = {prefix: self._scores(sae, dataset) for prefix, sae in members(run.task)}
-        if any(getattr(sae, "sees_global_batch", False) for _, sae in members(run.task)):
-            # distributed=spread: each rank scored its own SAEs; every rank gets all the scores
-            per_sae = {prefix: scores for part in run.strategy.gather(per_sae) for prefix, scores in part.items()}
+        own = {prefix: self._scores(sae, dataset) for prefix, sae in members(run.task)}
+        per_sae = from_every_rank(run, own)  # distributed=spread: each rank scored its own SAEs
         for prefix, scores in per_sae.items():
             metrics.update({f"val/{prefix}{k}": v for k, v in scores.items()})
         if len(per_sae) > 1:  # a family's unprefixed scores: the mean over its SAEs
@@ -92,7 +90,7 @@ class ResampleDead(Callback):
     def on_fit_start(self, run: Run) -> None:
         """Refuse a family spread over ranks: its ranks hold different SAEs, and resampling draws rank 0's inputs for
         the same SAEs on every rank."""
-        if any(getattr(sae, "sees_global_batch", False) for _, sae in members(run.task)):
+        if spread_over_ranks(run.task):
             raise ConfigError(
                 "callbacks.sae_resample does not run under distributed=spread; AuxK (the TopK SAEs' default) revives "
                 "dead latents without it: leave sae_resample out, or use distributed=ddp"

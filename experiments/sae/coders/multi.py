@@ -237,3 +237,16 @@ def members(task: nn.Module) -> list[tuple[str, SAE]]:
     if isinstance(task, MultiSAE):  # spread over ranks: this rank's
         return [(f"{name}/", task.saes[name]) for name in task.mine]
     return [("", task)]
+
+
+def spread_over_ranks(task: nn.Module) -> bool:
+    """Whether a task's SAEs are spread over the ranks (distributed=spread): each rank holds only its own."""
+    return any(getattr(sae, "sees_global_batch", False) for _, sae in members(task))
+
+
+def from_every_rank(run: Any, per_sae: dict[str, Any]) -> dict[str, Any]:
+    """Values by SAE prefix from the run's SAEs on this rank, with every other rank's where the family is spread over
+    the ranks (elsewhere every rank has all of them already)."""
+    if not spread_over_ranks(run.task):
+        return per_sae
+    return {prefix: values for part in run.strategy.gather(per_sae) for prefix, values in part.items()}

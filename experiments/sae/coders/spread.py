@@ -41,6 +41,7 @@ class Spread:
         self.owners, self.spans = owners, spans
         self.mine = [name for name, rank in owners.items() if rank == self.rank]
         self.layouts: dict[str, tuple[int, list[tuple[str, str, torch.Size, torch.dtype]]]] = {}
+        self.plans: dict[int, tuple[list[list[tuple[int, int]]], dict[str, tuple[int, int]]]] = {}  # by row width
 
     def _columns(self, rank: int, width: int) -> list[tuple[int, int]]:
         # the column ranges rank `rank`'s SAEs read, merged, in order
@@ -60,30 +61,38 @@ class Spread:
         dist.all_gather(every, mine)
         return [(int(t[0]), int(t[1])) for t in every]
 
+    def _plan(self, width: int) -> tuple[list[list[tuple[int, int]]], dict[str, tuple[int, int]]]:
+        # for rows `width` wide (made once): the column ranges each rank reads, and where each of this rank's SAEs'
+        # columns sit among the ones it receives
+        if width not in self.plans:
+            ranges = [self._columns(rank, width) for rank in range(self.world_size)]
+            at, starts = 0, {}
+            for first, last in ranges[self.rank]:
+                starts[first], at = at, at + last - first
+            where = {}
+            for name in self.mine:
+                start, end = self.spans[name] or (0, width)
+                first = next(a for a, b in ranges[self.rank] if a <= start < b)
+                where[name] = (starts[first] + start - first, starts[first] + end - first)
+            self.plans[width] = (ranges, where)
+        return self.plans[width]
+
     def rows(self, batch: Batch) -> dict[str, Batch]:
         """Each of this rank's SAEs' rows: its columns of every rank's batch, in rank order (the global batch)."""
         parts = list(batch) if isinstance(batch, (tuple, list)) else [batch]
         sizes = [n for n, _ in self._sizes(parts[0].shape[0], 0)]
-        routed = [self._exchange(t, sizes) for t in parts]
+        routed = [(self._exchange(t, sizes), self._plan(t.shape[-1])[1]) for t in parts]
         out = {}
         for name in self.mine:
-            width = parts[0].shape[-1]
-            start, end = self.spans[name] or (0, width)
-            offset = 0  # where its columns start among this rank's
-            for first, last in self._columns(self.rank, width):
-                if first <= start < last:
-                    offset += start - first
-                    break
-                offset += last - first
-            mine = [t[:, offset : offset + end - start] for t in routed]
+            mine = [t[:, slice(*where[name])] for t, where in routed]
             out[name] = type(batch)(mine) if isinstance(batch, (tuple, list)) else mine[0]
         return out
 
     def _exchange(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         # flat pieces with their sizes (alltoallv): gloo's list form wants one shape for every peer
-        width = t.shape[-1]
-        send = [torch.cat([t[:, a:b] for a, b in self._columns(rank, width)], 1) for rank in range(self.world_size)]
-        mine = sum(b - a for a, b in self._columns(self.rank, width))
+        ranges = self._plan(t.shape[-1])[0]
+        send = [torch.cat([t[:, a:b] for a, b in columns], 1) for columns in ranges]
+        mine = sum(b - a for a, b in ranges[self.rank])
         received = t.new_empty(sum(sizes) * mine)
         dist.all_to_all_single(
             received,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from experiments.sae.coders.multi import combined, hook_name, members
+from experiments.sae.coders.multi import combined, from_every_rank, hook_name, members, spread_over_ranks
 from experiments.sae.metrics import loss_recovered
 from experiments.sae.sources.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.sources.cache import SHARD_ROWS, cached, identity
@@ -198,7 +198,7 @@ class SpliceEval(Callback):
     def on_fit_start(self, run) -> None:
         """Refuse a sharded source beside a family spread over ranks: each rank splices its own SAEs, one forward
         each, and a sharded model's forwards must run on every rank in step."""
-        if self.shard and any(getattr(sae, "sees_global_batch", False) for _, sae in members(run.task)):
+        if self.shard and spread_over_ranks(run.task):
             raise ConfigError(
                 "source.shard=fsdp with distributed=spread: callbacks.sae_splice splices each rank's own SAEs, so the "
                 "ranks would run different numbers of forwards through the sharded source; set source.shard=null "
@@ -208,8 +208,16 @@ class SpliceEval(Callback):
     def on_validation_end(self, run, metrics: dict[str, float]) -> None:
         """Add the clean, ablated and spliced losses, the KL divergences and the fractions of loss recovered."""
         if self.source is None:
-            where = (self.checkpoint, self.module, run.device, self.trusted_targets)
-            self.source = SourceModel(*where, self.skip, self.inputs, self.target, self.shard)
+            self.source = SourceModel(
+                self.checkpoint,
+                self.module,
+                run.device,
+                self.trusted_targets,
+                self.skip,
+                self.inputs,
+                self.target,
+                self.shard,
+            )
             acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
             means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
             targets = self.source.targets
@@ -253,9 +261,7 @@ class SpliceEval(Callback):
                     self.noted.add((prefix, name))  # once a run: the ablations are measured once
                     print(f"note: val/{prefix}loss_recovered{suffix} is NaN: {name} ablation of {where[prefix]}: "
                           f"{why}. Read val/{prefix}kl_spliced and ce_spliced instead", file=sys.stderr)  # fmt: skip
-        if any(getattr(sae, "sees_global_batch", False) for _, sae in family):
-            # distributed=spread: each rank spliced its own SAEs; every rank gets all of them
-            per_sae = {prefix: values for part in run.strategy.gather(per_sae) for prefix, values in part.items()}
+        per_sae = from_every_rank(run, per_sae)  # distributed=spread: each rank spliced its own SAEs
         for prefix, values in per_sae.items():
             metrics.update({f"val/{prefix}{name}": value for name, value in values.items()})
         if len(per_sae) > 1:
