@@ -15,6 +15,7 @@ from experiments.sae.coders.multi import combined, from_every_rank, hook_name, m
 from experiments.sae.metrics import loss_recovered
 from experiments.sae.sources.buffer import ActivationBuffer, HookedActivations
 from experiments.sae.sources.cache import SHARD_ROWS, cached, identity
+from experiments.sae.sources.sharded import source_parameters
 from experiments.sae.sources.source import Replacement, SourceModel, Splice
 from runner import ConfigError, check_whole
 from runner.data import DataModule, TensorData
@@ -281,10 +282,3 @@ class SpliceEval(Callback):
 
 def _through(sae: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda acts: sae(acts.float()).to(acts.dtype)
-
-
-def source_parameters(model: torch.nn.Module) -> dict[str, int]:
-    """A sharded model's parameters (counted once, tied ones too) and the elements of them this rank holds."""
-    params = list(model.parameters())
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    return {"whole": sum(p.numel() for p in params), "on_this_rank": sum(t.numel() for t in local)}

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from experiments.sae.sources import pretrained
+from experiments.sae.sources.sharded import batch_slice, every_slice, sharded
 from runner import ConfigError
 from runner.build import build_data
 from runner.data import DataModule, batch_size_of, to_device
@@ -255,7 +256,7 @@ class SourceModel:
         if self.ranks is None or batch_size_of(batch) < self.ranks[1]:
             return self._activations(batch)  # a batch too small to slice: every rank runs it whole, in step
         rank, world = self.ranks
-        return every_slice(self._activations(_slice(batch, rank, world, batch_size_of(batch))), world)
+        return every_slice(self._activations(batch_slice(batch, rank, world, batch_size_of(batch))), world)
 
     def _activations(self, batch: Any) -> torch.Tensor:
         captured: dict[str, torch.Tensor] = {}
@@ -441,56 +442,3 @@ def hooked_source(data: Any, device: torch.device) -> SourceModel:
     trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
     skip, inputs = int(data.get("skip_positions", 0)), data.get("inputs")
     return SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs, data.get("target"))
-
-
-def sharded(source: SourceModel, shard: str | None) -> tuple[int, int] | None:
-    """Shard `source`'s model over the ranks with FSDP2 (`fully_shard`, inference only) when asked and there are
-    several; (rank, world size), or None. Every submodule that owns parameters is a unit, gathered for its own forward
-    and freed after it: a rank holds its shards and one unit at a time. Every forward is then a collective, which the
-    ranks run in step: the buffer's fills, validation's batches and the splicing pass are the same on every rank. Tied
-    parameters stay with the root, gathered for the whole forward."""
-    if shard is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-    from runner.distributed.env import environment, pick_device
-
-    model, world = source.model, torch.distributed.get_world_size()
-    source.device = pick_device("auto", environment()["local_rank"])
-    mesh = init_device_mesh(source.device.type, (world,))
-    # a tied parameter (a GPT's head and embedding) must sit in one group: the root's, which holds what no unit takes
-    seen: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        seen[id(param)] = seen.get(id(param), 0) + 1
-    for module in reversed(list(model.modules())):  # children first, as fully_shard requires
-        own = list(module.parameters(recurse=False))
-        if module is not model and own and all(seen[id(p)] == 1 for p in own):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the root too: no backward will want them
-    if hasattr(model, "validation_step"):  # a runner task's loss is its validation_step, not forward()
-        register_fsdp_forward_method(model, "validation_step")
-    return torch.distributed.get_rank(), world
-
-
-def _slice(batch: Any, rank: int, world: int, size: int) -> Any:
-    # this rank's contiguous share of every tensor of the batch's `size` rows (windows, masks); other values (a
-    # count of tokens, which only the loss reads, and a cut-short forward never reaches it) stay as they are
-    if isinstance(batch, torch.Tensor):
-        return torch.tensor_split(batch, world)[rank] if batch.ndim and len(batch) == size else batch
-    if isinstance(batch, dict):
-        return type(batch)({k: _slice(v, rank, world, size) for k, v in batch.items()})
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_slice(v, rank, world, size) for v in batch)
-    return batch
-
-
-def every_slice(rows: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's `rows` in rank order (their counts may differ: padded to the largest for the all-gather)."""
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    torch.distributed.all_gather(counts, torch.tensor([len(rows)]))  # gloo, on the host
-    most = int(max(counts))
-    padded = torch.cat([rows, rows.new_zeros(most - len(rows), *rows.shape[1:])])
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    torch.distributed.all_gather(parts, padded)
-    return torch.cat([part[: int(n)] for part, n in zip(parts, counts, strict=True)])
