@@ -109,7 +109,9 @@ class StopAt(Callback):
 
 class FullDiskFrom(Callback):
     """From optimizer step `step` on, rank 0's disk is full (every fsync fails with ENOSPC); the other ranks write
-    nothing. Only in a run started from scratch: its resume, on a disk with room again, trains to the end."""
+    nothing. Only in a run started from scratch: its resume, on a disk with room again, trains to the end. A save
+    still in flight in the writer thread finishes first: the disk fills at this step, not at a moment the machine's
+    speed picks (on a slow machine the previous checkpoint was still being written at `step`)."""
 
     def __init__(self, step: int) -> None:
         self.step, self.armed = step, False
@@ -122,6 +124,11 @@ class FullDiskFrom(Callback):
             import errno
 
             from runner import rundir
+            from runner.ckpt.callback import Checkpoint
+
+            for callback in run.callbacks:
+                if isinstance(callback, Checkpoint):
+                    callback.wait()
 
             def full(fd: int) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
