@@ -503,6 +503,8 @@ WORKERS = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
 _QUEUE: queue.SimpleQueue = queue.SimpleQueue()
 _THREADS: list[threading.Thread] = []
 _STARTED: dict[str, dict[str, Future]] = {}
+# (seconds, "module: job") of every job that ran: pytest's --durations sees only the tests, which wait on the jobs
+JOB_TIMES: list[tuple[float, str]] = []
 
 
 def module_runs(module: Any, tmp_path_factory: Any) -> dict[str, Future]:
@@ -513,19 +515,21 @@ def module_runs(module: Any, tmp_path_factory: Any) -> dict[str, Future]:
         root = tmp_path_factory.mktemp(module.__name__.rpartition(".")[2].removeprefix("test_"))
         for name, job in module.jobs(root, runs).items():
             runs[name] = Future()
-            _QUEUE.put((runs[name], job))
+            _QUEUE.put((runs[name], job, f"{module.__name__.rpartition('.')[2]}: {name}"))
         _STARTED[module.__name__] = runs
     return _STARTED[module.__name__]
 
 
 def _work() -> None:
     while (item := _QUEUE.get()) is not None:
-        future, job = item
+        future, job, name = item
         if future.set_running_or_notify_cancel():
+            start = time.perf_counter()
             try:
                 future.set_result(job())
             except BaseException as error:  # noqa: BLE001 - the test that needs the outcome raises it
                 future.set_exception(error)
+            JOB_TIMES.append((time.perf_counter() - start, name))
 
 
 def run_in_background(threads: int) -> None:

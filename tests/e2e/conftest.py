@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from helpers import WORKERS, module_runs, run_in_background
+from helpers import JOB_TIMES, WORKERS, module_runs, run_in_background
 
 E2E = Path(__file__).resolve().parent
 
@@ -40,3 +40,13 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     the first e2e module on, WORKERS jobs run at once."""
     run_in_background(WORKERS)
     return module_runs(request.module, tmp_path_factory)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The slowest background jobs (wall time, WORKERS at once): where the tier's minutes go, which --durations,
+    timing the tests that wait on them, does not show."""
+    if JOB_TIMES:
+        terminalreporter.section(f"slowest 25 of {len(JOB_TIMES)} e2e jobs ({WORKERS} at once)")
+        for seconds, name in sorted(JOB_TIMES, reverse=True)[:25]:
+            terminalreporter.write_line(f"{seconds:7.2f}s {name}")
+        terminalreporter.write_line(f"{sum(t for t, _ in JOB_TIMES):7.2f}s in all")

@@ -22,7 +22,7 @@ from runner.sweeps.job import threads_per_job
 from runner.train import resume
 
 SEED = 20240601
-CASES_PER_EXPERIMENT = 60  # ~200 cases, ~25 s on 2 cores (a composition is ~80 ms)
+CASES_PER_EXPERIMENT = 40  # ~140 cases, ~20 s of one core on AVX2 (a composition and build are ~150 ms)
 # What the CLI turns into one paragraph and exit code 2 (runner.__main__: ConfigError, and Hydra's composition errors).
 REFUSED = (ConfigError, ConfigCompositionException, MissingConfigException, OverrideParseException)
 JSON_DIR = Path(sysconfig.get_paths()["stdlib"]) / "json"

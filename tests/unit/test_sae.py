@@ -788,6 +788,7 @@ def test_every_sae_trains_under_bf16_autocast_close_to_fp32(compose_cfg: Callabl
     # AuxK over dead latents (a 2-step window), the sparse backward; weights stay fp32 and the fit follows fp32's
     def trained(precision: str) -> Run:
         overrides = ["+experiment=sae", f"model={model}", "model.dead_window=2st", "data.batch_size=256"]
+        overrides += ["model.n_latents=512", "data.splits.d=128", "data.splits.n_features=256"]
         overrides += ["data.splits.n_val=512", "trainer.max_duration=20st", "checkpoint=none", "logger=none"]
         return train_cfg(compose_cfg(*overrides, f"precision={precision}", "callbacks=none"))
 
