@@ -52,6 +52,8 @@ APPENDED = {"experiment", "debug"}  # groups added with +group=option, after eve
 GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF_DIR / group).glob("*.yaml"))]
 EXPERIMENTS = [option for group, option in OPTIONS if group == "experiment"]
+# each preset's defaults list, read once: _host was reading every preset's file for each option, ~1,400 loads a tier
+DEFAULTS = {e: OmegaConf.load(CONF_DIR / "experiment" / f"{e}.yaml").get("defaults", []) for e in EXPERIMENTS}
 
 
 def _host(group: str, option: str) -> str:
@@ -59,7 +61,7 @@ def _host(group: str, option: str) -> str:
     of the same family (the name before '_': sae_relu ~ sae_topk), else digits."""
     family = None
     for experiment in EXPERIMENTS:
-        for entry in OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml").get("defaults", []):
+        for entry in DEFAULTS[experiment]:
             chosen = entry.get(f"override /{group}") if isinstance(entry, DictConfig) else None
             for name in [chosen] if isinstance(chosen, str) else list(chosen or []):  # one option or a list
                 if name == option:
@@ -379,8 +381,7 @@ def test_bad_trainer_values_are_refused_before_any_file_is_written(
 
 # ---- presets do not leak one option's keys into another option of the same group -----------------------------------
 def _preset_groups(experiment: str) -> list[str]:
-    entries = OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml").get("defaults", [])
-    return [next(iter(e)).removeprefix("override /") for e in entries if isinstance(e, DictConfig)]
+    return [next(iter(e)).removeprefix("override /") for e in DEFAULTS[experiment] if isinstance(e, DictConfig)]
 
 
 def _preset_body(experiment: str) -> set[str]:
