@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from runner import ConfigError
+from runner.callbacks import needs_every_module
 from runner.callbacks.early_stopping import EarlyStopping
 from runner.ckpt.weights import save_weights
 from runner.progress import parse_duration
@@ -62,6 +63,7 @@ class EMA(Callback):
                 "list ema before early_stopping (callbacks=[ema,early_stopping]): otherwise "
                 "restore_best keeps the live weights of a validation that ran on the EMA weights"
             )
+        needs_every_module(run, "ema", "it averages every weight, and swaps them in for validation and the end")
         state = run.task.state_dict(keep_vars=True)
         if not self.shadows:
             self.names = [k for k, v in state.items() if v.is_floating_point()]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from runner import ConfigError
+from runner.callbacks import needs_every_module
 from runner.run import Callback, Run
 
 
@@ -57,6 +58,7 @@ class TrainingHealth(Callback):
 
     def on_fit_start(self, run: Run) -> None:
         """Resolve the interval, list the parameters and hook the named modules."""
+        needs_every_module(run, "health", "it reports rank 0's parameters as the model's")
         self.k = run.progress.steps_for(self.every)
         if not self.k:
             raise ConfigError(f"callbacks.health.every={self.every}: give it in optimizer steps, e.g. 50st")

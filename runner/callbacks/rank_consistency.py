@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runner.callbacks import needs_every_module
 from runner.progress import parse_duration
 from runner.run import Callback
 
@@ -48,6 +49,7 @@ class RankConsistency(Callback):
 
     def on_fit_start(self, run: Run) -> None:
         """Compare the starting weights (they must match before the first step), then hook the optimizer."""
+        needs_every_module(run, "rank_consistency", "the ranks hold different SAEs by design, none of them twice")
         self.named = [(n, q) for n, q in run.task.named_parameters() if not hasattr(q, "placements")]
         self._compare(run, "parameter", self.named, "at the start")
         self.handle = run.optimizer.register_step_pre_hook(lambda *_: self._before_step(run))

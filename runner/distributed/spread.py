@@ -23,6 +23,7 @@ class Spread(DDP):
     strategy = "spread"
     # the model key that builds a task this way (experiments.sae.coders.multi.MultiSAE's): runner.build fills it in
     model_args = {"distribute": True}
+    every_module_here = False  # the other ranks' modules are meta placeholders here
 
     def __init__(self, device: str = "auto") -> None:
         super().__init__(device)

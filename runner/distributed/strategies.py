@@ -26,6 +26,8 @@ class Single:
     strategy = "single"
     # model keys the strategy decides (runner.build): a family's SAEs are spread over ranks only by distributed=spread
     model_args = {"distribute": False}
+    # every module is on every rank (whole, or as FSDP's shards): callbacks that read all of them can run
+    every_module_here = True
 
     def __init__(self, device: str = "auto") -> None:
         self.device = pick_device(device)

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from experiments.sae.coders.spread import placement
 from runner import ConfigError
 from runner.build import build
+from runner.loop import fit
 from runner.samplers import ValidationShard
 
 SMALL = ("+experiment=sae", "data.splits.d=16", "data.splits.n_features=32", "checkpoint=none")
@@ -51,3 +52,18 @@ def test_every_rank_gets_as_many_validation_batches_each_sample_once() -> None:
         assert sorted(i for batches in shards for batch in batches for i in batch) == list(range(n))
         assert all(0 < len(batch) <= size for batches in shards for batch in batches)
     assert [len(b) for b in ValidationShard(257, 1, 2, 128)] == [127, 1]
+
+
+@pytest.mark.parametrize("callback", ["ema", "health", "rank_consistency"])
+def test_callbacks_that_read_every_weight_are_refused_with_the_reason(
+    compose_cfg: Callable[..., DictConfig], callback: str
+) -> None:
+    # on 2 ranks each holds only its own SAEs (the others are meta placeholders): refused on one rank as well, so
+    # that a config does not start working or failing with the number of ranks
+    family = ("model=sae_multi", "model.ks=[2,4]", "model.base.n_latents=64", "distributed=spread")
+    run = build(compose_cfg(*SMALL, *family, f"callbacks=[{callback}]", "trainer.max_duration=2st"))
+    with pytest.raises(
+        ConfigError, match=rf"callbacks.{callback} does not run under distributed=spread.*distributed=ddp"
+    ):
+        fit(run)
+    assert run.progress.step == 0
