@@ -69,6 +69,7 @@ SMOKE = {
         *("--source-args", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32"),
     ],
     "checkpoint": ["--sizes", "5", "--reps", "2"],
+    "muon": ["--d", "16", "--n-latents", "64", "--steps", "2", "--reps", "2"],
     # an SAELens-layout SAE on a 1-block GPT-2 of width 32 (a 400-token BPE of one stdlib package), every evaluation
     "sae_eval": [
         *("--gpt2", "gpt2", "--n-layer", "1", "--n-embd", "32", "--vocab", "400", "--latents", "64", "--k", "4"),
@@ -273,6 +274,14 @@ def test_checkpoint_smoke(runs: dict[str, Future]) -> None:
     assert 3 < row["state_mb"] < 8
     assert 0 < row["blocked_ms"] and 0 < row["sync_ms"] and row["written_ms"] >= row["blocked_ms"]
     assert row["resume_ms"] > 0
+
+
+def test_muon_smoke(runs: dict[str, Future]) -> None:
+    result = runs["muon"].result()
+    assert result["shapes"] == [[64, 16], [16, 64]] and isinstance(result["bf16_native"], bool)
+    assert set(result["rows"]) == {"adam", "muon bfloat16", "muon float32", "muon (ns_dtype null)"}
+    assert all(row["ms_per_step"] > 0 for row in result["rows"].values())
+    assert result["rows"]["adam"]["vs_adam"] == 1.0
 
 
 def test_ddp_smoke(runs: dict[str, Future]) -> None:

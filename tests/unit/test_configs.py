@@ -318,8 +318,6 @@ def test_digits_experiment_applies_its_settings(built: Callable[..., tuple[DictC
 # the preset's model and data, with less validation and sampling: the tier stays fast
 SMALLER = {
     "lm": ["data.val_windows=16", "callbacks.text_samples.new_tokens=4"],
-    # Muon's Newton-Schulz runs in bf16, which a CPU without bf16 instructions emulates: 20 s at 2048 x 1024 rows
-    "sae_file": ["model.n_latents=512", "data.batch_size=256"],
 }
 
 

@@ -57,7 +57,7 @@ CASES = {
     "digits-sgd-bf16": ["+experiment=digits", "optimizer=sgd", "precision=bf16", "trainer.gradient_clip_val=1.0"],
     "digits-fp16": ["+experiment=digits", "precision=fp16"],
     "sae": ["+experiment=sae", "data.batch_size=256"],
-    "sae-muon": ["+experiment=sae", "data.batch_size=256", "optimizer=muon", "model.n_latents=256"],  # bf16 NS: small
+    "sae-muon": ["+experiment=sae", "data.batch_size=256", "optimizer=muon"],
     "digits-signum-fp16": ["+experiment=digits", "optimizer=signum", "precision=fp16"],  # GradScaler hands it the flag
     "skip-transcoder": ["+experiment=sae", "data=transcoder_synthetic", "data.batch_size=256", "model.skip=true"],
     "lm": [

@@ -74,12 +74,15 @@ def _newton_schulz(g: torch.Tensor) -> torch.Tensor:
     return x.T if tall else x
 
 
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 0.02), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
-def test_orthogonalize_is_the_quintic_newton_schulz_iteration(shape: tuple[int, int]) -> None:
+def test_orthogonalize_is_the_quintic_newton_schulz_iteration(
+    shape: tuple[int, int], dtype: torch.dtype, atol: float
+) -> None:
     g = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    got = orthogonalize(g)
-    assert got.dtype == torch.bfloat16 and got.shape == g.shape
-    torch.testing.assert_close(got.double(), _newton_schulz(g), rtol=0, atol=0.02)
+    got = orthogonalize(g, dtype=dtype)
+    assert got.dtype == dtype and got.shape == g.shape
+    torch.testing.assert_close(got.double(), _newton_schulz(g), rtol=0, atol=atol)
     # what the iteration is for: every singular value near 1 (the quintic lands them in about [0.7, 1.2])
     singular = torch.linalg.svdvals(got.float())
     assert 0.6 < float(singular.min()) and float(singular.max()) < 1.25, singular
@@ -94,7 +97,7 @@ def test_muon_updates_matrices_as_torch_s_muon_and_a_reference(adjust_lr_fn: str
     ours, theirs = _leaves(start), _leaves(start)
     settings = {"lr": lr, "weight_decay": decay, "momentum": momentum, "nesterov": nesterov}
     settings["adjust_lr_fn"] = adjust_lr_fn
-    opt, reference = Muon(ours, **settings), torch.optim.Muon(theirs, **settings)
+    opt, reference = Muon(ours, **settings, ns_dtype="bfloat16"), torch.optim.Muon(theirs, **settings)
     expected, bufs = [t.clone() for t in start], [torch.zeros_like(t) for t in start]
     for grads in _grads(shapes, steps=3):
         _step([opt], ours, grads)
@@ -110,6 +113,25 @@ def test_muon_updates_matrices_as_torch_s_muon_and_a_reference(adjust_lr_fn: str
         torch.testing.assert_close(p.detach(), e, rtol=0, atol=0.02 * lr * 2.0)  # the recipe, bfloat16 apart
 
 
+@pytest.mark.parametrize(("native", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_muon_iterates_in_bfloat16_only_where_the_cpu_multiplies_it_natively(
+    monkeypatch: pytest.MonkeyPatch, native: bool, dtype: torch.dtype
+) -> None:
+    # emulated bfloat16 (a CPU without AVX-512 BF16 or AMX) made a Muon step ~50x slower than float32 there
+    from runner import optimizers
+
+    monkeypatch.setattr(optimizers, "cpu_multiplies_bf16", lambda: native)
+    assert optimizers.newton_schulz_dtype(torch.device("cpu")) == dtype
+    assert optimizers.newton_schulz_dtype(torch.device("cuda")) == torch.bfloat16
+    start, grads = [torch.randn(16, 48)], _grads([(16, 48)], steps=1)[0]
+    ours, pinned = _leaves(start), _leaves(start)
+    _step([Muon(ours, lr=0.02)], ours, grads)  # ns_dtype null: the device's
+    _step([Muon(pinned, lr=0.02, ns_dtype=str(dtype).removeprefix("torch."))], pinned, grads)
+    assert torch.equal(ours[0], pinned[0])
+    with pytest.raises(ConfigError, match="ns_dtype must be null .* got 'fp8'"):
+        Muon(_leaves(start), lr=0.02, ns_dtype="fp8")
+
+
 @pytest.mark.parametrize("decay", [0.0, 0.1])
 def test_muon_gives_every_other_parameter_adam_s_update(decay: float) -> None:
     # a runner-shaped model: a matrix group and a bias group (its own weight decay), plus a 0-D and a 3-D tensor
@@ -117,7 +139,7 @@ def test_muon_gives_every_other_parameter_adam_s_update(decay: float) -> None:
     start = [torch.randn(s) for s in shapes]
     ours, theirs = _leaves(start), _leaves(start)
     groups = [{"params": [ours[0], ours[3]]}, {"params": ours[1:3], "weight_decay": 0.0}]
-    opt = Muon(groups, lr=0.01, weight_decay=decay, adam_betas=(0.8, 0.99), adam_eps=1e-6)
+    opt = Muon(groups, lr=0.01, weight_decay=decay, adam_betas=(0.8, 0.99), adam_eps=1e-6, ns_dtype="bfloat16")
     adam = {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6}
     reference = [
         torch.optim.Muon([theirs[0]], lr=0.01, weight_decay=decay),
