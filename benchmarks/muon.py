@@ -5,9 +5,8 @@
 
 A CPU without AVX-512 BF16 or AMX emulates bfloat16 matrix products (oneDNN says which:
 runner.optimizers.cpu_multiplies_bf16); one with them is made to by ONEDNN_MAX_CPU_ISA=AVX2, which this machine's
-figures for such a CPU use. The contenders run
-interleaved (the order rotates each repetition) on one thread; milliseconds a step are medians over the repetitions,
-each a mean over --steps steps, with the ratio to Adam's.
+figures for such a CPU use. The contenders run interleaved (the order rotates each repetition) on one thread;
+milliseconds a step are medians over the repetitions, each a mean over --steps steps, with the ratio to Adam's.
 """
 
 from __future__ import annotations
@@ -66,8 +65,8 @@ def main() -> None:
     for rep in range(args.reps):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             times[name].append(step_ms(optimizers[name], args.steps, args.device))
-    adam = statistics.median(times["adam"])
-    rows = {n: {"ms_per_step": statistics.median(t), "vs_adam": statistics.median(t) / adam} for n, t in times.items()}
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    rows = {name: {"ms_per_step": ms, "vs_adam": ms / medians["adam"]} for name, ms in medians.items()}
     cpu = args.device == "cpu"
     where = f"{device_name(args.device)}" + (f", {cpu_model()}, bf16 native: {cpu_multiplies_bf16()}" if cpu else "")
     print(f"Muon and Adam steps on {shapes[0]} + {shapes[1]} ({where}; {args.reps} reps of {args.steps} steps)")

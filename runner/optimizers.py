@@ -29,8 +29,9 @@ NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 @functools.cache
 def cpu_multiplies_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices natively (AVX-512 BF16 or AMX), as oneDNN says."""
-    # oneDNN's own answer (AVX-512 BF16 or AMX; it honours ONEDNN_MAX_CPU_ISA): without them a bfloat16 matmul is
-    # emulated, ~50x slower than float32 at Muon's sizes (2048 x 256: 1.75 s against 35 ms on an AVX2 EPYC core)
+    # oneDNN's own answer (it honours ONEDNN_MAX_CPU_ISA): without them a bfloat16 matmul is emulated, ~50x slower
+    # than float32 at Muon's sizes (2048 x 256: 1.75 s against 35 ms for the iteration, on an AVX-512 EPYC core
+    # limited to AVX2 by ONEDNN_MAX_CPU_ISA; benchmarks/muon.py)
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
