@@ -5,6 +5,7 @@ A module's runs are its `jobs(root, runs)` (see helpers.module_runs); its tests 
 from __future__ import annotations
 
 import signal
+from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -49,9 +50,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section(f"slowest 25 of {len(JOB_TIMES)} e2e jobs ({WORKERS} at once)")
         for seconds, name in sorted(JOB_TIMES, reverse=True)[:25]:
             terminalreporter.write_line(f"{seconds:7.2f}s {name}")
-        modules: dict[str, float] = {}
+        modules: Counter[str] = Counter()
         for seconds, name in JOB_TIMES:
-            modules[name.partition(":")[0]] = modules.get(name.partition(":")[0], 0.0) + seconds
-        by_module = sorted(modules.items(), key=lambda m: -m[1])
-        terminalreporter.write_line("by module: " + ", ".join(f"{m} {t:.0f}s" for m, t in by_module))
+            modules[name.partition(":")[0]] += seconds
+        terminalreporter.write_line("by module: " + ", ".join(f"{m} {t:.0f}s" for m, t in modules.most_common()))
         terminalreporter.write_line(f"{sum(t for t, _ in JOB_TIMES):7.2f}s in all")
