@@ -13,11 +13,13 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 # name: (layer widths, batch size, samples in the dataset, learning rate)
@@ -150,17 +152,54 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the device operations (aten ops below autograd: forward, backward and optimizer alike) run under it,
+    and on CUDA the host-device syncs (torch's sync debug mode warns at each): what a step launches, per contender."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device, self.ops, self.syncs = device, 0, 0
+        self._warnings = warnings.catch_warnings(record=True)
+
+    def __enter__(self) -> OpCount:
+        if self.device.type == "cuda":
+            self.caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            self.syncs = sum("synchroniz" in str(w.message) for w in self.caught)
+            self._warnings.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        # views and detaches launch nothing on a device: counted apart would only blur the comparison
+        if not (func.is_view or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten.lift_fresh)):
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 class Stamps:
     """Clock readings a worker takes: at the first optimizer step, then at the ends of `segments` equal stretches of
     the steady state (after `warmup` of `steps` steps).
 
     Only those steps read the clock: on CUDA each reading waits for the GPU first (torch.cuda.synchronize), and a
-    step that reads no clock makes no sync, so the loop runs ahead of the GPU as it would untimed.
+    step that reads no clock makes no sync, so the loop runs ahead of the GPU as it would untimed. The last
+    `COUNTED` steps of the warm-up (untimed) run under an OpCount: the operations and syncs of a step.
     """
+
+    COUNTED = 5
 
     def __init__(self, warmup: int, steps: int, device: str | torch.device = "cpu", segments: int = 10) -> None:
         self.warmup, self.steps, self.device = warmup, steps, torch.device(device)
         self.marks = {warmup + round(i * (steps - warmup) / segments) for i in range(segments + 1)}
+        # after the first step (its one-off work), ending where the clock starts: where the warm-up is long enough
+        self.count_from = warmup - self.COUNTED if warmup > self.COUNTED else None
+        self.counter: OpCount | None = None
+        self.counted: dict[str, float] = {}
         self.first_step: float | None = None
         self.clock: dict[int, float] = {}  # step -> perf_counter after it, at the marks
         self.cpu: list[float] = []  # process CPU time after the warm-up and after the last step
@@ -168,6 +207,15 @@ class Stamps:
 
     def step(self, step: int) -> None:
         """Call after optimizer step `step` (1-based)."""
+        if step == self.count_from:
+            synchronize(self.device)  # the syncs counted are the steps' own
+            self.counter = OpCount(self.device).__enter__()
+        elif self.counter is not None and step == self.warmup:
+            self.counter.__exit__(None, None, None)
+            self.counted = {"ops_per_step": self.counter.ops / self.COUNTED}
+            if self.device.type == "cuda":
+                self.counted["syncs_per_step"] = self.counter.syncs / self.COUNTED
+            self.counter = None
         if step == 1 or step in self.marks:
             synchronize(self.device)
         if step == 1:
@@ -193,6 +241,7 @@ class Stamps:
             "per_step_s": None,
             "peak_gpu_mb": self.train_peak_mb if self.train_peak_mb is not None else peak_gpu_mb(self.device),
             "own_peak_rss_mb": peak_rss_mb(),
+            **self.counted,
         }
         if len(marks) > 1:
             clock, steps = self.clock, marks[-1] - marks[0]

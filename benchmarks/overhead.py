@@ -16,8 +16,10 @@ All train benchmarks.common.Net with AdamW, a per-step cosine schedule and clipp
 AdamW (runner's default there), the hand loop reads nothing from the GPU until the end, and the clock is read after
 torch.cuda.synchronize() at a few steps only (common.Stamps).
 Reports the steady-state time per step (after --warmup steps), ratios to `hand` (median of the per-repetition
-ratios), peak RSS (and peak GPU memory on CUDA), and the final losses, which hand, runner and lightning must agree on
-to 5 decimal places.
+ratios), peak RSS (and peak GPU memory on CUDA), the final losses, which hand, runner and lightning must agree on
+to 5 decimal places, and what a step launches: its device operations (aten ops, forward, backward and optimizer;
+views not counted) and on CUDA its host-device syncs, counted over the last 5 warm-up steps (common.OpCount). A
+contender slower than hand by more than its extra operations explain spends the difference on the host.
 Lightning is optional (pip install -e ".[bench]"); without it the Lightning contenders are skipped.
 """
 
@@ -229,6 +231,9 @@ def table(runs: dict[str, list[dict]], steps: int, warmup: int) -> dict:
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in reps),
             "peak_gpu_mb": median_gpu_mb(reps),
             "final_loss": reps[-1]["final_loss"],
+            # what one step launches (Stamps' OpCount over warm-up steps): the same in every repetition
+            "ops_per_step": reps[-1].get("ops_per_step"),
+            "syncs_per_step": reps[-1].get("syncs_per_step"),
         }
     exact = [c for c in ("hand", "runner", "lightning") if c in rows]
     losses = [rows[c]["final_loss"] for c in exact]
@@ -247,12 +252,15 @@ def report(results: dict) -> None:
     print(f"# overhead on {results['device']} ({results['machine']})")
     for size, r in results["sizes"].items():
         print(f"\n{size}: {r['steps']} steps ({r['warmup']} warm-up), {r['reps']} fresh processes each")
-        print(f"{'contender':<16} {'us/step':>16} {'x hand':>14} {'RSS MiB':>8} {'GPU MiB':>8} {'final loss':>11}")
+        head = f"{'contender':<16} {'us/step':>16} {'x hand':>14} {'RSS MiB':>8} {'GPU MiB':>8} {'final loss':>11}"
+        print(f"{head} {'ops/step':>8} {'syncs/step':>10}")
         for name, row in r["contenders"].items():
             t, x = row["us_per_step"], row["ratio_to_hand"]
+            ops, syncs = (row[k] for k in ("ops_per_step", "syncs_per_step"))
             print(
                 f"{name:<16} {t['median']:>9.1f} ±{t['spread']:<5.0f} {x['median']:>7.3f} ±{x['spread']:<5.3f}"
                 f" {row['peak_rss_mb']:>8.0f} {mib(row['peak_gpu_mb']):>8} {row['final_loss']:>11.6f}"
+                f" {'-' if ops is None else f'{ops:.1f}':>8} {'-' if syncs is None else f'{syncs:.1f}':>10}"
             )
         verdict = "agree" if r["losses_agree"] else "DISAGREE"
         print(f"final losses of hand/runner/lightning {verdict} (max difference {r['final_loss_max_diff']:.2e})")

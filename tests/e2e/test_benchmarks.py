@@ -22,7 +22,7 @@ SMOKE = {
     # torchrun with 2 processes (all nine take over a minute of startup on 2 busy cores)
     "ddp": ["--smoke", "--contenders", "ddp_acc", "hand_ddp_acc"],
     # past the first epoch (64 steps on tiny): the losses check covers each contender's reshuffle at an epoch's start
-    "overhead": ["--steps", "70", "--warmup", "5", "--reps", "1", "--sizes", "tiny"],
+    "overhead": ["--steps", "70", "--warmup", "10", "--reps", "1", "--sizes", "tiny"],
     "startup": ["--steps", "3", "--reps", "1"],
     # Matryoshka on BatchTopK codes: the most SAE code on one path (TopK is the default's, trained by other tests)
     "sae_throughput": ["--model", "matryoshka", "--steps", "4", "--reps", "1", "--batch", "256"],
@@ -172,6 +172,11 @@ def test_overhead_smoke(runs: dict[str, Future]) -> None:
     for row in tiny["contenders"].values():
         assert row["us_per_step"]["median"] > 0 and row["peak_rss_mb"] > 100
     assert tiny["contenders"]["hand"]["ratio_to_hand"]["median"] == 1.0
+    # What runner's step launches beyond the hand loop's: the non-finite flag (x * 0, nan_to_num), the window's loss
+    # plus the norm it checks, and the meter's running sum; a new device op on the hot path shows here first.
+    ops = {name: row["ops_per_step"] for name, row in tiny["contenders"].items()}
+    assert ops["hand"] > 20 and 0 <= ops["runner"] - ops["hand"] <= 4, ops
+    assert ops["runner_usual"] == ops["runner"], ops  # its console, log file and checkpoints add none
 
 
 def test_startup_smoke(runs: dict[str, Future]) -> None:

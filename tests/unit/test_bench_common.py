@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ROOT
 
 spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
@@ -41,3 +42,21 @@ def test_a_contender_s_gpu_peak_is_read_at_its_last_step_whatever_it_validates_a
     stamps.write(tmp_path / "stamps.json")
     figures = json.loads((tmp_path / "stamps.json").read_text())
     assert figures["peak_gpu_mb"] == 1302.0 and figures["per_step_s"] > 0
+
+
+def test_the_last_warm_up_steps_count_what_a_step_launches(tmp_path: Path) -> None:
+    # overhead.py's ops/step column: a step of two matmuls and an add launches 3 device ops (views are not counted);
+    # the counting ends where the clock starts, so the timed steps pay nothing for it
+    stamps = common.Stamps(warmup=8, steps=12, segments=2)
+    a, b = torch.ones(4, 4), torch.ones(4, 4)
+    for step in range(1, 13):
+        (a @ b @ b.t() + 1).view(-1)
+        stamps.step(step)
+        assert (stamps.counter is not None) == (3 <= step < 8)
+    stamps.write(tmp_path / "stamps.json")
+    assert json.loads((tmp_path / "stamps.json").read_text())["ops_per_step"] == 3.0
+    short = common.Stamps(warmup=5, steps=8)  # too short a warm-up to count in: no figure rather than a wrong one
+    for step in range(1, 9):
+        short.step(step)
+    short.write(tmp_path / "short.json")
+    assert "ops_per_step" not in json.loads((tmp_path / "short.json").read_text())
