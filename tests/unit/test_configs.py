@@ -20,7 +20,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import ConfigError
+from runner import ConfigError, trust
 from runner.build import build
 from runner.ckpt.weights import save_weights
 from runner.data import batch_size_of, to_device
@@ -31,6 +31,7 @@ from runner.precision import FP32
 from runner.progress import Duration, parse_duration
 from runner.run import Callback, Logger, Run
 from runner.schedulers import OnMetric, PerStep
+from runner.trained import TRUSTED_TARGETS
 
 EXPECTED_GROUPS = {
     "model",
@@ -48,6 +49,7 @@ EXPECTED_GROUPS = {
     "debug",
     "finetune",
 }
+METRIC_CALLBACKS = {"perplexity", "sae_ground_truth", "sae_splice"}  # what a run folder's evaluation may rebuild
 APPENDED = {"experiment", "debug"}  # groups added with +group=option, after every default (runner.__main__.debug_last)
 GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF_DIR / group).glob("*.yaml"))]
@@ -244,6 +246,17 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     assert all(isinstance(cb, Callback) for cb in run.callbacks)
     for cb in run.callbacks:
         assert cb.monitor is None or cb.monitor.startswith("val/")
+
+    # a run folder holding this config loads (runner/trust.py, as load_trained checks it): no false refusal
+    for slot, trusted in (("model", TRUSTED_TARGETS), ("data", TRUSTED_TARGETS), ("precision", ["runner.precision"])):
+        trust.check(OmegaConf.to_container(cfg[slot], resolve=True), slot, trusted, slot, "the shipped config")
+    for name, node in _components(cfg.get("callbacks")).items():
+        verdict = trust.problems(
+            OmegaConf.to_container(node, resolve=True), "callback", [*TRUSTED_TARGETS, "runner.callbacks"], name
+        )
+        assert not verdict.forged and not verdict.untrusted, (name, verdict)
+        # the metric callbacks are rebuilt by an evaluation of the folder; the others are left out, unbuilt
+        assert (not verdict.unmarked) == (name in METRIC_CALLBACKS), (name, verdict)
 
 
 def test_expected_groups_are_discovered() -> None:
