@@ -168,7 +168,11 @@ def _agree_on_stop(run: Run) -> None:
     # A stop asked on one rank (a signal, max_time, a callback) stops every rank at the same step: the stop checks
     # fall on the same steps everywhere, so no rank is left waiting in a collective, and the steps between them have
     # none. Early stopping and non-finite skips are decided on reduced values, the same everywhere (StopReason.agreed).
-    asked, resumable = run.stop_asked, [reason for reason in StopReason if reason.resumable]
+    asked = run.stop_asked
+    if run.world_size == 1:  # nothing to agree on: checked every step, and a tiny model's step is ~600 us
+        run.stop_reason = run.stop_reason or asked
+        return
+    resumable = [reason for reason in StopReason if reason.resumable]
     flags = run.strategy.any([asked == r for r in resumable] + [asked is not None])
     flagged = [r for r, f in zip([*resumable, StopReason.STOPPED_ON_ANOTHER_RANK], flags, strict=True) if f]
     if flagged:
