@@ -193,11 +193,18 @@ class Stamps:
 
     COUNTED = 5
 
-    def __init__(self, warmup: int, steps: int, device: str | torch.device = "cpu", segments: int = 10) -> None:
+    def __init__(
+        self,
+        warmup: int,
+        steps: int,
+        device: str | torch.device = "cpu",
+        segments: int = 10,
+        count_ops: bool = True,
+    ) -> None:
         self.warmup, self.steps, self.device = warmup, steps, torch.device(device)
         self.marks = {warmup + round(i * (steps - warmup) / segments) for i in range(segments + 1)}
         # after the first step (its one-off work), ending where the clock starts: where the warm-up is long enough
-        self.count_from = warmup - self.COUNTED if warmup > self.COUNTED else None
+        self.count_from = warmup - self.COUNTED if count_ops and warmup > self.COUNTED else None
         self.counter: OpCount | None = None
         self.counted: dict[str, float] = {}
         self.first_step: float | None = None

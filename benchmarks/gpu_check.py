@@ -9,6 +9,8 @@ process, from the repository root, in order (what a short lease must not miss fi
   tests compiled on the GPU;
 - runner's SAE step with its torch and its Triton kernels beside sparsify's, in one process (sae_kernels.py, with
   the sparsify virtualenv's python where there is one), bf16 and fp32;
+- the tiny model's step against the hand loop, eager and with CUDA graphs, with each step's device ops and syncs
+  (overhead.py, `overhead tiny graphs`);
 - the benchmarks with `--device`: the SAE peers (where their virtualenvs are), the LM -> SAE pipeline, a transformers
   source, SAE throughput, a cross-layer transcoder, transcoders against the peers, the lm, overhead, startup,
   checkpoint.
@@ -84,6 +86,10 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
 
     usual = ["--size", "usual", "--reps", str(reps), "--steps", "20", "--backward", "dense", "sparse", "triton"]
     lm, overhead = ["--reps", "1", "--steps", "30"], ["--reps", str(reps - 1), "--steps", "1000"]
+    # issue 45 item 2: the tiny model's step, eager and with CUDA graphs, runner against the hand loop; the ops and
+    # syncs per step columns say where an eager gap goes (launches, or the host)
+    graphs = ["--reps", "3", "--steps", "600", "--sizes", "tiny", "--contenders", "hand", "runner", "runner_usual"]
+    graphs += ["hand_graphs", "runner_graphs"]
     pipeline = ["--shape", "gpt2_small", "--reps", str(reps), "--precision", "bf16", "model.n_latents=12288"]
     lightning = importlib.util.find_spec("lightning") is not None
     contenders = [] if lightning else ["--contenders", "hand", "runner", "runner_usual"]
@@ -109,6 +115,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         ("gpu tests", 150, tests),
         ("sae kernels bf16", 30, [*kernels, "--precision", "bf16", "--json", str(out / "sae-kernels-bf16.json")]),
         ("sae kernels fp32", 30, [*kernels, "--precision", "fp32", "--json", str(out / "sae-kernels-fp32.json")]),
+        ("overhead tiny graphs", 110, script("overhead", "overhead-tiny", *graphs)),
         (PEERS_USUAL, 200, script("sae_peers", "sae-peers", *peers, "--precision", "bf16")),
         # GPT-2 small's residual stream after block 6, a 16x SAE fed from a ring on the GPU, against a hand loop
         ("sae pipeline", 40, script("sae_pipeline", "sae-pipeline", *pipeline)),
@@ -127,7 +134,7 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
         # one repetition: each mode is a fresh process per contender, and compiling GPT-2 small's blocks takes ~a minute
         ("lm bf16", 160, script("lm", "lm-bf16", "--precision", "bf16", "--modes", "eager,compile", *lm)),
         # Lightning only where it is installed
-        ("overhead", 150, script("overhead", "overhead", *overhead, "--sizes", "tiny", "mlp", *contenders)),
+        ("overhead", 100, script("overhead", "overhead", *overhead, "--sizes", "mlp", *contenders)),
         ("startup", 60, script("startup", "startup", "--reps", str(reps))),
         ("checkpoint", 30, script("checkpoint", "checkpoint", "--reps", str(reps))),
     ]

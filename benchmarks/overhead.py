@@ -11,6 +11,9 @@ Contenders, each in a fresh process (one thread), repetitions interleaved so tha
   lightning_usual  Lightning with its usual ones: progress bar, a logger, per-step self.log, model summary, and a
                    ModelCheckpoint every quarter of the run
   runner_plain     (on request) runner_usual off a terminal: the console's plain progress lines, one per log call
+  hand_graphs      (on request, CUDA) the hand loop with its MLP compiled in mode reduce-overhead: CUDA graphs
+  runner_graphs    (on request, CUDA) runner with the same: compile=blocks compile.units=[Sequential]
+                   compile.mode=reduce-overhead (the optimizer step stays eager in both)
 All train benchmarks.common.Net with AdamW, a per-step cosine schedule and clipping at 1.0 on the same batches, on
 --device (default: cuda when present). On CUDA every contender gets pinned batches copied without blocking and fused
 AdamW (runner's default there), the hand loop reads nothing from the GPU until the end, and the clock is read after
@@ -58,19 +61,40 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
-CONTENDERS = ("hand", "runner", "lightning", "runner_usual", "lightning_usual", "runner_plain")
+CONTENDERS = (
+    "hand",
+    "runner",
+    "lightning",
+    "runner_usual",
+    "lightning_usual",
+    "runner_plain",
+    "hand_graphs",
+    "runner_graphs",
+)
 DEFAULT = CONTENDERS[:5]  # runner_plain on request: --contenders hand runner runner_usual runner_plain
+GRAPHS = ("hand_graphs", "runner_graphs")  # CUDA graphs: on a GPU only
+# the MLP (Net.net, a Sequential) compiled with CUDA graphs, as a user asks runner for it
+RUNNER_GRAPHS = [
+    "compile=blocks",
+    "compile.units=[Sequential]",
+    "compile.mode=reduce-overhead",
+    "bench.count_ops=false",
+]
 
 
-def hand(size: str, steps: int, warmup: int, out: str, device: str) -> None:
-    """The loop a researcher writes by hand (on a GPU: no read from it until the end)."""
+def hand(size: str, steps: int, warmup: int, out: str, device: str, graphs: bool = False) -> None:
+    """The loop a researcher writes by hand (on a GPU: no read from it until the end); `graphs`: its MLP compiled
+    in mode reduce-overhead (CUDA graphs for the forward and backward)."""
     from runner.data import to_device
 
     device = torch.device(device)
     model, data = Net(size).to(device), loader(size, device)
+    if graphs:
+        model.net.compile(mode="reduce-overhead")
     opt = torch.optim.AdamW(param_groups(model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY, fused=fused(device))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: cosine_factor(t, steps))
-    stamps, step, epoch = Stamps(warmup, steps, device), 0, 0
+    # a dispatch mode would send the compiled graphs back to dynamo: no operation count for them
+    stamps, step, epoch = Stamps(warmup, steps, device, count_ops=not graphs), 0, 0
     while step < steps:
         data.batch_sampler.set_epoch(epoch)
         for batch in data:
@@ -136,8 +160,8 @@ def lightning(size: str, steps: int, warmup: int, out: str, usual: bool, run_dir
 
 def worker(args: argparse.Namespace) -> None:
     """Run one contender in this process (the parent starts one process per measurement)."""
-    if args.worker == "hand":
-        hand(args.size, args.steps, args.warmup, args.out, args.device)
+    if args.worker in ("hand", "hand_graphs"):
+        hand(args.size, args.steps, args.warmup, args.out, args.device, graphs=args.worker == "hand_graphs")
     else:
         usual = args.worker == "lightning_usual"
         lightning(args.size, args.steps, args.warmup, args.out, usual, args.run_dir, args.device)
@@ -151,6 +175,7 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path, devic
         usual = ["logger=default", "callbacks=none", "checkpoint=default", f"checkpoint.interval={steps // 4}st"]
         # runner_plain: the console off a terminal (CI, SLURM logs) at its worst, a plain line at every log call
         extra = {"runner_usual": usual, "runner_plain": [*usual, "logger.console.every_s=0"]}.get(contender, [])
+        extra = RUNNER_GRAPHS if contender == "runner_graphs" else extra
         command = runner_command(size, steps, warmup, out, run_dir, *extra, device=device)
     else:
         command = [
@@ -185,7 +210,9 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--contenders", nargs="+", default=list(DEFAULT), choices=CONTENDERS)
     parser.add_argument("--json")
-    parser.add_argument("--worker", choices=["hand", "lightning", "lightning_usual"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=["hand", "hand_graphs", "lightning", "lightning_usual"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--size", "--out", "--run-dir", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if args.worker:
@@ -197,9 +224,14 @@ def main() -> None:
         return worker(worker_args.parse_args())
 
     contenders = list(args.contenders)
+    if "hand" not in contenders:
+        parser.error("--contenders needs hand: every ratio is to it")
     if importlib.util.find_spec("lightning") is None:
         print("lightning is not installed (pip install -e '.[bench]'): skipping its contenders", file=sys.stderr)
         contenders = [c for c in contenders if not c.startswith("lightning")]
+    if torch.device(args.device).type != "cuda" and set(GRAPHS) & set(contenders):
+        print(f"CUDA graphs need a GPU: skipping {', '.join(GRAPHS)} on {args.device}", file=sys.stderr)
+        contenders = [c for c in contenders if c not in GRAPHS]
     results = {"machine": machine(), "device": device_name(args.device), "sizes": {}}
     for size in args.sizes:
         steps = args.steps if size == "tiny" else max(60, args.steps // 10)
@@ -244,6 +276,8 @@ def table(runs: dict[str, list[dict]], steps: int, warmup: int) -> dict:
         "contenders": rows,
         "final_loss_max_diff": max(losses) - min(losses),
         "losses_agree": max(losses) - min(losses) < 1e-5,
+        # compiled kernels round otherwise than eager ones: the graphed contenders' distance from the eager hand loop
+        **{f"{c}_loss_diff": abs(rows[c]["final_loss"] - rows["hand"]["final_loss"]) for c in GRAPHS if c in rows},
     }
 
 

@@ -22,12 +22,12 @@ class StepTimer(Callback):
     and rank r > 0 writes rank_path(out, r), so that no two processes write one file.
     """
 
-    def __init__(self, warmup: int, out: str, size: str | None = None) -> None:
-        self.size, self.warmup, self.out = size, warmup, out
+    def __init__(self, warmup: int, out: str, size: str | None = None, count_ops: bool = True) -> None:
+        self.size, self.warmup, self.out, self.count_ops = size, warmup, out, count_ops
 
     def on_fit_start(self, run: Run) -> None:
         """Place the clock readings: they need the run's length and device."""
-        self.stamps = Stamps(self.warmup, run.progress.total_steps(), run.device)
+        self.stamps = Stamps(self.warmup, run.progress.total_steps(), run.device, count_ops=self.count_ops)
 
     def on_optimizer_step(self, run: Run) -> None:
         """Stamp the step."""

@@ -82,6 +82,7 @@ def test_stop_and_resume_on_the_gpu_is_exact(compose_cfg: Callable, tmp_path: Pa
 
 
 JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
+GRAPHS = ("compile.mode=reduce-overhead",)
 LM_STEADY = ("+experiment=lm", f"data.paths=[{JSON_PACKAGE}]", "data.val_every=2")
 STEADY = {
     "digits-fp32-clip": ["+experiment=digits", "trainer.gradient_clip_val=0.5", "callbacks=[ema]"],
@@ -93,6 +94,8 @@ STEADY = {
     # compiled at the first step; validation (eval mode: one more graph) after the guarded steps
     "lm-compile-blocks-bf16": [*LM_STEADY, "precision=bf16", "callbacks=none", "compile=blocks"],
     "lm-compile-model-bf16": [*LM_STEADY, "precision=bf16", "callbacks=none", "compile=model"],
+    # CUDA graphs (cudagraph trees): recorded in the first steps, replayed in the guarded ones
+    "lm-cudagraphs-bf16": [*LM_STEADY, "precision=bf16", "callbacks=none", "compile=blocks", *GRAPHS],
     "lm-checkpointed-bf16_true": [
         *LM_STEADY,
         "precision=bf16_true",
@@ -181,14 +184,17 @@ def test_compiled_gpts_track_eager_in_bf16(compose_cfg: Callable, tmp_path: Path
     # Under bf16 autocast inductor's fused kernels round less often than eager's op-by-op ones, so the curves part
     # slowly (on the H200, a 12-layer GPT ended 40 steps at 2.96 eager and 3.13 with compile=blocks, for a hand loop as
     # for runner); a small model over 24 steps stays within 3% of eager at every row
-    losses = {}
-    for compile_ in ("none", "blocks", "model"):
-        train(compose_cfg(*LM_GPU, f"compile={compile_}", run_dir=tmp_path / compile_))
-        losses[compile_] = [row["train/loss"] for row in jsonl(tmp_path / compile_) if "train/loss" in row]
-        assert (summary(tmp_path / compile_)["compile_time_s"] is not None) == (compile_ != "none")
+    # and the blocks replayed as CUDA graphs (compile.mode=reduce-overhead): the loop keeps no graph output past its
+    # step (cudagraph trees overwrite them at the next replay, and refuse a read of one)
+    losses, variants = {}, {"none": [], "blocks": [], "model": [], "graphs": ["compile=blocks", *GRAPHS]}
+    for name, overrides in variants.items():
+        chosen = overrides or [f"compile={name}"]
+        train(compose_cfg(*LM_GPU, *chosen, run_dir=tmp_path / name))
+        losses[name] = [row["train/loss"] for row in jsonl(tmp_path / name) if "train/loss" in row]
+        assert (summary(tmp_path / name)["compile_time_s"] is not None) == (name != "none")
     assert len(losses["none"]) == 6 and losses["none"][-1] < losses["none"][0]
-    for compile_ in ("blocks", "model"):
-        assert losses[compile_] == pytest.approx(losses["none"], rel=0.03), compile_
+    for name in ("blocks", "model", "graphs"):
+        assert losses[name] == pytest.approx(losses["none"], rel=0.03), name
 
 
 def test_activation_checkpointing_gives_eager_losses_in_less_gpu_memory(compose_cfg: Callable, tmp_path: Path) -> None:

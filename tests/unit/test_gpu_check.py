@@ -31,6 +31,10 @@ def test_the_plan_runs_the_gpu_tests_first_and_every_benchmark_on_the_device(tmp
     assert names[0] == "gpu tests" and plan[0][2][1:6] == ["-m", "pytest", "-m", "gpu or triton", "tests/unit"]
     benchmarks = {"overhead", "lm bf16", "sae usual bf16", "sae usual fp32", "sae preset", "checkpoint", "sae pipeline"}
     assert benchmarks | {"sae hf", "sae kernels bf16", "sae kernels fp32"} <= set(names)
+    # a short lease measures the SAE kernels and the tiny step (eager and CUDA graphs) before anything else
+    assert names[1:4] == ["sae kernels bf16", "sae kernels fp32", "overhead tiny graphs"]
+    tiny = plan[3][2]
+    assert {"hand_graphs", "runner_graphs", "hand", "runner"} <= set(tiny) and tiny[tiny.index("--sizes") + 1] == "tiny"
     for name, weight, command in plan[1:]:
         assert command[command.index("--device") + 1] == "cuda" and weight > 0, name
         assert Path(command[command.index("--json") + 1]).parent == tmp_path, name  # one folder
