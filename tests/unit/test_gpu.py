@@ -186,14 +186,15 @@ def test_compiled_gpts_track_eager_in_bf16(compose_cfg: Callable, tmp_path: Path
     # for runner); a small model over 24 steps stays within 3% of eager at every row
     # and the blocks replayed as CUDA graphs (compile.mode=reduce-overhead): the loop keeps no graph output past its
     # step (cudagraph trees overwrite them at the next replay, and refuse a read of one)
-    losses, variants = {}, {"none": [], "blocks": [], "model": [], "graphs": ["compile=blocks", *GRAPHS]}
+    variants = {"none": [], "blocks": [], "model": [], "graphs": ["compile=blocks", *GRAPHS]}
+    losses, variants["model-graphs"] = {}, ["compile=model", *GRAPHS]
     for name, overrides in variants.items():
         chosen = overrides or [f"compile={name}"]
         train(compose_cfg(*LM_GPU, *chosen, run_dir=tmp_path / name))
         losses[name] = [row["train/loss"] for row in jsonl(tmp_path / name) if "train/loss" in row]
         assert (summary(tmp_path / name)["compile_time_s"] is not None) == (name != "none")
     assert len(losses["none"]) == 6 and losses["none"][-1] < losses["none"][0]
-    for name in ("blocks", "model", "graphs"):
+    for name in ("blocks", "model", "graphs", "model-graphs"):
         assert losses[name] == pytest.approx(losses["none"], rel=0.03), name
 
 
