@@ -184,8 +184,8 @@ def test_compiled_gpts_track_eager_in_bf16(compose_cfg: Callable, tmp_path: Path
     # Under bf16 autocast inductor's fused kernels round less often than eager's op-by-op ones, so the curves part
     # slowly (on the H200, a 12-layer GPT ended 40 steps at 2.96 eager and 3.13 with compile=blocks, for a hand loop as
     # for runner); a small model over 24 steps stays within 3% of eager at every row
-    # and the blocks replayed as CUDA graphs (compile.mode=reduce-overhead): the loop keeps no graph output past its
-    # step (cudagraph trees overwrite them at the next replay, and refuse a read of one)
+    # and the blocks, or the whole forward, replayed as CUDA graphs (compile.mode=reduce-overhead): the loop keeps no
+    # graph output past its step (cudagraph trees overwrite them at the next replay, and refuse a read of one)
     variants = {"none": [], "blocks": [], "model": [], "graphs": ["compile=blocks", *GRAPHS]}
     losses, variants["model-graphs"] = {}, ["compile=model", *GRAPHS]
     for name, overrides in variants.items():
