@@ -40,20 +40,24 @@ def test_the_plan_runs_the_gpu_tests_first_and_every_benchmark_on_the_device(tmp
         assert Path(command[command.index("--json") + 1]).parent == tmp_path, name  # one folder
 
 
-def test_a_step_that_ends_early_leaves_its_time_to_the_steps_after_it(
+def test_the_first_steps_get_their_whole_time_and_a_short_budget_leaves_out_the_last(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    limits = []
+    clock, limits = {"now": 0.0}, []
 
     def run_step(name: str, command: list[str], limit_s: float, out: Path) -> dict:
         limits.append(limit_s)
-        return {"step": name}
+        clock["now"] += min(limit_s, {"a": 40.0}.get(name, limit_s))  # a ends early; the others use all they get
+        return {"step": name, "status": "ok"}
 
     monkeypatch.setattr(gpu_check, "run_step", run_step)
-    plan = [("a", 1.0, ["x"]), ("b", 1.0, ["x"]), ("c", 2.0, ["x"])]
-    assert [r["step"] for r in gpu_check.run_plan(plan, 400.0, tmp_path)] == ["a", "b", "c"]
-    # each step took no time: a gets a quarter of 400 s, b a third of what is left, c all the rest
-    assert limits == pytest.approx([100.0, 400.0 / 3, 400.0], abs=0.5)
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock["now"])
+    plan = [("a", 100.0, ["x"]), ("b", 100.0, ["x"]), ("c", 100.0, ["x"]), ("d", 100.0, ["x"])]
+    results = gpu_check.run_plan(plan, 300.0, tmp_path)
+    # a: 150 s allowed, 40 used; b: its 150; c: the 110 left; d: nothing left, not started (the weights' 400 s
+    # squeezed into 300 would have cut every step short, the first ones too)
+    assert limits == pytest.approx([150.0, 150.0, 110.0])
+    assert [r["status"] for r in results] == ["ok", "ok", "ok", "not reached"] and results[3]["step"] == "d"
 
 
 def test_the_report_names_the_device_and_every_step(tmp_path: Path) -> None:
