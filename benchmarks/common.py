@@ -127,9 +127,11 @@ def synchronize(device: str | torch.device) -> None:
 
 
 def fused(device: str | torch.device) -> bool | None:
-    """AdamW's `fused` as runner's `optimizer.fused: null` picks it: fused on CUDA, torch's default elsewhere (on the
-    CPU that default is the arithmetic runner's optimizer does, so the final losses stay identical)."""
-    return True if torch.device(device).type == "cuda" else None
+    """AdamW's `fused` as runner's `optimizer.fused: null` picks it (fused on CUDA and the CPU), so that every contender
+    does the same arithmetic and the final losses stay identical."""
+    from runner.optimizers import FUSED_DEVICES
+
+    return True if torch.device(device).type in FUSED_DEVICES else None
 
 
 def peak_gpu_mb(device: str | torch.device) -> float | None:

@@ -11,13 +11,15 @@ Contenders, each in a fresh process (one thread), repetitions interleaved so tha
   lightning_usual  Lightning with its usual ones: progress bar, a logger, per-step self.log, model summary, and a
                    ModelCheckpoint every quarter of the run
   runner_plain     (on request) runner_usual off a terminal: the console's plain progress lines, one per log call
+  hand_default     (on request) the hand loop with torch's default AdamW (no `fused` argument: a for-loop over the
+                   tensors on the CPU, foreach on CUDA): what a loop written without that argument gets
   hand_graphs      (on request, CUDA) the hand loop with its MLP compiled in mode reduce-overhead: CUDA graphs
   runner_graphs    (on request, CUDA) runner with the same: compile=blocks compile.units=[Sequential]
                    compile.mode=reduce-overhead (the optimizer step stays eager in both)
 All train benchmarks.common.Net with AdamW, a per-step cosine schedule and clipping at 1.0 on the same batches, on
---device (default: cuda when present). On CUDA every contender gets pinned batches copied without blocking and fused
-AdamW (runner's default there), the hand loop reads nothing from the GPU until the end, and the clock is read after
-torch.cuda.synchronize() at a few steps only (common.Stamps).
+--device (default: cuda when present). Every contender but hand_default gets fused AdamW (runner's default on CUDA and
+the CPU); on CUDA every contender gets pinned batches copied without blocking, the hand loop reads nothing from the
+GPU until the end, and the clock is read after torch.cuda.synchronize() at a few steps only (common.Stamps).
 Reports the steady-state time per step (after --warmup steps), ratios to `hand` (median of the per-repetition
 ratios), peak RSS (and peak GPU memory on CUDA), the final losses, which hand, runner and lightning must agree on
 to 5 decimal places, and what a step launches: its device operations (aten ops, forward, backward and optimizer;
@@ -68,6 +70,7 @@ CONTENDERS = (
     "runner_usual",
     "lightning_usual",
     "runner_plain",
+    "hand_default",
     "hand_graphs",
     "runner_graphs",
 )
@@ -82,16 +85,19 @@ RUNNER_GRAPHS = [
 ]
 
 
-def hand(size: str, steps: int, warmup: int, out: str, device: str, graphs: bool = False) -> None:
+def hand(
+    size: str, steps: int, warmup: int, out: str, device: str, graphs: bool = False, torch_default: bool = False
+) -> None:
     """The loop a researcher writes by hand (on a GPU: no read from it until the end); `graphs`: its MLP compiled
-    in mode reduce-overhead (CUDA graphs for the forward and backward)."""
+    in mode reduce-overhead (CUDA graphs for the forward and backward); `torch_default`: AdamW without `fused`."""
     from runner.data import to_device
 
     device = torch.device(device)
     model, data = Net(size).to(device), loader(size, device)
     if graphs:
         model.net.compile(mode="reduce-overhead")
-    opt = torch.optim.AdamW(param_groups(model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY, fused=fused(device))
+    kernel = {} if torch_default else {"fused": fused(device)}
+    opt = torch.optim.AdamW(param_groups(model), lr=SIZES[size][3], weight_decay=WEIGHT_DECAY, **kernel)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: cosine_factor(t, steps))
     # a dispatch mode would send the compiled graphs back to dynamo: no operation count for them
     stamps, step, epoch = Stamps(warmup, steps, device, count_ops=not graphs), 0, 0
@@ -160,8 +166,9 @@ def lightning(size: str, steps: int, warmup: int, out: str, usual: bool, run_dir
 
 def worker(args: argparse.Namespace) -> None:
     """Run one contender in this process (the parent starts one process per measurement)."""
-    if args.worker in ("hand", "hand_graphs"):
-        hand(args.size, args.steps, args.warmup, args.out, args.device, graphs=args.worker == "hand_graphs")
+    if args.worker.startswith("hand"):
+        graphs, torch_default = args.worker == "hand_graphs", args.worker == "hand_default"
+        hand(args.size, args.steps, args.warmup, args.out, args.device, graphs, torch_default)
     else:
         usual = args.worker == "lightning_usual"
         lightning(args.size, args.steps, args.warmup, args.out, usual, args.run_dir, args.device)
@@ -211,7 +218,9 @@ def main() -> None:
     parser.add_argument("--contenders", nargs="+", default=list(DEFAULT), choices=CONTENDERS)
     parser.add_argument("--json")
     parser.add_argument(
-        "--worker", choices=["hand", "hand_graphs", "lightning", "lightning_usual"], help=argparse.SUPPRESS
+        "--worker",
+        choices=["hand", "hand_default", "hand_graphs", "lightning", "lightning_usual"],
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--size", "--out", "--run-dir", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()

@@ -24,6 +24,7 @@ from runner.checks import check_config
 from runner.ckpt.weights import load_weights
 from runner.loop import check_monitored_metrics, check_monitors, validation_metrics
 from runner.meter import Meter, peak_flops
+from runner.optimizers import FUSED_DEVICES
 from runner.progress import Duration, TrainingProgress
 from runner.run import Best, Run, Settings, State
 
@@ -124,11 +125,24 @@ def _interval(progress: TrainingProgress, text: str, name: str) -> Duration:
     return interval
 
 
+def _fusable(make: Any, groups: list[dict[str, Any]], device: torch.device) -> bool:
+    # FSDP's shards (DTensors) have sharding rules for fused Adam and AdamW only: a fused SGD of them fails at its
+    # first step ("aten._fused_sgd_.default does not have a sharding strategy registered"), on the CPU as on CUDA.
+    if device.type not in FUSED_DEVICES:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(p, DTensor) for group in groups for p in group["params"])
+    return not sharded or getattr(make, "func", None) in (torch.optim.Adam, torch.optim.AdamW)
+
+
 def _optimizer(cfg: DictConfig, groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
-    # `fused: null` is fused on CUDA: fused Adam, AdamW and SGD skip a non-finite step on the device (no host read,
-    # runner/precision.py). Elsewhere torch's default: on the CPU, bit-identical to a hand-written loop's optimizer.
+    # `fused: null` is fused on CUDA and on the CPU: fused Adam, AdamW and SGD skip a non-finite step on the device
+    # (no host read, runner/precision.py), and on the CPU one kernel for every tensor is 3x torch's default for-loop
+    # on a tiny MLP and 10x on an SAE's matrices (benchmarks/README.md). The numbers differ from that loop's in the
+    # last bits.
     make = instantiate({key: value for key, value in cfg.items() if key != "lr_scale"})
-    fused = {"fused": True} if cfg.get("fused", False) is None and device.type == "cuda" else {}
+    fused = {"fused": True} if cfg.get("fused", False) is None and _fusable(make, groups, device) else {}
     optimizer = make(groups, **fused)
     # Scaled after construction, so that an optimizer of any signature fills in its own lr first; schedulers then
     # take each group's scaled lr as its base.

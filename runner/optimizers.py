@@ -19,6 +19,9 @@ from torch.optim.adam import adam
 
 from runner import ConfigError
 
+# Where `optimizer.fused: null` (adam, adamw, sgd) is fused: the devices runner runs on (torch has the kernels there).
+FUSED_DEVICES = ("cuda", "cpu")
+
 # Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/), as torch.optim.Muon
 # and sparsify use them: chosen for the steepest slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

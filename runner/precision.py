@@ -41,10 +41,10 @@ class FP32:
         self.optimizer_step(optimizer, skip)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-        """The optimizer's own step, unless `skip`. Fused Adam, AdamW and SGD (`fused: true`, the default on CUDA),
-        and runner's Muon and Signum (runner/optimizers.py), take the flag as their `found_inf` and drop the update on
-        the device: no host read. Any other optimizer needs the flag on the host, one read per step (on a GPU a sync;
-        on the CPU nothing waits)."""
+        """The optimizer's own step, unless `skip`. Fused Adam, AdamW and SGD (`fused: true`, the default on CUDA and
+        the CPU), and runner's Muon and Signum (runner/optimizers.py), take the flag as their `found_inf` and drop the
+        update on the device: no host read. Any other optimizer needs the flag on the host, one read per step (on a
+        GPU a sync; on the CPU nothing waits)."""
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             optimizer.found_inf = skip
             try:

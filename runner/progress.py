@@ -95,6 +95,7 @@ class TrainingProgress:
         self.batches_per_epoch = batches_per_epoch
         self.samples_per_epoch = samples_per_epoch
         self.tokens_per_sample = tokens_per_sample
+        self._resolved: dict[str | Duration, Duration] = {}
         self.max_duration = parse_duration(max_duration)
         if self.max_duration.unit == "dur":
             raise DurationError("trainer.max_duration cannot be in 'dur' units: it is what 'dur' is a fraction of")
@@ -191,7 +192,14 @@ class TrainingProgress:
     def resolve(self, duration: str | Duration, name: str = "a duration") -> Duration:
         """Turn a 'dur' fraction into max_duration's unit; other durations are returned as they are. Epochs are
         refused when the data has no epoch length (a stream): `name` is the setting the error names."""
-        d = parse_duration(duration)
+        known = self._resolved.get(duration)
+        if known is not None:  # the loop asks for its intervals at every step: parsed once, not ~6 times a step
+            return known
+        d = self._resolve(parse_duration(duration), name)
+        self._resolved[duration] = d
+        return d
+
+    def _resolve(self, d: Duration, name: str) -> Duration:
         if d.unit == "dur":
             return Duration(d.value * self.max_duration.value, self.max_duration.unit)
         if d.unit == "ep" and self.batches_per_epoch is None:

@@ -24,6 +24,8 @@ SMOKE = {
     # past the first epoch (64 steps on tiny): the losses check covers each contender's reshuffle at an epoch's start
     "overhead": ["--steps", "70", "--warmup", "10", "--reps", "1", "--sizes", "tiny"],
     "startup": ["--steps", "3", "--reps", "1"],
+    # two log windows of digits (the steady state is the second), fused and not
+    "fused": ["--only", "digits", "--steps", "20", "--reps", "1"],
     # Matryoshka on BatchTopK codes: the most SAE code on one path (TopK is the default's, trained by other tests)
     "sae_throughput": ["--model", "matryoshka", "--steps", "4", "--reps", "1", "--batch", "256"],
     # runner's SAE step with its torch and its Triton kernels, these in Triton's interpreter (tests/conftest.py sets
@@ -172,10 +174,11 @@ def test_overhead_smoke(runs: dict[str, Future]) -> None:
     for row in tiny["contenders"].values():
         assert row["us_per_step"]["median"] > 0 and row["peak_rss_mb"] > 100
     assert tiny["contenders"]["hand"]["ratio_to_hand"]["median"] == 1.0
-    # What runner's step launches beyond the hand loop's: the non-finite flag (x * 0, nan_to_num), the window's loss
-    # plus the norm it checks, and the meter's running sum; a new device op on the hot path shows here first.
+    # What runner's step launches beyond the hand loop's: the non-finite flag (x * 0, nan_to_num) of the window's loss
+    # plus the norm it checks, and the fused AdamW's own undoing of a skipped step's count for that flag (one
+    # _foreach_sub_ a parameter group: two); a new device op on the hot path shows here first.
     ops = {name: row["ops_per_step"] for name, row in tiny["contenders"].items()}
-    assert ops["hand"] > 20 and 0 <= ops["runner"] - ops["hand"] <= 4, ops
+    assert ops["hand"] > 20 and 0 <= ops["runner"] - ops["hand"] <= 5, ops
     assert ops["runner_usual"] == ops["runner"], ops  # its console, log file and checkpoints add none
 
 
@@ -186,6 +189,14 @@ def test_startup_smoke(runs: dict[str, Future]) -> None:
         assert 0 < row["to_first_step_s"]["median"] < row["wall_s"]["median"]
     assert 0 < result["imports_hydra_s"]["median"] <= result["imports_all_s"]["median"]
     assert result["compose_compose_s"]["median"] > 0
+
+
+def test_fused_smoke(runs: dict[str, Future]) -> None:
+    # the two settings train the same digits run: both measured, losses within what the kernels' rounding moves
+    row = runs["fused"].result()["workloads"]["digits"]
+    fused, loop = row["fused (default)"], row["for-loop (fused=false)"]
+    assert fused["samples_per_s"] > 0 and loop["samples_per_s"] > 0 and row["ratio"]["median"] > 0
+    assert fused["loss"] == pytest.approx(loop["loss"], rel=1e-4)
 
 
 def test_sae_throughput_smoke(runs: dict[str, Future]) -> None:

@@ -72,9 +72,12 @@ def test_the_kl_gradient_matches_finite_differences(compose_cfg: Callable, lm_ru
     coder.zero_grad()
     task.training_step(batch)["loss"].backward()
     grad = coder.b_dec.grad.clone()
-    # central differences along a few coordinates of b_dec (a dense path: every row's reconstruction moves)
-    h = 1e-2
-    for i in (0, 5, 17):
+    # central differences along the 3 coordinates of b_dec with the largest gradients (a dense path: every row's
+    # reconstruction moves). The smallest are ~1e-7 a unit, below what a float32 KL of ~3e-5 resolves: whether the
+    # estimate there lands within 2% changed with the last bits of the source's weights. Here, with this step, it is
+    # within 0.7% for two sources whose training differed in the optimizer's rounding alone.
+    h = 0.1
+    for i in grad.abs().topk(3).indices.tolist():
         with torch.no_grad():
             coder.b_dec[i] += h
             up = task.training_step(batch)["kl"].item()

@@ -326,3 +326,16 @@ def test_an_lr_scale_that_is_not_a_finite_number_at_least_0_is_refused(compose_c
 
     with pytest.raises(ConfigError, match=r"optimizer.lr_scale's values must be finite numbers >= 0"):
         build(compose_cfg(*SAE, f"+optimizer.lr_scale={{W_enc:{value}}}"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
+def test_torch_s_optimizers_are_fused_on_the_cpu_unless_asked_not_to_be(
+    optimizer: str, built: Callable[..., tuple[Any, Run]]
+) -> None:
+    # fused: one kernel for every tensor (3x torch's default for-loop on a tiny MLP's step, 10x on an SAE's), and the
+    # non-finite flag taken on the device; false: torch's own default, for a loop that must match another's bits
+    _, run = built("+experiment=digits", f"optimizer={optimizer}", "logger=none")
+    assert run.device.type == "cpu" and run.optimizer.defaults["fused"] is True
+    assert getattr(run.optimizer, "_step_supports_amp_scaling", False)  # the loop hands it the flag: no host read
+    _, run = built("+experiment=digits", f"optimizer={optimizer}", "logger=none", "optimizer.fused=false")
+    assert not run.optimizer.defaults["fused"]
