@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine, write_json  # noqa: E402
+from benchmarks.common import device_name, machine, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # name: (overrides, optimizer steps)
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(WORKLOADS)
-    results: dict = {"machine": machine(), "workloads": {}}
+    results: dict = {"machine": machine(), "device": device_name(args.device), "workloads": {}}
     print(f"# optimizer.fused on the CPU ({results['machine']})")
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:

@@ -133,7 +133,8 @@ def _fusable(make: Any, groups: list[dict[str, Any]], device: torch.device) -> b
     from torch.distributed.tensor import DTensor
 
     sharded = any(isinstance(p, DTensor) for group in groups for p in group["params"])
-    return not sharded or getattr(make, "func", None) in (torch.optim.Adam, torch.optim.AdamW)
+    optimizer = getattr(make, "func", None)
+    return not sharded or (isinstance(optimizer, type) and issubclass(optimizer, (torch.optim.Adam, torch.optim.AdamW)))
 
 
 def _optimizer(cfg: DictConfig, groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
