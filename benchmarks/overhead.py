@@ -176,8 +176,17 @@ def worker(args: argparse.Namespace) -> None:
 
 def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path, device: str) -> dict:
     """One fresh process of `contender`; returns its figures."""
+    command, out = contender_command(contender, size, steps, warmup, tmp, device)
+    # TTY_COMPATIBLE: rich draws its live bar as in a terminal, so runner_usual pays for it like a user does.
+    tty = "0" if contender == "runner_plain" else "1"
+    return spawn(command, out, env={"TTY_COMPATIBLE": tty}, log=tmp / f"{contender}.log")
+
+
+def contender_command(contender: str, size: str, steps: int, warmup: int, tmp: Path, device: str) -> tuple[list, Path]:
+    """The command line of one process of `contender`, and the JSON file it writes its figures to."""
     # a folder of its own each time: runner refuses to start a new run in a folder that holds one
-    out, run_dir = tmp / f"{contender}.json", Path(tempfile.mkdtemp(dir=tmp, prefix=f"{contender}-run-")) / "run"
+    out = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{contender}-")) / "figures.json"
+    run_dir = out.parent / "run"
     if contender.startswith("runner"):
         usual = ["logger=default", "callbacks=none", "checkpoint=default", f"checkpoint.interval={steps // 4}st"]
         # runner_plain: the console off a terminal (CI, SLURM logs) at its worst, a plain line at every log call
@@ -203,9 +212,7 @@ def measure(contender: str, size: str, steps: int, warmup: int, tmp: Path, devic
             "--device",
             device,
         ]
-    # TTY_COMPATIBLE: rich draws its live bar as in a terminal, so runner_usual pays for it like a user does.
-    tty = "0" if contender == "runner_plain" else "1"
-    return spawn(command, out, env={"TTY_COMPATIBLE": tty}, log=tmp / f"{contender}.log")
+    return command, out
 
 
 def main() -> None:
