@@ -55,11 +55,10 @@ def main() -> None:
     print(f"# optimizer.fused on the CPU ({results['machine']})")
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
+            (workload, steps), runs = WORKLOADS[name], {s: [] for s in SETTINGS}
             for _ in range(args.reps):
                 for setting, extra in SETTINGS.items():
                     folder = Path(tmp) / f"{name}-{len(runs[setting])}-{'fused' if not extra else 'loop'}"
-                    workload, steps = WORKLOADS[name]
                     runs[setting].append(_run(workload, args.steps or steps, extra, folder))
             fused, loop = (runs[s] for s in SETTINGS)
             ratios = [f["samples_per_s"] / g["samples_per_s"] for f, g in zip(fused, loop, strict=True)]
