@@ -27,7 +27,7 @@ import pytest
 import torch
 from helpers import hf_text, peer_python, tiny_hf_model
 
-from experiments.sae.evals.core import DENSE, core
+from experiments.sae.evals.core import DENSE, core, per_token
 from experiments.sae.imported import read_folder
 from experiments.sae.sources.source import SourceModel
 
@@ -98,17 +98,16 @@ FROM_INPUTS = {  # from SAELens's run on the model's inputs (context tokens)
     "l0": ("sparsity", "l0"),
     "l1": ("sparsity", "l1"),
     "kl_div_with_sae": ("downstream", "kl_spliced"),
-    "kl_div_with_ablation": ("downstream", "kl_zero_ablated"),
-    "kl_div_score": ("downstream", "kl_div_score"),
 }
 FROM_WINDOWS = {  # from SAELens's run on the whole windows (context + 1 tokens: context CE terms)
     "ce_loss_without_sae": ("downstream", "ce_clean"),
     "ce_loss_with_sae": ("downstream", "ce_spliced"),
-    "ce_loss_with_ablation": ("downstream", "ce_zero_ablated"),
-    "ce_loss_score": ("downstream", "ce_loss_score"),
 }
 # Not compared: runner's mean ablation (ce/kl_mean_ablated, *_score_mean) and density histogram, SAELens has neither;
-# SAELens's explained_variance_legacy and consistent_activation_heuristic, runner has neither.
+# SAELens's explained_variance_legacy and consistent_activation_heuristic, runner has neither. The zero ablation
+# (kl_div_with_ablation, ce_loss_with_ablation and both scores) is defined otherwise: SAELens zeroes every position,
+# the special tokens too, while it splices only the others; runner ablates the positions it splices
+# (tests/unit/test_known_answers.py). Where the special tokens' zeroing costs loss, SAELens's scores are the higher.
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +174,19 @@ def test_core_agrees_with_saelens_run_evals(hf: dict[str, Any], tmp_path: Path, 
     assert 0 < out["sparsity"]["l0"] < 64 and 0.1 < reconstruction["explained_variance"] < 1
     assert downstream["ce_clean"] < downstream["ce_spliced"] < downstream["ce_zero_ablated"]
     assert 0 < downstream["kl_spliced"] < downstream["kl_zero_ablated"]
+    # SAELens's zero ablation, every position zeroed (the special tokens' too), gives its figures here: the positions
+    # are all that differs
+    every = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in batches:
+            mask = source.row_mask(batch)
+            clean = source.loss(batch)[1]
+            with source._hook(HOOK, torch.zeros_like):
+                ce, kl = per_token(source.loss(batch)[1], batch["tokens"], mask, clean[mask])
+            every += torch.stack([ce.double().sum(), kl.double().sum()])
+    ce_every, kl_every = (every / positions).tolist()
+    assert _close(ce_every, theirs["windows"]["ce_loss_with_ablation"]), ce_every
+    assert _close(kl_every, theirs["inputs"]["kl_div_with_ablation"]), kl_every
+    score = (ce_every - downstream["ce_spliced"]) / (ce_every - downstream["ce_clean"])
+    assert _close(score, theirs["windows"]["ce_loss_score"])
+    assert ce_every != pytest.approx(downstream["ce_zero_ablated"])  # the special tokens' stream is worth something

@@ -45,14 +45,13 @@ def test_core_metrics_equal_brute_force_over_the_same_positions(sae_lm_run: Path
     assert got["latent_density"] == pytest.approx((codes != 0).double().mean(0).tolist())
     assert got["sparsity"]["dead_fraction"] == pytest.approx(((codes != 0).sum(0) == 0).double().mean().item())
     assert got["read"]["positions"] == len(x) and got["downstream"]["positions"] == len(x)
-    # the losses from the GPT itself: the first position (skip_positions=1) is not scored, the ablation zeroes every one
+    # the losses from the GPT itself: the first position (skip_positions=1) is neither scored nor spliced nor ablated
     gpt, skip, losses = source.model, source.skip, {"clean": [], "zero": []}
+    zero_kept = lambda m, i, out: torch.cat([out[:, :skip], torch.zeros_like(out[:, skip:])], dim=1)  # noqa: E731
     for batch, _ in batches:
         tokens = batch["tokens"]
         for name in losses:
-            hook = (
-                gpt.blocks[1].register_forward_hook(lambda m, i, out: torch.zeros_like(out)) if name == "zero" else None
-            )
+            hook = gpt.blocks[1].register_forward_hook(zero_kept) if name == "zero" else None
             logits = gpt(tokens[:, :-1])
             if hook is not None:
                 hook.remove()

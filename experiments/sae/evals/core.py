@@ -11,11 +11,14 @@ special tokens):
 - sparsity: L0 and L1 of the codes per position; each latent's density (the fraction of positions it fires on), the
   fractions that never fire (dead) or fire on over 1% and 10% of positions (dense, SAEBench core), a histogram of
   log10 density.
-- downstream: the next-token loss (CE) of the clean model, with the coder spliced in (at the kept positions, as
-  SAELens), and with the replaced module's whole output zero- or mean-ablated (every position, as SAELens's zero
-  ablation; the mean is over the first rows read); KL(clean || other) per position; the scores
+- downstream: the next-token loss (CE) of the clean model, with the coder spliced in, and with the replaced module's
+  output zero- or mean-ablated (the mean is over the first rows read); KL(clean || other) per position; the scores
   (CE_abl - CE_sae) / (CE_abl - CE_clean) and (KL_abl - KL_sae) / KL_abl, NaN with a note where the ablation costs
-  too little to divide by.
+  too little to divide by. The splice and both ablations replace the same positions, those that give rows, and keep
+  the model's own stream elsewhere: a score compares what the coder rebuilds with destroying exactly that, so a coder
+  that outputs zeros scores 0 against zero ablation. SAELens's `run_evals` zero-ablates every position, special tokens
+  too, while it splices only the others: its scores on a model with special tokens (or position 0 left out) are
+  higher than the coder earns.
 """
 
 from __future__ import annotations
@@ -164,7 +167,10 @@ def core(
     sums = _Sums(sae.d_out, sae.n_latents, source.device)
     losses = {k: torch.zeros(2, dtype=torch.float64) for k in ("clean", "spliced", "zero_ablated", "mean_ablated")}
     splice = Splice([read], {replaced: lambda captured: sae(captured[read].float())})
-    ablations = {"zero_ablated": torch.zeros_like, "mean_ablated": lambda out: mean.to(out).expand_as(out)}
+    ablations = {
+        "zero_ablated": (replaced, torch.zeros_like),
+        "mean_ablated": (replaced, lambda rows: mean.to(rows).expand_as(rows)),
+    }
     spliced_positions, n_windows, batches = 0, 0, 0
     for batch, mask in windows(source, tokens):
         batch = to_device(batch, source.device)
@@ -185,10 +191,7 @@ def core(
             del clean_logits  # [windows, positions, vocab]: the kept rows are all that is compared
             losses["clean"] += torch.stack([ce.double().sum().cpu(), torch.zeros((), dtype=torch.float64)])
             for name in ("spliced", "zero_ablated", "mean_ablated"):  # one at a time: logits are most of the memory
-                if name == "spliced":
-                    logits = source.run(batch, splice)[1]
-                else:
-                    logits = source.replaced(batch, replaced, ablations[name])[1]
+                logits = source.run(batch, splice if name == "spliced" else ablations[name])[1]
                 ce, kl = per_token(logits, tokens_, mask, clean_rows)
                 losses[name] += torch.stack([ce.double().sum(), kl.double().sum()]).cpu()
                 del logits

@@ -380,12 +380,6 @@ class SourceModel:
             self.loss({"tokens": torch.cat([tokens, tokens[:, -1:]], dim=1).to(self.device)})  # it reads [:, :-1]
         return captured[name]
 
-    def replaced(self, batch: Any, name: str, fn: Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """run()'s loss and logits with module `name`'s whole output, every position, replaced by `fn` of it (an
-        ablation as SAELens makes it; run() keeps the positions that give no rows)."""
-        with self._hook(name, fn):
-            return self.loss(batch)
-
     def loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's validation loss of a batch, and its output (logits) when that is a tensor."""
         # for a runner task, the root module's forward hook sees what validation_step computed its loss from
