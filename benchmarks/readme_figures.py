@@ -9,7 +9,7 @@ Exit 0 when every figure agrees; 1, with the differing ones marked, when any dif
 
 What is checked (FIGURES): the digits headline (val/acc, the best val/loss and its step, where early stopping stopped;
 the Optuna section's "preset's" val/loss) and the test split's accuracy; and every row of the synthetic SAE table
-(MMCS, features recovered at cosine 0.9 / 0.95, FVE, L0, dead fraction), each row's own command.
+(MMCS, features recovered at cosine 0.9 / 0.95, FVE, L0, silent fraction), each row's own command.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ SAE_COLUMNS: list[Figure] = [
     _percent("val/recovered_0.95"),
     _metric("val/fve"),
     _metric("val/l0"),
-    _metric("val/dead_fraction"),
+    _metric("val/silent_fraction"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The SAE recipe's initialisation, measured on a language model's activations: held-out FVE and dead fraction of a
+"""The SAE recipe's initialisation, measured on a language model's activations: held-out FVE, dead fraction (latents
+that never fire on the held-out windows) and silent fraction (silent through the last `dead_window` of training) of a
 TopK SAE on the residual stream of the lm experiment's GPT, one variant of the recipe at a time.
 
     python benchmarks/sae_init.py [--lm RUN_DIR] [--seeds 0 1 2] [--dir DIR] [--json out.json] [--device cpu|cuda]
@@ -54,7 +55,7 @@ def _run(out: Path, name: str, overrides: list[str]) -> dict[str, float]:
     if done.returncode != 0:
         raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
     summary = json.loads((folder / "summary.json").read_text())
-    return {key: summary["metrics"][f"val/{key}"] for key in ("fve", "dead_fraction", "l0")} | {
+    return {key: summary["metrics"][f"val/{key}"] for key in ("fve", "dead_fraction", "silent_fraction", "l0")} | {
         "wall_time_s": summary["wall_time_s"]
     }
 
@@ -88,11 +89,12 @@ def main() -> None:
             overrides = VARIANTS[name]
             results.setdefault(name, []).append(_run(out / f"seed{seed}", name, [*overrides, f"seed={seed}"]))
     print(f"\n{machine()}, {device_name(args.device)}; seeds {args.seeds}\n")
-    print("| variant | held-out FVE per seed | dead fraction (max) | L0 |")
-    print("| --- | --- | --- | --- |")
+    print("| variant | held-out FVE per seed | dead on held-out (max) | silent for dead_window (max) | L0 |")
+    print("| --- | --- | --- | --- | --- |")
     for name, runs in results.items():
         fves = " / ".join(f"{r['fve']:.4f}" for r in runs)
-        print(f"| {name} | {fves} | {max(r['dead_fraction'] for r in runs):.4f} | {runs[0]['l0']:.1f} |")
+        dead, silent = (max(r[key] for r in runs) for key in ("dead_fraction", "silent_fraction"))
+        print(f"| {name} | {fves} | {dead:.4f} | {silent:.4f} | {runs[0]['l0']:.1f} |")
     write_json(args.json, {"device": args.device, "seeds": args.seeds, "results": results})
 
 

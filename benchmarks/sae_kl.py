@@ -431,7 +431,7 @@ def print_tables(
         print(
             f"| {name} | {med(runs, 'kl'):.4f} | {med(runs, 'ce'):.4f} | {med(runs, 'recovered_zero'):.4f} | "
             f"{med(runs, 'recovered_mean'):.4f} | {med(runs, 'fve'):.4f} | {med(runs, 'l0'):.1f} | "
-            f"{max(r['score']['unfired'] for r in runs):.4f} | "
+            f"{max(r['score']['dead'] for r in runs):.4f} | "
             f"{statistics.median(r['samples_per_s'] for r in runs):.0f} | {paired(runs, 'samples_per_s')} | "
             f"{statistics.median(r['cpu_samples_per_s'] for r in runs):.0f} | {paired(runs, 'cpu_samples_per_s')} | "
             + (f"{statistics.median(own):.4f} |" if own else "- |")

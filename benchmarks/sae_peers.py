@@ -276,7 +276,7 @@ def print_tables(results: dict[str, list[dict]], args: argparse.Namespace, steps
         ratio = statistics.median(b / x for b, x in zip(base, rate, strict=True)) if base else float("nan")
         print(
             f"| {name} | {fves} | {own} | {statistics.median(r['score']['l0'] for r in runs):.1f} | "
-            f"{max(r['score']['unfired'] for r in runs):.4f} | {statistics.median(rate):.0f} | {ratio:.2f} | "
+            f"{max(r['score']['dead'] for r in runs):.4f} | {statistics.median(rate):.0f} | {ratio:.2f} | "
             f"{statistics.median(r['to_first_step_s'] for r in runs):.1f} | "
             f"{statistics.median(r['own_peak_rss_mb'] for r in runs):.0f} |"
         )

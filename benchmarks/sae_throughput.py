@@ -126,9 +126,9 @@ def hand_written(
         model.after_optimizer_step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        dead += out["dead_fraction"]
+        dead += out["silent_fraction"]
         if step % LOG_EVERY == 0:
-            model.logged({"train/dead_fraction": float(dead)})
+            model.logged({"train/silent_fraction": float(dead)})
             dead.zero_()
     return _stop(device, start, steps * batch), model.W_dec.detach().cpu().clone()
 

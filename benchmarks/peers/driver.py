@@ -117,4 +117,4 @@ def score(
         sst += float((y - mean).pow(2).sum())
         l0 += float((values > 0).sum())
         fired |= (codes > 0).any(0)
-    return {"fve": 1 - sse / sst, "l0": l0 / len(x_all), "unfired": float((~fired).double().mean())}
+    return {"fve": 1 - sse / sst, "l0": l0 / len(x_all), "dead": float((~fired).double().mean())}

@@ -252,7 +252,8 @@ def test_sae_init_smoke(runs: dict[str, Future]) -> None:
     results = runs["sae_init"].result()["results"]
     assert set(results) == {"unit-norm encoder", "fit encoder scale", "norm 0.5 (default)"}  # --variants
     for name, (run,) in results.items():  # one seed: each variant trained and validated, with its codes' L0
-        assert math.isfinite(run["fve"]) and run["l0"] == 4 and 0 <= run["dead_fraction"] <= 1, name
+        assert math.isfinite(run["fve"]) and run["l0"] == 4, name
+        assert 0 <= run["dead_fraction"] <= 1 and 0 <= run["silent_fraction"] <= 1, name
 
 
 def test_sae_peers_smoke(runs: dict[str, Future]) -> None:
@@ -262,7 +263,7 @@ def test_sae_peers_smoke(runs: dict[str, Future]) -> None:
     # the shared scorer (float64, from the saved weights) agrees with runner's own validation on the held-out file
     # (float32 there: a near-tie in the top-k may go the other way, measured 2e-5 apart after 12 steps)
     assert run["score"]["fve"] == pytest.approx(run["own"]["fve"], abs=2e-4) and 0 < run["score"]["fve"] < 1
-    assert run["score"]["l0"] == 4 and 0 <= run["score"]["unfired"] < 1
+    assert run["score"]["l0"] == 4 and 0 <= run["score"]["dead"] < 1
     assert run["samples_per_s"] > 0 and run["to_first_step_s"] > 0 and run["own_peak_rss_mb"] > 100
     missing = result["missing"]
     assert missing["returncode"] == 1 and "benchmarks/peers/install.sh" in missing["stderr"]
@@ -272,7 +273,7 @@ def test_sae_peers_smoke(runs: dict[str, Future]) -> None:
     assert set(transcoder["results"]) == {"runner", "runner-skip"} and transcoder["args"]["target_columns"] == 8
     for name, (run,) in transcoder["results"].items():
         assert run["score"]["fve"] == pytest.approx(run["own"]["fve"], abs=2e-4), name
-        assert run["score"]["l0"] <= 4 and 0 <= run["score"]["unfired"] < 1 and run["samples_per_s"] > 0, name
+        assert run["score"]["l0"] <= 4 and 0 <= run["score"]["dead"] < 1 and run["samples_per_s"] > 0, name
     no_target = result["no_target"]
     assert no_target["returncode"] == 1 and "give --target-columns" in no_target["stderr"]
 
@@ -366,7 +367,7 @@ def test_sae_kl_smoke(runs: dict[str, Future]) -> None:
     assert ablations["zero_ce"] > ablations["clean_ce"] and ablations["mean_ce"] > ablations["clean_ce"]
     for name, (run,) in result["results"].items():
         got = run["score"]
-        assert got["l0"] == 4 and 0 <= got["unfired"] < 1 and 0 < got["fve"] < 1 and got["kl"] > 0, name
+        assert got["l0"] == 4 and 0 <= got["dead"] < 1 and 0 < got["fve"] < 1 and got["kl"] > 0, name
         assert got["recovered_zero"] == pytest.approx(
             (ablations["zero_ce"] - got["ce"]) / (ablations["zero_ce"] - ablations["clean_ce"])
         )

@@ -888,9 +888,9 @@ def test_auxk_on_the_gpu_runs_only_while_the_last_log_row_saw_dead_latents() -> 
     sae.after_optimizer_step()  # every latent that did not fire is dead now
     assert sae.n_dead > 0 and not sae.auxk_active
     assert float(sae.training_step(x)["auxk_loss"]) == 0  # skipped: no log row has seen them yet
-    sae.logged({"train/dead_fraction": 0.5})
+    sae.logged({"train/silent_fraction": 0.5})
     assert sae.auxk_active and float(sae.training_step(x)["auxk_loss"]) > 0
-    sae.logged({"train/dead_fraction": 0.0})
+    sae.logged({"train/silent_fraction": 0.0})
     assert not sae.auxk_active
 
 
@@ -930,7 +930,7 @@ def test_validation_fve_is_streamed_over_the_split_about_its_mean_in_float64() -
     assert metrics["val/nmse"] == pytest.approx(float(sse / xd.pow(2).sum()), rel=1e-5)
 
 
-def test_unfired_fraction_counts_latents_silent_over_the_whole_split_not_per_batch() -> None:
+def test_dead_fraction_counts_latents_that_never_fire_over_the_whole_split_not_per_batch() -> None:
     from helpers import make_run
 
     from runner.data import TensorData
@@ -947,7 +947,9 @@ def test_unfired_fraction_counts_latents_silent_over_the_whole_split_not_per_bat
     data = DataModule({"train": TensorData(x), "val": TensorData(x)}, val_batch_size=8, batch_size=8)
     run = make_run(sae, splits={"train": TensorData(x), "val": TensorData(x)}, batch_size=8)
     run.val_loader = data.val_loader()
-    assert evaluate(run)["val/unfired_fraction"] == 0.5
+    metrics = evaluate(run)
+    assert metrics["val/dead_fraction"] == 0.5
+    assert metrics["val/silent_fraction"] == 0.0  # no training step yet: none silent for its window
 
 
 def test_auxk_reconstructs_the_residual_without_the_decoder_bias_a_second_time() -> None:

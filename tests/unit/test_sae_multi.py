@@ -111,7 +111,7 @@ def test_sae_multi_run_logs_each_sae_and_writes_its_own_weights(compose_cfg: Cal
         alone.load_state_dict(part)  # strict: the file is exactly one SAE's weights
         assert torch.equal(part["W_dec"], whole[f"saes.{name}.W_dec"])
     # each SAE is told its own row of the last log (its AuxK switch on a GPU)
-    run.task.logged({"train/k2/dead_fraction": 0.25, "train/k4/dead_fraction": 0.0, "train/dead_fraction": 0.1})
+    run.task.logged({"train/k2/silent_fraction": 0.25, "train/k4/silent_fraction": 0.0, "train/silent_fraction": 0.1})
     assert run.task.saes["k2"].auxk_active and not run.task.saes["k4"].auxk_active
     # the run folder holds its config although Hydra did not make it (run_dir elsewhere): a usable finished run
     family, _ = load_trained(run_dir)

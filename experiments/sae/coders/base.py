@@ -5,7 +5,9 @@ reconstructions come back in the original units; decoder rows (one direction per
 unit norm after every optimizer step, with the gradient component parallel to each row removed before the step; the
 encoder initialised as the decoder's transpose (with `encoder_init=fit`, scaled to best reconstruct the first batch;
 with a number, columns of that norm); the decoder bias initialised to the geometric median of the first training batch.
-Dead latents are those that have not fired within `dead_window` (optimizer steps or samples).
+Latents that have not fired within `dead_window` (optimizer steps or samples) are silent: AuxK trains them, and
+`silent_fraction` counts them. `dead_fraction` is the field's: latents that fire on none of the positions measured
+(the validation split here; runner.sae_eval's and the feature pages' own positions there).
 
 A transcoder (`d_out` set) reads one module's output and reconstructs another's: each data row holds the input's d_in
 columns then the target's d_out columns, side by side (how a source model hooked at two modules gives them). Its
@@ -211,7 +213,7 @@ class SAE(nn.Module):
         """Told the run's last logged row (runner's loop does, after each row): on CUDA AuxK runs while that row saw
         dead latents, and no step reads the device to decide it (on the CPU each step counts them: no wait there).
         `prefix`: this SAE's metric prefix in a family (model=sae_multi)."""
-        self.auxk_active = metrics.get(f"train/{prefix}dead_fraction", 0.0) > 0
+        self.auxk_active = metrics.get(f"train/{prefix}silent_fraction", 0.0) > 0
 
     @property
     def n_dead(self) -> int:
@@ -412,7 +414,7 @@ class SAE(nn.Module):
             self.track(values, indices)
             out.update(self.aux_loss(target, pre, values, indices, sparse_recon))
         out["loss"] = out["recon_loss"] + sum(out.pop(k) for k in [k for k in out if k.endswith("_term")])
-        out["dead_fraction"] = self.dead_mask().float().mean()
+        out["silent_fraction"] = self.dead_mask().float().mean()
         return out, recon / self.out_scale
 
     def training_step(self, batch) -> dict[str, torch.Tensor]:
@@ -426,15 +428,16 @@ class SAE(nn.Module):
         values, indices = self.activate(self.pre_activations(xn))
         recon = self.decode(values, indices) + self.skip_part(xn)
         stats = split_statistics(recon, yn, values, indices, self.n_latents)
-        return {**stats, "dead_fraction": self.dead_mask().double().mean()}
+        return {**stats, "silent_fraction": self.dead_mask().double().mean()}
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The split's metrics from validation_step's means: FVE = 1 - SSE/SST with SST about the per-dimension mean
         of the whole split (not about zero, and not a mean of per-batch ratios), NMSE against E||x||^2, MSE per
-        element in the inputs' own units, and the fraction of latents that never fired on the split."""
+        element in the inputs' own units, the fraction of latents that never fired on the split (dead) and of those
+        silent for the training's `dead_window` (silent)."""
         unexplained_ = unexplained(means)
         # a subclass's own validation outputs pass through as their means
-        own = ("sse", "x_mean", "x_sq", "l0", "dead_fraction", "firing_rate")
+        own = ("sse", "x_mean", "x_sq", "l0", "silent_fraction", "firing_rate")
         others = {k: v for k, v in means.items() if k not in own}
         return {
             **others,
@@ -444,7 +447,7 @@ class SAE(nn.Module):
             "nmse": means["sse"] / means["x_sq"],
             "mse": means["sse"] / self.d_out / self.out_scale.double() ** 2,
             "l0": means["l0"],
-            "dead_fraction": means["dead_fraction"],
+            "silent_fraction": means["silent_fraction"],
             # latents that fired on none of the split's inputs (tokens, for a language model's activations)
-            "unfired_fraction": (means["firing_rate"] == 0).double().mean(),
+            "dead_fraction": (means["firing_rate"] == 0).double().mean(),
         }

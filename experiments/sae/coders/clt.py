@@ -195,7 +195,7 @@ class CrossLayerTranscoder(nn.Module):
         out["fve"] = 1 - torch.stack(losses).mean().detach()
         out["l0"] = torch.stack([out[f"layer{i}/l0"] for i in range(self.layers)]).mean()
         out["loss"] = out["recon_loss"] + sum(terms)
-        out["dead_fraction"] = torch.stack([c.dead_mask().float().mean() for c in self.coders]).mean()
+        out["silent_fraction"] = torch.stack([c.dead_mask().float().mean() for c in self.coders]).mean()
         return out
 
     @torch.no_grad()
@@ -207,7 +207,7 @@ class CrossLayerTranscoder(nn.Module):
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each coder the last logged row (whether AuxK runs on a GPU)."""
         for coder in self.coders:
-            coder.logged(metrics)  # the CLT's row: its dead_fraction is the coders' mean
+            coder.logged(metrics)  # the CLT's row: its silent_fraction is the coders' mean
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Load weights and buffers; each coder's dead latents follow (SAE.load_state_dict)."""
@@ -228,19 +228,19 @@ class CrossLayerTranscoder(nn.Module):
             target = targets[i].float() * self.target_scale[i]
             stats = split_statistics(recon[i], target, values, indices, self.coders[i].n_latents)
             out.update({f"{key}_{i}": value for key, value in stats.items()})
-        out["dead_fraction"] = torch.stack([c.dead_mask().double().mean() for c in self.coders]).mean()
+        out["silent_fraction"] = torch.stack([c.dead_mask().double().mean() for c in self.coders]).mean()
         return out
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per layer FVE (SST about the split's mean) and L0; the loss as trained (their sum), the mean FVE and L0,
-        and the latents that never fired on the split."""
+        the latents that never fired on the split (dead) and those silent for `dead_window`."""
         losses = [unexplained(means, f"_{i}") for i in range(self.layers)]
         out = {f"layer{i}/fve": 1 - loss for i, loss in enumerate(losses)}
         out.update({f"layer{i}/l0": means[f"l0_{i}"] for i in range(self.layers)})
         out["loss"] = out["recon_loss"] = torch.stack(losses).sum()
         out["fve"] = 1 - torch.stack(losses).mean()
         out["l0"] = torch.stack([means[f"l0_{i}"] for i in range(self.layers)]).mean()
-        out["dead_fraction"] = means["dead_fraction"]
+        out["silent_fraction"] = means["silent_fraction"]
         rates = torch.cat([means[f"firing_rate_{i}"] for i in range(self.layers)])
-        out["unfired_fraction"] = (rates == 0).double().mean()
+        out["dead_fraction"] = (rates == 0).double().mean()
         return out

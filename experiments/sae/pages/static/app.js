@@ -80,8 +80,8 @@ const FEATURES = (() => {
       el("h1", {}, index.title || "SAE"),
       el("div", { class: "facts" },
         el("span", {}, "FVE " + fmt(m.fve)), el("span", {}, "L0 " + fmt(m.l0)),
-        el("span", {}, "dead fraction " + fmt(m.dead_fraction)),
-        el("span", {}, `${index.n_latents} latents, ${index.never_fired} never fired here`),
+        el("span", {}, "dead on the validation split " + fmt(m.dead_fraction)),
+        el("span", {}, `${index.n_latents} latents, ${index.never_fired} dead on these rows`),
         el("span", {}, `${index.rows} rows (${index.texts ? "windows" : "rows"}: ${splits}) in ${index.seconds} s`)));
   }
 
