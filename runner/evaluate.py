@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -56,6 +57,9 @@ def evaluate_run(
     `run_dir` may also be weights inside a run folder (its model.safetensors, a checkpoint folder): the run is the
     folder above them, as if given with weights=; or an SAE folder of SAELens or sparsify, with `attach` naming the
     model it reads (runner.trained.load_model)."""
+    if not isinstance(split, str) or not split or "/" in split or os.sep in split or "\0" in split:
+        # it names the file written in the run folder, eval-SPLIT.json, and the split names are the run folder's word
+        raise ConfigError(f"split={split!r}: give the name of one of the run's data splits, e.g. split=val")
     foreign = is_foreign(run_dir)
     run_dir, weights = (Path(run_dir), weights) if foreign else _run_and_weights(Path(run_dir), weights)
     device = checked_device(device)

@@ -6,8 +6,10 @@ Static pages in DIR (default RUN_DIR/features; a symlink in the run folder never
 open DIR/index.html from disk, or `--serve` them to this machine's browser (PagesHandler). The model writes them
 (`features(cfg, run_dir, out, ...)`: runner's SAEs, experiments/sae/pages/dashboard.py), built under the same trust
 rules as evaluation (runner.trained.load_trained). `neuronpedia=true` writes the same latents as Neuronpedia's upload
-batches too (DIR/neuronpedia/batch-N.json: experiments/sae/pages/neuronpedia.py). Exit codes: 0, or 2 with a one-line
-message."""
+batches too (DIR/neuronpedia/batch-N.json: experiments/sae/pages/neuronpedia.py), under `model_name=` and `sae_set=`
+(default: the source's hub name, else its folder's name, and this run folder's name: never a local path; what the
+files quote of the config is plain data, never a resolver's value: runner.published). Exit codes: 0, or 2 with a
+one-line message."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from runner.evaluate import checked_device, read_options
 from runner.load import ATTACH, ATTACH_TEXT, load_model
 from runner.log.console import ConsoleLogger
 from runner.outdir import output_folder, write_failed
+from runner.published import publish_names, quoted_config
 from runner.rundir import DiskFull
 from runner.trained import trusted_here
 
@@ -38,11 +41,13 @@ DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "neuronpedia": False,  # the pages' data as Neuronpedia's upload batches too (experiments/sae/pages/neuronpedia.py)
     "port": 8000,
+    "model_name": None,  # Neuronpedia's model_id and sae_set (default: the source's hub name, the run folder's name)
+    "sae_set": None,
     **dict.fromkeys(ATTACH),  # an SAE folder of SAELens or sparsify: the model it reads (runner.trained.load_model)
 }
 USAGE = (
-    "usage: python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [neuronpedia=true] "
-    "[--serve] [port=8000]\n"
+    "usage: python -m runner.features RUN_DIR [tokens=1e6] [out=DIR] [top=16] [device=cpu] [neuronpedia=true "
+    "[model_name=NAME] [sae_set=NAME]] [--serve] [port=8000]\n"
     "       python -m runner.features SAE_DIR source=MODEL [hook=NAME] [module=MODULE] ...   (SAELens, sparsify)"
 )
 
@@ -53,7 +58,7 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
     argv = [a for a in argv if a != "--serve"]
     if not argv or "=" in argv[0] or argv[0].startswith("-"):
         raise ConfigError(USAGE)
-    options = read_options(argv[1:], DEFAULTS, ("out", "device", *ATTACH_TEXT), ", or --serve")
+    options = read_options(argv[1:], DEFAULTS, ("out", "device", "model_name", "sae_set", *ATTACH_TEXT), ", or --serve")
     for key in ("tokens", "top", "port"):
         value = options[key]
         if isinstance(value, float) and value.is_integer():
@@ -62,6 +67,9 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any], bool]:
             raise ConfigError(f"{key}={value!r}: give a whole number >= 1")
     if not isinstance(options["neuronpedia"], bool):
         raise ConfigError(f"neuronpedia={options['neuronpedia']!r}: give true or false")
+    named = [key for key in ("model_name", "sae_set") if options[key] is not None]
+    if named and not options["neuronpedia"]:
+        raise ConfigError(f"{named[0]}={options[named[0]]}: it names Neuronpedia's batches: give neuronpedia=true too")
     if options["port"] > 65535:
         raise ConfigError(f"port={options['port']}: give a port from 1 to 65535, e.g. port=8000")
     return Path(argv[0]), options, serve
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(model, "features"):
             raise ConfigError(f"{path}'s model ({type(model).__name__}) has no feature pages (runner's SAEs have)")
         run_dir = path if path.is_dir() else path.parent
+        # what the pages and batches quote of the config is plain data, and the names they publish under are never a
+        # local path (runner.published)
+        names, said = publish_names(quoted_config(run_dir, cfg), run_dir, options["model_name"], options["sae_set"])
         out = output_folder(run_dir, options["out"] or None, "features", "out=")
         started = time.perf_counter()
         try:
@@ -171,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=device,
                 working=working,
                 neuronpedia=options["neuronpedia"],
+                publish=names,
             )
         except (OSError, DiskFull) as error:
             kept = "any pages there may be incomplete (the same command writes them whole)"
@@ -180,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for page in pages:
         print(f"wrote {page}")
+    if said and options["neuronpedia"]:
+        print(said, file=sys.stderr)
     print(f"{time.perf_counter() - started:.1f} s; open {pages[0]} in a browser (no server needed)", file=sys.stderr)
     return _serve(out, options["port"], pages[0]) if serve else 0
 

@@ -4,7 +4,8 @@ anyone can hand one over, with symlinks in it, so none of them carries the tools
 - A folder the user typed (out=DIR, --out DIR) is theirs, wherever it is. The default one (RUN_DIR/features,
   RUN_DIR/export-FORMAT), or a typed one inside the run folder, must resolve to a place inside the run folder.
 - Inside an output folder nothing is followed: files are renamed into place (runner.rundir.write_atomic), which replaces
-  a link at a file's name, and make_dir replaces a link at a folder's name with a real folder.
+  a link at a file's name, and make_dir replaces a link at a folder's name with a real folder; a folder is made real
+  before anything in it is listed or removed (what a link names is someone else's, never stale output).
 - An export is written into a folder beside its own and renamed into place once whole (staged): a killed export leaves
   nothing in the way of the next, which clears what the dead one left beside it.
 """

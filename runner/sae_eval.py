@@ -19,6 +19,7 @@ from runner.evaluate import checked_device, read_options
 from runner.load import ATTACH, ATTACH_TEXT, load_model
 from runner.log.console import ConsoleLogger
 from runner.outdir import output_folder, write_failed
+from runner.published import quoted_config
 from runner.rundir import DiskFull
 from runner.trained import trusted_here
 
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{path}'s model ({type(model).__name__}) is no single SAE or transcoder to evaluate")
         from experiments.sae.evals.run import dumps, evaluate  # noqa: PLC0415
 
-        out = output_folder(path if path.is_dir() else path.parent, options["out"] or None, "evals", "out=")
+        run_dir = path if path.is_dir() else path.parent
+        quoted = quoted_config(run_dir, cfg)  # what eval.json says of the source: plain data (runner.published)
+        out = output_folder(run_dir, options["out"] or None, "evals", "out=")
         console = ConsoleLogger()
         try:
             result = evaluate(
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 options["probe_tokens"],
                 device,
                 console.working,
+                quoted,
             )
         except (OSError, DiskFull) as error:
             raise write_failed(error, f"writing the evaluation to {out}", "run the same command again") from None

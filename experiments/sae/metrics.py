@@ -20,6 +20,15 @@ def feature_recovery(
     return scores
 
 
+def summary_metric(metrics: dict, key: str) -> object:
+    """A run's summary metric `key` (e.g. val/dead_fraction) under its name today: a summary that holds
+    val/unfired_fraction counted the training window's silent latents as dead_fraction and the field's dead ones as
+    unfired_fraction."""
+    if key.endswith("dead_fraction") and (old := key.removesuffix("dead_fraction") + "unfired_fraction") in metrics:
+        return metrics[old]
+    return metrics.get(key)
+
+
 @torch.no_grad()
 def relative_error(estimate: torch.Tensor, truth: torch.Tensor) -> float:
     """||estimate - truth|| / ||truth|| (Frobenius): how far a learned map is from the true one (0: exact)."""

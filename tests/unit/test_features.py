@@ -283,7 +283,7 @@ def test_neuronpedia_batches_hold_every_latent_as_its_uploads_take_them(
     batches = sorted((tmp_path / "p" / "neuronpedia").glob("batch-*.json"))
     assert [b.name for b in batches] == ["batch-0.json"]  # 64 latents: one chunk
     batch = json.loads(batches[0].read_text())
-    assert (batch["model_id"], batch["layer"], batch["sae_set"]) == (str(lm_run), 1, "runner")
+    assert (batch["model_id"], batch["layer"], batch["sae_set"]) == (lm_run.name, 1, sae_lm_run.name)
     index = _data(tmp_path / "p" / "data" / "index.js")
     features = batch["features"]
     assert [f["feature_index"] for f in features] == list(range(64))

@@ -971,3 +971,14 @@ def test_auxk_reconstructs_the_residual_without_the_decoder_bias_a_second_time()
     torch.testing.assert_close(out["auxk_loss"], expected.detach())
     twice = (aux + sae.b_dec - residual).pow(2).sum(1).mean() / (residual - residual.mean(0)).pow(2).sum(1).mean()
     assert float((twice - expected).abs().detach()) > 0.1  # the check can tell the two apart
+
+
+def test_a_summary_that_names_the_field_s_count_unfired_fraction_is_read_as_dead_fraction() -> None:
+    from experiments.sae.metrics import summary_metric
+
+    # a summary whose dead_fraction is the training window's count and whose unfired_fraction the field's
+    older = {"val/dead_fraction": 0.4, "val/unfired_fraction": 0.01, "val/k2/dead_fraction": 0.3}
+    older["val/k2/unfired_fraction"] = 0.0
+    assert summary_metric(older, "val/dead_fraction") == 0.01 and summary_metric(older, "val/k2/dead_fraction") == 0.0
+    today = {"val/dead_fraction": 0.02, "val/silent_fraction": 0.4, "val/fve": 0.9}
+    assert summary_metric(today, "val/dead_fraction") == 0.02 and summary_metric(today, "val/fve") == 0.9

@@ -209,7 +209,8 @@ def test_an_exported_run_names_its_hook_point_and_model_as_saelens_and_sparsify_
     # still name the hooked module and the source model, so that a user can attach the export to the model
     assert main([str(sae_lm_run), "--format", "saelens", "--out", str(tmp_path / "one")]) == 0
     metadata = json.loads((tmp_path / "one" / "cfg.json").read_text())["metadata"]
-    assert (metadata["hook_name"], metadata["model_name"]) == ("blocks.1.hook_resid_post", str(lm_run))
+    # the source named by its folder's name, never a local path (tests/unit/test_publish_names.py)
+    assert (metadata["hook_name"], metadata["model_name"]) == ("blocks.1.hook_resid_post", lm_run.name)
     # several hooked modules (model=sae_multi): each SAE's folder names its own
     family = tmp_path / "family"
     family.mkdir()
@@ -236,8 +237,8 @@ def test_a_hugging_face_repository_folder_holds_saelens_folders_and_a_model_card
     assert sorted(p.name for p in repo.iterdir()) == ["README.md", "blocks.1.hook_resid_post"]
     card = (repo / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: saelens\ntags:\n- sparse-autoencoder\n")
-    assert f"# Sparse autoencoders of {lm_run}" in card and "(8 step, 512 samples)" in card
-    assert f"Data: activations of `blocks.1` of `{lm_run}`" in card
+    assert f"# run: sparse autoencoders of {lm_run.name}" in card and "(8 steps, 512 samples)" in card
+    assert f"Data: activations of `blocks.1` of `{lm_run.name}`" in card
     row = "| `blocks.1.hook_resid_post` | topk | `blocks.1.hook_resid_post` | 32 | 64 | 4 | 0.8123 | 4 | - | - | - |"
     assert row in card, card
     sae = SAE.load_from_disk(repo / "blocks.1.hook_resid_post")  # as a clone of the repository is loaded

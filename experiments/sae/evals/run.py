@@ -17,6 +17,7 @@ from torch import nn
 
 from experiments.sae.sources.source import SourceModel, hooked_source
 from runner import ConfigError
+from runner.published import plain
 from runner.rundir import write_atomic, write_json
 
 EVALS = ("core", "probing", "absorption")
@@ -44,12 +45,15 @@ def evaluate(
     probe_tokens: int = 300_000,
     device: str = "cpu",
     working: Any = None,
+    quoted: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run `evals` on `sae` of config `cfg`, write out/eval.json and out/index.html; the results."""
+    """Run `evals` on `sae` of config `cfg`, write out/eval.json and out/index.html; the results. What they say of
+    the coder's source comes from `quoted`, the run's config as plain data (runner.published.quoted_config; default:
+    `cfg`'s), never a resolver's value."""
     started = time.perf_counter()
     source = source_of(cfg, torch.device(device))
     sae.to(device)
-    result: dict[str, Any] = {"coder": _describe(sae, cfg), "evals": {}}
+    result: dict[str, Any] = {"coder": _describe(sae, plain(cfg) if quoted is None else quoted), "evals": {}}
     for name in evals:
         progress = (lambda done, total, name=name: working(name, done, total)) if working else None
         if name == "core":
@@ -71,20 +75,19 @@ def evaluate(
     return result
 
 
-def _describe(sae: nn.Module, cfg: DictConfig) -> dict[str, Any]:
-    source = cfg.get("source") or {}
-    imported = cfg.get("imported") or {}
+def _describe(sae: nn.Module, quoted: dict[str, Any]) -> dict[str, Any]:
+    source, imported, data = (quoted.get(key) or {} for key in ("source", "imported", "data"))
     return {
         "class": type(sae).__name__,
         "d_in": sae.d_in,
         "d_out": sae.d_out,
         "n_latents": sae.n_latents,
         "k": getattr(sae, "k", None),
-        "source": str(cfg.data.get("checkpoint")),
-        "module": str(cfg.data.get("module")),
-        "target": cfg.data.get("target"),
-        "imported_from": dict(imported) if imported else None,
-        "skip_positions": source.get("skip_positions", cfg.data.get("skip_positions", 0)),
+        "source": str(data.get("checkpoint")),
+        "module": str(data.get("module")),
+        "target": data.get("target"),
+        "imported_from": imported or None,
+        "skip_positions": source.get("skip_positions", data.get("skip_positions", 0)),
     }
 
 

@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from experiments.sae.metrics import summary_metric
 from experiments.sae.pages.stats import (
     LatentStats,
     best_matches,
@@ -28,6 +29,7 @@ from experiments.sae.pages.write import family_index, write_pages
 from experiments.sae.sources.source import hooked_source
 from runner import ConfigError
 from runner.outdir import within
+from runner.published import publish_names
 from runner.rundir import SUMMARY, read_json
 
 BEFORE, AFTER = 24, 6  # tokens of text shown before and after a firing one
@@ -155,13 +157,16 @@ def write(
     rows_of: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
     working: Callable[[str, int, int | None], None] | None = None,
     neuronpedia: bool = False,
+    publish: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Look at each SAE of `family` ((metric prefix, SAE) pairs of a run of `cfg` in `run_dir`; a MultiSAE's give
     `rows_of`, the columns each reads; a cross-layer transcoder's, each layer's normalised input) over `tokens` rows and
     write its pages under `out` (one folder per SAE of a family); returns the index pages written. A transcoder's
     latents are looked at where they read: its input's contexts; the logit lens reads what they write. `working`
     (what, batches done, batches in all) hears of the pass's progress (runner's console: a bar, or a line now and
-    then); `neuronpedia`: the pages' data as Neuronpedia's upload batches too (pages/neuronpedia.py)."""
+    then); `neuronpedia`: the pages' data as Neuronpedia's upload batches too (pages/neuronpedia.py), under the names
+    `publish` ({model_name, sae_set}: runner.published; default: the source's hub name or its folder's name, and the
+    run folder's name)."""
     started, device_ = time.perf_counter(), torch.device(device)
     hooked = str(cfg.data.get("_target_", "")).endswith("HookedData")
     if neuronpedia and not hooked:  # said before the pass, not after it
@@ -182,9 +187,13 @@ def write(
             if working is not None:
                 working("feature pages", done, max(batches, done))
     seconds = time.perf_counter() - started
-    summary, written = (read_json(run_dir / SUMMARY) or {}).get("metrics", {}), []
+    summary, written = read_json(run_dir / SUMMARY), []
+    summary = summary.get("metrics") if isinstance(summary, dict) else None  # a summary.json is data: any shape
+    summary = summary if isinstance(summary, dict) else {}
+    if publish is None:
+        publish = publish_names({"data": {"checkpoint": cfg.data.get("checkpoint")}}, run_dir)[0]
     for prefix, sae in family:
-        metrics = {name: summary.get(f"val/{prefix}{name}") for name in ("fve", "l0", "dead_fraction")}
+        metrics = {name: summary_metric(summary, f"val/{prefix}{name}") for name in ("fve", "l0", "dead_fraction")}
         title = f"{type(sae).__name__} {prefix.rstrip('/')}".strip()
         module = cfg.data.get("module")
         head = {
@@ -194,7 +203,8 @@ def write(
             "splits": inputs.splits,
             "metrics": metrics,
             "hook": module if isinstance(module, str) else prefix.rstrip("/"),
-            "model": str(cfg.data.get("checkpoint") or ""),
+            "model": publish["model_name"] or "",  # a publishing name, never a local path
+            "sae_set": publish["sae_set"],
         }
         views = _weights_views(sae, inputs)
         folder = within(out, prefix.rstrip("/"))  # a family's SAE names come from the run's config

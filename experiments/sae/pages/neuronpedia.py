@@ -1,6 +1,6 @@
 """The feature pages' data in the shape Neuronpedia's uploads take (`python -m runner.features RUN neuronpedia=true`):
-`neuronpedia/batch-N.json`, each {model_id, layer, sae_set, features: [...]} of a chunk of the pages' latents (256),
-each feature as
+`neuronpedia/batch-N.json`, each {model_id, layer, sae_set, features: [...]} of a chunk of the pages' latents (256;
+model_id and sae_set are publishing names, never a local path: runner.published), each feature as
 SAEDashboard's NeuronpediaDashboardFeature writes it: its logit lens (pos_str / pos_values, neg_str / neg_values),
 firing fraction, activation histogram, nearest latents by decoder cosine, its largest decoder dimensions, and its
 contexts (`activations`: the strongest first with bin_min -1, then each fifth with its range and share 0.2).
@@ -31,11 +31,14 @@ def write_batch(
     head: dict[str, Any],
 ) -> Path:  # fmt: skip
     """Write one batch file `path` of the pages' `latents` (write.py `_latent`, by index), from the statistics `r`,
-    the `inputs` (a text source's: its vocab names the tokens) and the index's `head` (its hook and model)."""
+    the `inputs` (a text source's: its vocab names the tokens) and the index's `head` (its hook, and the model and
+    SAE set's publishing names: runner.published)."""
     if not inputs.texts:
         raise ConfigError("neuronpedia=true: Neuronpedia's features are shown on text; this run's rows have none")
     layer = re.search(r"(?:^|\.)(\d+)(?:\.|$)", str(head.get("hook") or ""))
-    meta = {"model_id": head.get("model") or "", "layer": int(layer.group(1)) if layer else 0, "sae_set": "runner"}
+    # Neuronpedia's URLs are MODEL_ID/LAYER-SAE_SET/INDEX: a hub id's name alone (EleutherAI/pythia-70m: pythia-70m)
+    model_id = str(head.get("model") or "").rpartition("/")[2]
+    meta = {"model_id": model_id, "layer": int(layer.group(1)) if layer else 0, "sae_set": head.get("sae_set") or ""}
     extra = {"n_prompts_total": sum(inputs.splits.values()), "n_tokens_in_prompt": inputs.window, "dataset": ""}
     rows = sae.W_dec.detach()[list(latents)].float().cpu()  # this batch's decoder rows, not the whole decoder again
     pairs = zip(latents.items(), rows, strict=True)

@@ -96,9 +96,14 @@ def write_pages(
     """Write one SAE's pages to `folder`: the static files, the index data and its latents' data files, from its
     statistics `r` (LatentStats.result), the `inputs` they came from, the weights' `views` and the index's `head`;
     with `neuronpedia`, the same latents as Neuronpedia's batch files too (neuronpedia.py). Returns the index page."""
-    for made in (folder, folder / "data"):  # real folders: a symlink planted at either name is replaced
+    # real folders before anything in them is listed or removed: a symlink planted at a name is replaced, never
+    # followed (what a link names is someone else's: none of its files is a stale chunk or batch of these pages)
+    batches = folder / "neuronpedia"
+    for made in (folder, folder / "data", *([batches] if neuronpedia else [])):
         clear_temporaries(make_dir(made))  # and what a killed run left in them removed
-    for old in [*(folder / "data").glob("latents-*.js"), *(folder / "neuronpedia").glob("batch-*.json")]:
+    if batches.is_symlink():  # pages without neuronpedia=true: the link alone goes
+        batches.unlink()
+    for old in [*(folder / "data").glob("latents-*.js"), *batches.glob("batch-*.json")]:
         old.unlink()  # a smaller SAE (or pages without neuronpedia=true) written over others leaves no stale chunk
     for name in ("index.html", "app.js"):
         write_atomic(folder / name, (STATIC / name).read_bytes())
