@@ -13,7 +13,7 @@ import difflib
 import inspect
 import math
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.hints import check_value, fits, plain_value, set_at, typed
+from runner.optimizers import MAX_NS_STEPS
 from runner.resolvers import check_interpolations
 
 # What runner reads under `trainer` (runner/conf/config.yaml documents each), and the type of each; durations are
@@ -58,6 +59,7 @@ OPTIMIZER_RANGES = {
     "lr": (0.0, 1e30, True, "3e-4"),
     "weight_decay": (0.0, math.inf, False, "0.01"),
     "eps": (0.0, 1.0, True, "1e-8"),
+    "adam_eps": (0.0, 1.0, True, "1e-8"),  # Muon's Adam part
     "momentum": (0.0, 1.0, False, "0.9"),
     "dampening": (0.0, 1.0, True, "0.0"),
 }
@@ -201,17 +203,51 @@ def _check_optimizer(optimizer: Any) -> None:
             raise ConfigError(
                 f"optimizer.{key} must be a finite number {span}, got {value!r}: e.g. optimizer.{key}={example}"
             )
-    betas = optimizer.get("betas")
-    if isinstance(betas, Sequence) and not isinstance(betas, str):
-        if len(betas) != 2 or not all(fits(b, float) and 0 <= b < 1 for b in betas):
+    for key in ("betas", "adam_betas"):  # Adam's, and Muon's Adam part's: a beta >= 1 makes its bias correction <= 0
+        betas = optimizer.get(key)
+        if isinstance(betas, Sequence) and not isinstance(betas, str):
+            if len(betas) != 2 or not all(fits(b, float) and 0 <= b < 1 for b in betas):
+                raise ConfigError(
+                    f"optimizer.{key} must be two numbers in [0, 1) (the moving averages' decay rates), got "
+                    f"{typed(list(betas))}: e.g. optimizer.{key}=[0.9,0.999]"
+                )
+    # Adam divides by sqrt(v) + eps: where a gradient was always 0 (an SAE latent that never fired), 0 / 0 makes the
+    # weight NaN for good; Muon divides a zero matrix by max(its norm, eps)
+    for key in ("eps", "adam_eps"):
+        if fits(optimizer.get(key), float) and optimizer.get(key) == 0:
             raise ConfigError(
-                f"optimizer.betas must be two numbers in [0, 1) (the moving averages' decay rates), got "
-                f"{typed(list(betas))}: e.g. optimizer.betas=[0.9,0.999]"
+                f"optimizer.{key} must be > 0: with 0, every weight whose gradient is 0 becomes NaN at its first "
+                f"step (0 / 0): e.g. optimizer.{key}=1e-8"
             )
+    _check_muon(optimizer)
+    scale = optimizer.get("lr_scale")
+    if scale is not None and not (isinstance(scale, Mapping) and all(isinstance(k, str) for k in scale)):
+        raise ConfigError(
+            f"optimizer.lr_scale must map parameter names to multiples of the lr, got {typed(scale)}: e.g. "
+            "'+optimizer.lr_scale={W_enc:0.5}' (fnmatch patterns on the names or their last parts)"
+        )
     if optimizer.get("nesterov") and (not optimizer.get("momentum") or optimizer.get("dampening")):
         raise ConfigError(
             "optimizer.nesterov=true needs optimizer.momentum > 0 and optimizer.dampening=0: e.g. "
             "optimizer.momentum=0.9"
+        )
+
+
+def _check_muon(optimizer: Any) -> None:
+    # Muon's Newton-Schulz iteration (runner/optimizers.py): torch's Muon refuses 100 steps or more (a million never
+    # finished step 0), 0 steps would not orthogonalise at all, and a coefficient that is not finite makes every
+    # matrix's update NaN
+    steps = optimizer.get("ns_steps")
+    if fits(steps, int) and not 1 <= steps <= MAX_NS_STEPS:
+        raise ConfigError(
+            f"optimizer.ns_steps must be a whole number in [1, {MAX_NS_STEPS}] (Newton-Schulz steps per update; 5 "
+            f"orthogonalise well, and torch's Muon refuses 100 or more), got {steps!r}: e.g. optimizer.ns_steps=5"
+        )
+    coefficients = optimizer.get("ns_coefficients")
+    if isinstance(coefficients, Sequence) and not all(fits(c, float) and math.isfinite(c) for c in coefficients):
+        raise ConfigError(
+            f"optimizer.ns_coefficients must be three finite numbers, got {typed(list(coefficients))}: e.g. "
+            "optimizer.ns_coefficients=[3.4445,-4.775,2.0315] (Keller Jordan's, torch's default)"
         )
 
 

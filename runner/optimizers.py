@@ -26,6 +26,7 @@ FUSED_DEVICES = ("cuda", "cpu")
 # and sparsify use them: chosen for the steepest slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR = ("original", "match_rms_adamw")
+MAX_NS_STEPS = 99  # torch.optim.Muon refuses 100 or more; a million never finished one step
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -205,6 +206,19 @@ class Muon(SkipsOnDevice):
             raise ConfigError(f"Muon: adjust_lr_fn must be null or one of {list(ADJUST_LR)}, got {adjust_lr_fn!r}")
         if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1:
             raise ConfigError(_bad("Muon", lr, weight_decay, momentum))
+        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps <= MAX_NS_STEPS:
+            # 0 would not orthogonalise at all
+            raise ConfigError(f"Muon: ns_steps must be a whole number in [1, {MAX_NS_STEPS}], got {ns_steps!r}")
+        if len(ns_coefficients) != 3 or not all(map(math.isfinite, ns_coefficients)) or not 0 < eps <= 1:
+            raise ConfigError(  # eps 0: a zero gradient matrix would be divided by 0
+                f"Muon needs 3 finite ns_coefficients and 0 < eps <= 1; got ns_coefficients={ns_coefficients}, "
+                f"eps={eps}"
+            )
+        if len(adam_betas) != 2 or not all(0 <= b < 1 for b in adam_betas) or not 0 < adam_eps <= 1:
+            raise ConfigError(
+                f"Muon needs two adam_betas in [0, 1) and 0 < adam_eps <= 1; got adam_betas={adam_betas}, "
+                f"adam_eps={adam_eps}"
+            )
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,

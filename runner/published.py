@@ -42,6 +42,12 @@ def _reads_config_only(text: str) -> bool:
     return all(name in CONFIG_READERS for name in calls)
 
 
+def literal(text: str) -> str:
+    """`text` escaped for OmegaConf, which then gives it back as written: `\\${` is a literal `${`, and the backslashes
+    just before one are doubled to stay themselves."""
+    return re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", text)
+
+
 def _as_text(node: Any) -> Any:
     # the unresolved tree with each string that calls any other resolver escaped (`\${`): OmegaConf then gives its text
     if isinstance(node, dict):
@@ -49,7 +55,7 @@ def _as_text(node: Any) -> Any:
     if isinstance(node, list):
         return [_as_text(value) for value in node]
     if isinstance(node, str) and "${" in node and not _reads_config_only(node):
-        return re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", node)  # a backslash before it is kept as one
+        return literal(node)
     return node
 
 

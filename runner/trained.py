@@ -17,6 +17,7 @@ from torch import nn
 
 from runner import ConfigError, trust
 from runner.build import build_data, decided_by_data, user_errors
+from runner.checks import check_keys, check_types
 from runner.ckpt.weights import load_weights
 from runner.rundir import CONFIG, MODEL, read_run_config
 
@@ -140,6 +141,11 @@ def load_trained(
         source.precision = _trusted_node(cfg, "precision", config, ["runner.precision"], "precision")
     if callbacks:
         source.callbacks = _callbacks(cfg, trusted, config)
+    try:  # a key its class does not take, or a value of the wrong type, would be a TypeError deep in instantiate
+        check_keys(source)
+        check_types(source)
+    except ConfigError as error:
+        raise ConfigError(f"{config} cannot be rebuilt: {error}") from None
     # A key the data decided (an SAE's d_in) is null in the saved config: the data decides it again
     decided = decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
     with user_errors():

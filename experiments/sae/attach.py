@@ -20,6 +20,7 @@ from torch import nn
 from experiments.sae.imported import read_folder
 from experiments.sae.sources import pretrained
 from runner import ConfigError
+from runner.published import literal
 from runner.trained import TRUSTED_TARGETS, load_trained
 
 # TransformerLens's hook names (what SAELens's metadata says) -> the module whose output it is, in a stack of blocks
@@ -131,7 +132,12 @@ def attached(
             "data": {"_target_": "experiments.sae.sources.hooked.HookedData", **where, **DATA},
             "callbacks": {"sae_splice": {"_target_": "experiments.sae.sources.hooked.SpliceEval", **where}},
             "source": {k: v for k, v in where.items() if k != "trusted_targets"},
-            "imported": {"folder": str(path), **{k: v for k, v in facts.items() if v is not None}},
+            # a folder's text is data: ${oc.env:HF_TOKEN} in its cfg.json is never resolved into what the tools write
+            "imported": {
+                k: literal(v) if isinstance(v, str) else v
+                for k, v in {"folder": str(path), **facts}.items()
+                if v is not None
+            },
         }
     )
     return sae, cfg

@@ -16,6 +16,7 @@ attention-head reshapes (`hook_z`), `abstopk`, matching pursuit, temporal SAEs, 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,11 @@ CLASSES = {
 # what SAELens does at inference with these: nothing (folded into the weights when training ended)
 SCALE_FREE = ("none", "expected_average_only_in", "covariance_whitening")
 LEGACY_METADATA = ("model_name", "hook_name", "hook_name_out", "prepend_bos", "context_size", "dataset_path")
+NAMES = ("hook_name", "hook_name_out", "model_name", "model_class_name")  # the metadata runner reads: text or null
+# What a coder's float32 parameters take exactly (a float8 file would need its scales, which neither format stores)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_CFG = 1 << 20  # bytes: a cfg.json is a few hundred; more is no folder of SAE settings
+MAX_WIDTH = 1 << 48  # no tensor has more rows or columns: a larger width is a forged number, not a size
 
 
 def _hook_folders(path: Path) -> list[str]:
@@ -63,7 +69,8 @@ def read_folder(path: str | Path, hook: str | None = None) -> tuple[nn.Module, d
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path} is no folder: give an SAE folder of SAELens or sparsify (cfg.json and its weights)")
-    if not (path / "cfg.json").is_file():
+    single = (path / "cfg.json").is_file()
+    if not single:
         hooks = _hook_folders(path)
         if not hooks:
             raise ConfigError(f"{path} has no cfg.json: give an SAE folder of SAELens or sparsify, or a runner run")
@@ -80,14 +87,29 @@ def read_folder(path: str | Path, hook: str | None = None) -> tuple[nn.Module, d
         facts["weights"] = str(path / SPARSIFY)
     else:
         raise ConfigError(f"{path} has a cfg.json but neither {SAELENS} (SAELens) nor {SPARSIFY} (sparsify)")
+    if single and hook is not None and hook != facts["hook"]:
+        # the folder's SAE was trained at its own hook point: reading it at another is module=, checked on the model
+        own = f"of the hook point {facts['hook']!r}" if facts["hook"] else "whose folder names no hook point"
+        raise ConfigError(
+            f"hook={hook}: {path} holds one SAE, {own}, and hook= picks one SAE of a sparsify run of several: leave "
+            "hook= out (module=MODULE reads the SAE at a module of the source model you name)"
+        )
     return sae.eval().requires_grad_(False), facts
 
 
 def _json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        size = path.stat().st_size
+        data = json.loads(path.read_text()) if size <= MAX_CFG else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"{path}: not readable JSON ({error}); is the folder whole?") from None
+    except ValueError:  # Python's int-string conversion limit: no width or count has that many digits
+        most = sys.get_int_max_str_digits()
+        raise ConfigError(f"{path}: a number of over {most} digits is no SAE setting; is the folder whole?") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deep to be SAE settings; is the folder whole?") from None
+    if size > MAX_CFG:
+        raise ConfigError(f"{path}: {size:,} bytes, no cfg.json of SAE settings (those are a few KB)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: not a JSON object of SAE settings")
     return data
@@ -99,6 +121,11 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError) as error:
         raise ConfigError(f"{path}: not a readable safetensors file ({error}); is the folder whole?") from None
     for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.dtype not in DTYPES:
+            raise ConfigError(
+                f"{path}: {name} is {str(tensor.dtype).removeprefix('torch.')}, which runner's SAEs do not read: save "
+                "the weights as float32, bfloat16 or float16"
+            )
         if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
             raise ConfigError(f"{path}: {name} holds non-finite or non-float values; the file is corrupt")
     return {name: tensor.double() for name, tensor in tensors.items()}
@@ -112,36 +139,64 @@ def _shape(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], 
     return tensors[name]
 
 
-def _whole(cfg: dict[str, Any], key: str, path: Path) -> int:
+def _whole(cfg: dict[str, Any], key: str, path: Path, where: str = "") -> int:
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{path / 'cfg.json'}: {key}={value!r}, where a whole number >= 1 is needed")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < MAX_WIDTH:
+        raise ConfigError(f"{path / 'cfg.json'}: {where}{key}={_shown(value)}, where a whole number >= 1 is needed")
     return value
 
 
-def _legacy(cfg: dict[str, Any]) -> dict[str, Any]:
-    # A cfg older than SAELens 6 (no sae_lens_version): its keys as SAELens's own loader renames them
+def _shown(value: Any) -> str:
+    text = repr(value)  # a forged number may have thousands of digits
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _typed(cfg: dict[str, Any], path: Path, where: str = "", **types: type | tuple[type, ...]) -> None:
+    # each key of `cfg` given as a value of its type, or absent (null)
+    for key, kind in types.items():
+        if cfg.get(key) is not None and not isinstance(cfg[key], kind):
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            need = " or ".join({str: "text", bool: "true/false", dict: "a mapping"}[k] for k in kinds)
+            raise ConfigError(
+                f"{path / 'cfg.json'}: {where}{key}={_shown(cfg[key])}, where {need} (or nothing) is needed: the "
+                "folder is not one SAELens or sparsify wrote"
+            )
+
+
+def _legacy(cfg: dict[str, Any], path: Path) -> tuple[dict[str, Any], str]:
+    # A cfg older than SAELens 6 (no sae_lens_version): its keys as SAELens's own loader renames them; and where in
+    # the file the metadata runner reads is
+    _typed(cfg, path, architecture=str, metadata=dict, activation_fn_kwargs=dict, hook_point=str)
+    _typed(cfg, path, activation_fn_str=str, activation_fn=str, normalize_activations=(str, bool))
     version = cfg.get("sae_lens_version") or (cfg.get("metadata") or {}).get("sae_lens_version")
     if version:
-        return cfg
+        return cfg, "metadata."
     cfg = dict(cfg)
     if "hook_point" in cfg:
         cfg["hook_name"] = cfg.pop("hook_point")
-    activation = cfg.get("activation_fn_str", cfg.get("activation_fn", "relu"))
-    k = (cfg.get("activation_fn_kwargs") or {}).get("k")
-    cfg.setdefault("architecture", "topk" if activation == "topk" and k else "standard")
-    if cfg["architecture"] == "topk" and k:
-        cfg["k"] = k
+    # a "standard" SAE of these versions applies its activation_fn: a top-k one is a topk SAE, another is not read
+    activation = cfg.get("activation_fn_str", cfg.get("activation_fn")) or "relu"
+    if cfg.setdefault("architecture", "standard") == "standard" and activation != "relu":
+        if activation != "topk":
+            raise ConfigError(f"{path / 'cfg.json'}: activation {activation!r} is not read (runner reads relu, topk)")
+        cfg["architecture"] = "topk"
+    if cfg["architecture"] == "topk" and "k" not in cfg:
+        cfg["k"] = (cfg.get("activation_fn_kwargs") or {}).get("k")  # checked as k
     normalize = cfg.get("normalize_activations")
     cfg["normalize_activations"] = {True: "expected_average_only_in", False: "none", None: "none"}.get(
         normalize, normalize
     )
     cfg["metadata"] = {key: cfg[key] for key in LEGACY_METADATA if key in cfg}
-    return cfg
+    return cfg, ""
 
 
 def _saelens(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) -> tuple[nn.Module, dict[str, Any]]:
-    cfg = _legacy(cfg)
+    cfg, where = _legacy(cfg, path)
+    meta = cfg.get("metadata") or {}
+    _typed(meta, path, where, **dict.fromkeys(NAMES, str))
+    _typed(cfg, path, apply_b_dec_to_input=bool, rescale_acts_by_decoder_norm=bool)
+    if meta.get("context_size") is not None:
+        _whole(meta, "context_size", path, where)
     arch = cfg.get("architecture")
     if arch not in ARCHITECTURES:
         why = {
@@ -162,7 +217,13 @@ def _saelens(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) 
             "hooks whole module outputs, so an SAE on hook_z has no place to read from"
         )
     d_in, n = _whole(cfg, "d_in", path), _whole(cfg, "d_sae", path)
-    d_out = tensors["W_dec"].shape[-1] if transcoder and "W_dec" in tensors else d_in
+    d_out, dec = d_in, tensors.get("W_dec")
+    if transcoder and cfg.get("d_out") is not None:  # its target's width: SAELens 6 writes it, older ones do not
+        d_out = _whole(cfg, "d_out", path)
+    elif transcoder and dec is not None:
+        if dec.ndim != 2:
+            raise ConfigError(f"{path}: W_dec is {list(dec.shape)}, where a transcoder's is a matrix [d_sae, d_out]")
+        d_out = dec.shape[1]
     W_enc = _shape(tensors, "W_enc", (d_in, n), path)
     W_dec = _shape(tensors, "W_dec", (n, d_out), path)
     b_dec = _shape(tensors, "b_dec", (d_out,), path)
@@ -195,7 +256,6 @@ def _saelens(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) 
     if skip:
         weights["W_skip"] = got["W_skip"].t()
     sae = _build(name, d_in, n, d_out if transcoder else None, skip, kwargs, weights)
-    meta = cfg.get("metadata") or {}
     facts = {
         "format": "saelens",
         "architecture": arch,
@@ -209,12 +269,13 @@ def _saelens(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) 
 
 
 def _sparsify(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) -> tuple[nn.Module, dict[str, Any]]:
+    _typed(cfg, path, signed=bool, transcode=bool, skip_connection=bool)
     activation = cfg.get("activation", "topk")
     if activation != "topk" or cfg.get("signed"):
         what = "signed codes" if cfg.get("signed") else f"activation {activation!r}"
         raise ConfigError(f"{path / 'cfg.json'}: {what}; runner reads sparsify's top-k coders only")
     d_in, k = _whole(cfg, "d_in", path), _whole(cfg, "k", path)
-    n = cfg.get("num_latents") or d_in * _whole(cfg, "expansion_factor", path)
+    n = _whole(cfg, "num_latents", path) if cfg.get("num_latents") else d_in * _whole(cfg, "expansion_factor", path)
     transcoder, skip = bool(cfg.get("transcode")), bool(cfg.get("skip_connection"))
     if skip and not transcoder:
         raise ConfigError(
