@@ -58,6 +58,13 @@ def load_sae(path: str | Path, name: str | None = None, **options: Any) -> nn.Mo
     if is_foreign(path) and not options.get("source"):
         from experiments.sae.imported import read_folder
 
+        # what attaches the SAE to a model means nothing without one: said, rather than left unused
+        attaching = ("module", "target", "skip_positions", "weights")
+        if unused := [f"{key}=" for key in attaching if options.get(key) is not None]:
+            raise ConfigError(
+                f"{', '.join(unused)}: they attach {path}'s SAE to the model it reads; give source=MODEL with them, or "
+                "leave them out for the SAE alone"
+            )
         return read_folder(path, options.get("hook"))[0]
     model, _ = load(path, **options)
     model = getattr(model, "coder", model)  # an end-to-end run trains a coder through its source

@@ -55,3 +55,15 @@ def test_metrics_are_the_rows_the_run_logged(compose_cfg: Callable, tmp_path: Pa
     assert any("val/acc" in row for row in rows)
     with pytest.raises(ConfigError, match="logged no metrics.jsonl"):
         next(api.metrics(tmp_path))
+
+
+def test_a_foreign_folder_without_its_model_refuses_the_options_that_attach_it(tmp_path) -> None:
+    from experiments.sae.formats import export as write_folder
+
+    sae = TopKSAE(d_in=8, n_latents=16, k=2)
+    sae.initialized.fill_(True)
+    folder = write_folder(sae, "saelens", tmp_path / "sae", hook="blocks.1", model="tiny")
+    assert api.load_sae(folder).n_latents == 16  # the SAE alone
+    for option in ({"module": "blocks.0"}, {"target": "blocks.0.mlp"}, {"skip_positions": 0}):
+        with pytest.raises(ConfigError, match=f"{next(iter(option))}=: they attach .* give source=MODEL"):
+            api.load_sae(folder, **option)
