@@ -234,9 +234,9 @@ def _check_optimizer(optimizer: Any) -> None:
 
 
 def _check_muon(optimizer: Any) -> None:
-    # Muon's Newton-Schulz iteration (runner/optimizers.py): torch's Muon refuses 100 steps or more (a million never
-    # finished step 0), 0 steps would not orthogonalise at all, and a coefficient that is not finite makes every
-    # matrix's update NaN
+    # Muon's Newton-Schulz iteration (runner/optimizers.py): torch's Muon refuses 100 steps or more (each is three
+    # matmuls of every matrix, so a large count never ends a step), 0 steps would not orthogonalise at all, and a
+    # coefficient that is not finite makes every matrix's update NaN
     steps = optimizer.get("ns_steps")
     if fits(steps, int) and not 1 <= steps <= MAX_NS_STEPS:
         raise ConfigError(

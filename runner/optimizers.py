@@ -26,7 +26,7 @@ FUSED_DEVICES = ("cuda", "cpu")
 # and sparsify use them: chosen for the steepest slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR = ("original", "match_rms_adamw")
-MAX_NS_STEPS = 99  # torch.optim.Muon refuses 100 or more; a million never finished one step
+MAX_NS_STEPS = 99  # torch.optim.Muon refuses 100 or more: each step is three matmuls of every matrix
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

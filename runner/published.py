@@ -23,7 +23,7 @@ from omegaconf.errors import GrammarParseError
 from runner import ConfigError
 from runner.rundir import CONFIG, read_run_config
 from runner.trained import HUB, HUB_CACHED
-from runner.trust import _resolvers as resolver_calls  # the build's own reading of OmegaConf's grammar
+from runner.trust import resolver_calls  # the build's own reading of OmegaConf's grammar
 
 # Resolvers that only read the config itself: what they give is the run's own stored values
 CONFIG_READERS = {"oc.select", "oc.dict.keys", "oc.dict.values"}
@@ -165,9 +165,15 @@ def publish_names(
             names["model_name"], how = hub, "the source's hub name"
         else:
             names["model_name"] = _folder_name(text) if hub is None else ""
-        if not names["model_name"]:
-            names["model_name"], how = run, "the SAE's folder name: the source's is not plain text"
-        said.insert(0, f"model_name={names['model_name']} ({how})")
+        if not names["model_name"] and "model_name" in used:  # another folder's name would misname the model
+            raise ConfigError(
+                f"the run's source model is {text!r} in its config, which names no model in plain words: give its "
+                "name, model_name=NAME (e.g. model_name=gpt2; nothing was written)"
+            )
+        if names["model_name"]:
+            said.insert(0, f"model_name={names['model_name']} ({how})")
+        else:
+            names["model_name"] = None
     said = [line for line in said if line.split("=")[0] in used]
     options = " ".join(f"{s.split('=')[0]}=NAME" for s in said)
     return names, (f"publishing as {' and '.join(said)}; give {options} to choose others" if said else "")

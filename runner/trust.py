@@ -269,13 +269,13 @@ def _strings(node: Any, path: str) -> Iterator[tuple[str, str]]:
         yield path, node
 
 
-def _resolvers(tree: Any) -> Iterator[str]:
-    # Every resolver call in one parsed value, by OmegaConf's own grammar: a name that is itself interpolated
-    # (${${x}:...}) is what it will resolve to, unknown here, so it is reported as written.
+def resolver_calls(tree: Any) -> Iterator[str]:
+    """Every resolver call's name in one value parsed by OmegaConf's own grammar (`grammar_parser.parse`)."""
+    # a name that is itself interpolated (${${x}:...}) is what it will resolve to, unknown here: reported as written
     if type(tree).__name__ == "InterpolationResolverContext":
         yield tree.resolverName().getText()
     for i in range(tree.getChildCount() if hasattr(tree, "getChildCount") else 0):
-        yield from _resolvers(tree.getChild(i))
+        yield from resolver_calls(tree.getChild(i))
 
 
 def unsafe_resolvers(node: Any) -> list[str]:
@@ -284,7 +284,7 @@ def unsafe_resolvers(node: Any) -> list[str]:
     found = []
     for path, text in _strings(node, ""):
         try:
-            names = list(_resolvers(grammar_parser.parse(text, parser_rule="configValue")))
+            names = list(resolver_calls(grammar_parser.parse(text, parser_rule="configValue")))
         except GrammarParseError:
             names = ["an interpolation OmegaConf cannot parse"]
         found += [f"{name} (at {path})" for name in names if name not in SAFE_RESOLVERS]

@@ -1,4 +1,4 @@
-"""SAE callbacks: ground-truth feature recovery at each validation, and Anthropic-style resampling of dead latents
+"""SAE callbacks: ground-truth feature recovery at each validation, and Anthropic-style resampling of silent latents
 (for SAEs and transcoders alike)."""
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class GroundTruthRecovery(Callback):
 
 
 class ResampleDead(Callback):
-    """Every `every` (until `until`), re-initialise dead latents towards inputs the SAE reconstructs worst (for a
-    transcoder: whose targets it predicts worst).
+    """Every `every` (until `until`), re-initialise silent latents (none fired within `dead_window`) towards inputs
+    the SAE reconstructs worst (for a transcoder: whose targets it predicts worst).
 
     As in Anthropic's 'Towards Monosemanticity': sample inputs with probability proportional to their squared
     reconstruction error, point the dead latents' decoder rows at them (unit norm), set their encoder columns to the

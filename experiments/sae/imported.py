@@ -252,6 +252,8 @@ def _saelens(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) 
     if arch == "gated":
         weights["r_mag"], weights["b_mag"] = got["r_mag"], got["b_mag"] + (centre @ W_enc) * got["r_mag"].exp()
     if "threshold" in got:
+        if (got["threshold"] < 0).any():  # codes would go negative, which every count and decode here assumes not
+            raise ConfigError(f"{path}: threshold has negative entries; a JumpReLU's thresholds are >= 0")
         weights["threshold"] = got["threshold"]
     if skip:
         weights["W_skip"] = got["W_skip"].t()

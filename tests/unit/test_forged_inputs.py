@@ -95,6 +95,11 @@ FOLDERS: dict[str, tuple[Any, dict[str, torch.Tensor] | None, str]] = {
     "context_size-text": (_with("context_size", "128"), None, r"metadata.context_size='128', where a whole number"),
     "flag-as-text": ({**CFG, "apply_b_dec_to_input": "false"}, None, r"apply_b_dec_to_input='false', where true/false"),
     "cfg-json-of-2-MB": ({**CFG, "pad": "x" * (2 << 20)}, None, r"2,09\d,\d{3} bytes, no cfg.json of SAE settings"),
+    "jumprelu-negative-thresholds": (
+        {**CFG, "architecture": "jumprelu"},
+        _weights(threshold=-torch.ones(N)),
+        r"threshold has negative entries; a JumpReLU's thresholds are >= 0",
+    ),
 }
 
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import finished_run, refused
 
 from experiments.sae.formats import hub_card
-from runner import export, features
+from runner import ConfigError, export, features
 from runner.published import publish_names
 
 HOME = "/home/someone/work"  # a machine's absolute path: never part of a name
@@ -30,8 +30,6 @@ HOME = "/home/someone/work"  # a machine's absolute path: never part of a name
         (f"{HOME}/outputs/2026-12-01/22-01-22", f"{HOME}/sae", ("2026-12-01_22-01-22", "sae"), "folder name"),
         (f"{HOME}/lm/model.safetensors", f"{HOME}/sae-1", ("lm", "sae-1"), "folder name"),
         (f"{HOME}/models/gpt2-local", f"{HOME}/2026-12-01/22-05-10-1", ("gpt2-local", "2026-12-01_22-05-10-1"), ""),
-        ("${oc.env:HF_HOME}/x/${oc.env:MODEL}", f"{HOME}/sae", ("sae", "sae"), "the source's is not plain text"),
-        ("hf:../../etc/passwd", f"{HOME}/sae", ("sae", "sae"), "the source's is not plain text"),
         (None, f"{HOME}/sae", (None, "sae"), ""),  # activations from a file: no model to name
     ],
 )  # fmt: skip
@@ -44,6 +42,17 @@ def test_default_names_are_a_hub_name_or_a_folder_s_name_never_a_path(
     assert ("model_name=NAME" in said) == (checkpoint is not None)
     given, said = publish_names({"data": {"checkpoint": checkpoint or "x"}}, Path(run_dir), "gpt2", "res-jb")
     assert given == {"model_name": "gpt2", "sae_set": "res-jb"} and said == ""
+
+
+@pytest.mark.parametrize("checkpoint", ["${oc.env:HF_HOME}/x/${oc.env:MODEL}", "hf:../../etc/passwd"])
+def test_a_source_named_in_no_plain_words_needs_model_name(checkpoint: str) -> None:
+    # another folder's name (the SAE's) would misname the model in the card and in SAELens's cfg.json
+    with pytest.raises(ConfigError, match="names no model in plain words: give its name, model_name=NAME"):
+        publish_names({"data": {"checkpoint": checkpoint}}, Path(f"{HOME}/sae"))
+    given, said = publish_names({"data": {"checkpoint": checkpoint}}, Path(f"{HOME}/sae"), "gpt2")
+    assert given["model_name"] == "gpt2" and "model_name" not in said
+    unused = publish_names({"data": {"checkpoint": checkpoint}}, Path(f"{HOME}/sae"), used=("sae_set",))[0]
+    assert unused == {"model_name": None, "sae_set": "sae"}  # where no output names the model
 
 
 def test_an_export_names_its_source_by_a_folder_s_name_and_says_so(

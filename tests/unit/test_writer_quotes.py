@@ -43,14 +43,18 @@ def _forge(run: Path, **values: str) -> None:
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
 
 
-def _writers(run: Path, *attach: str) -> list[Path]:
-    # every writer of a run folder, each into its default folder: what they wrote
+def _writers(run: Path, *attach: str, forged_source: bool = False) -> list[Path]:
+    # every writer of a run folder, each into its default folder: what they wrote. A source named by a resolver names
+    # no model: the writers that name one are refused without model_name=, and take it
+    name = ["model_name=tiny"] if forged_source else []
     out = []
     if not attach:
         for fmt in ("hf", "saelens", "sparsify"):
-            assert export.main([str(run), f"format={fmt}"]) == 0
+            if name and fmt != "sparsify":
+                assert export.main([str(run), f"format={fmt}"]) == 2
+            assert export.main([str(run), f"format={fmt}", *(name if fmt != "sparsify" else [])]) == 0
             out.append(run / f"export-{fmt}")
-    assert features.main([str(run), *attach, "tokens=200", "neuronpedia=true"]) == 0
+    assert features.main([str(run), *attach, *name, "tokens=200", "neuronpedia=true"]) == 0
     assert sae_eval.main([str(run), *attach, "evals=[core]", "tokens=2000", "splice_tokens=500"]) == 0
     return [*out, run / "features", run / "evals"]
 
@@ -100,7 +104,7 @@ def test_no_writer_quotes_an_environment_variable_of_a_forged_runner_run(
     run = Path(shutil.copytree(sae_lm_run, tmp_path / "run"))
     monkeypatch.setenv("RUNNER_TEST_MODEL", str(lm_run))
     _forge(run, **{"source.checkpoint": "${oc.env:RUNNER_TEST_MODEL}"})
-    files = _written(*_writers(run))
+    files = _written(*_writers(run, forged_source=True))
     assert not [p for p, data in files.items() if str(lm_run).encode() in data]
     # the run's own references still resolve: the hook point through ${source.module} (blocks.${source.layer})
     assert json.loads((run / "export-saelens" / "cfg.json").read_text())["metadata"]["hook_name"] == (
@@ -130,12 +134,12 @@ def test_no_writer_quotes_an_environment_variable_through_a_glob_of_a_transforme
     monkeypatch.setenv("RUNNER_TEST_MODEL", str(model))
     glob = f"{text}/0[0-9][0-9{HOSTILE}${{oc.env:RUNNER_TEST_SECRET}}].py"
     _forge(run, **{"source.inputs.paths": [glob], "source.checkpoint": "${oc.env:RUNNER_TEST_MODEL}"})
-    files = _written(*_writers(run))
+    files = _written(*_writers(run, forged_source=True))
     assert not [p for p, data in files.items() if SECRET.encode() in data or str(model).encode() in data]
     card = (run / "export-hf" / "README.md").read_text()
     unescaped = re.sub(r"\\(.)", r"\1", card)
     assert f"on the text of {glob.replace(chr(10), ' ')}, 1,024 positions an epoch" in unescaped  # the config's words
-    assert "activations of `transformer.h.1` of `run`" in card  # the module resolved through ${source.module}
+    assert "activations of `transformer.h.1` of `tiny`" in card  # the module resolved through ${source.module}
     assert "<" not in card.replace("\\<", "")  # no HTML from the config, raw
     _renders_safely(card, rows=1)
     capsys.readouterr()
