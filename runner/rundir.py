@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -96,12 +97,25 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     return write_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
 
 
+MAX_JSON_BYTES = 64 << 20  # a run folder's JSON files are small; a larger one is not what a run wrote
+
+
 def read_json(path: str | Path) -> dict[str, Any] | None:
-    """A JSON file's contents, or None if it is missing or unreadable (not there yet, or being replaced)."""
+    """A JSON file's contents, or None if it is missing or unreadable (not there yet, being replaced, or not a file a
+    run wrote: a FIFO or a device would block or never end, JSON nested past Python's recursion limit)."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        with open(path, "rb", opener=_nonblocking) as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_JSON_BYTES:
+                return None
+            return json.loads(f.read(MAX_JSON_BYTES + 1).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
         return None
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    # opening a FIFO for reading blocks until a writer comes; O_NONBLOCK returns at once (and is harmless on a file)
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def jsonl_lines(data: bytes) -> list[tuple[bytes, dict[str, Any] | None]]:

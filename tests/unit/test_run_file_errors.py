@@ -168,3 +168,24 @@ def test_report_shows_a_job_with_unreadable_files_as_unreadable_with_the_reason(
 def test_report_refuses_a_top_below_one(tmp_path: Path, capsys, top: str) -> None:
     job(tmp_path / "sweep", "0", SUMMARY.encode())
     refused(report.main, [str(tmp_path / "sweep"), "--top", top], capsys, f"--top {top}: show the N best jobs, N >= 1")
+
+
+# ---- a forged summary.json: read as missing, never waited on -----------------------------------------------------
+def test_a_summary_that_is_a_fifo_a_device_or_too_deep_is_read_as_missing(sae_lm_run: Path, tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    from runner import export
+    from runner.rundir import read_json
+
+    (tmp_path / "deep.json").write_text("[" * 200_000 + "]" * 200_000)
+    os.mkfifo(tmp_path / "fifo.json")  # reading it would wait for a writer forever
+    (tmp_path / "zero.json").symlink_to("/dev/zero")  # reading it would never end
+    (tmp_path / "ok.json").write_text('{"metrics": {"val/fve": 0.5}}')
+    assert [read_json(tmp_path / f"{n}.json") for n in ("deep", "fifo", "zero")] == [None, None, None]
+    assert read_json(tmp_path / "ok.json") == {"metrics": {"val/fve": 0.5}}
+    run = Path(shutil.copytree(sae_lm_run, tmp_path / "run"))
+    (run / "summary.json").unlink(missing_ok=True)
+    os.mkfifo(run / "summary.json")
+    assert export.main([str(run), "format=hf", "model_name=tiny"]) == 0  # the card quotes no metrics
+    assert "| - |" in (run / "export-hf" / "README.md").read_text()
