@@ -15,6 +15,7 @@ waits.choose()
 gc.disable()  # while torch and the rest load: what runner.collector_paused says (train() pauses it again to build)
 
 import difflib
+import logging
 import shlex
 import sys
 import time
@@ -40,6 +41,7 @@ from runner.distributed.env import (
     shared_launch_time,
     with_resume_auto,
 )
+from runner.distributed.stopping import Stop, leave_together, stop_together, stopping_ranks_at, watch_for_refusals
 from runner.log.ranks import log_rank, record_failure
 from runner.log.tee import tee_to
 from runner.refused import remove_refused
@@ -56,10 +58,17 @@ resolvers.register()
 
 
 def _fail(error: Exception, code: int) -> None:
-    # Every rank says why it stops (a missing file may be missing on one node only), each naming itself.
+    # Every rank says why it stops (a missing file may be missing on one node only), each naming itself; under
+    # several processes it exits once every rank has chosen its code (runner.distributed.stopping).
+    _say(error)
+    stop_together(code, str(error), isinstance(error, DiskFull))
+    leave_together(code)
+    sys.exit(code)
+
+
+def _say(error: Exception) -> None:
     rank = environment()["rank"]
     print(f"error{f' on rank {rank}' if rank else ''}: {error}", file=sys.stderr)
-    sys.exit(code)
 
 
 def _one_paragraph(error: Exception) -> str:
@@ -158,6 +167,8 @@ def main(cfg: DictConfig) -> float | None:
             claim(run_dir, hydra_cfg.output_subdir)
             tee_to(run_dir / LOG)
         log_rank(run_dir, rank)  # every rank: its warnings and errors in logs/rank-K.log
+        if not in_sweep:  # another rank refused while this one waits for it in a collective: exit 2 with one line
+            watch_for_refusals(lambda cause: _stopped_by(cfg, cause, time.perf_counter() - started))
         run = train(cfg, sweep=job)
     except Exception as error:
         return _failed(cfg, error, job, time.perf_counter() - started)
@@ -197,21 +208,57 @@ def _nonfinite_advice(clip: float | None) -> str:
 
 
 def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s: float) -> float | None:
+    # Under several processes, a rank whose collective failed because another rank was refused (a full disk on rank 0,
+    # a file missing on one node) stops as that one does, exit 2, with one line; the run records that rank's message.
+    # (Asked first: where the watcher thread is stopping this rank already, this thread writes nothing more.)
+    cause = stop_together(2 if isinstance(error, ConfigError) else 1, str(error), isinstance(error, DiskFull))
     if not isinstance(error, FolderInUse):  # (that folder is another run's)
         record_failure(error)  # logs/rank-K.log, with the traceback, on every rank
-        # A run refused before training leaves no folder of its own (runner.refused); else summary.json says why (a
-        # sweep's results.csv reads it)
-        refused = isinstance(error, ConfigError) and not isinstance(error, DiskFull)  # (a full disk: resume=auto)
-        if not (refused and remove_refused(HydraConfig.get().runtime.output_dir)):
-            _record_failure(cfg, error, wall_time_s)
+    if cause is not None:
+        error = _refused_on(cause)
+    if isinstance(error, ConfigError):  # every rank's log is written before rank 0 may remove the folder it is in
+        stopping_ranks_at("recorded")
+    if not isinstance(error, FolderInUse):
+        _leave_folder(cfg, error, wall_time_s)
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # one failed job must not end the sweep (fail_fast: SweepResults)
         if not isinstance(error, ConfigError):
             traceback.print_exc()
         print(f"error: job {HydraConfig.get().job.num} failed: {error}", file=sys.stderr)
         return objective(StopReason.FAILED, None, cfg.mode)
+    if cause is not None:  # its paragraph is that rank's to print
+        _fail(_stopped_line(cause), 2)
     if isinstance(error, ConfigError):
         _fail(error, 2)
     raise error
+
+
+def _leave_folder(cfg: DictConfig, error: Exception, wall_time_s: float) -> None:
+    # A run refused before training leaves no folder of its own (runner.refused); else summary.json says why (a sweep's
+    # results.csv reads it)
+    refused = isinstance(error, ConfigError) and not isinstance(error, DiskFull)  # (a full disk: resume=auto)
+    if not (refused and remove_refused(HydraConfig.get().runtime.output_dir)):
+        _record_failure(cfg, error, wall_time_s)
+
+
+def _refused_on(cause: Stop) -> ConfigError:
+    """Another rank's refusal as this rank's error: what the run folder records."""
+    return (DiskFull if cause.disk_full else ConfigError)(f"rank {cause.rank}: {cause.message}")
+
+
+def _stopped_line(cause: Stop) -> ConfigError:
+    return ConfigError(f"stopped because rank {cause.rank} stopped (exit 2; its message says why)")
+
+
+def _stopped_by(cfg: DictConfig, cause: Stop, wall_time_s: float) -> None:
+    # (in runner.distributed.stopping's watcher thread) this rank stops because another was refused: the run folder says
+    # why, the console one line; the thread then exits 2 once every rank is ready
+    stopping_ranks_at("recorded")
+    # The main thread goes on meanwhile: a warning of its own would make its rank log again, and with it the run folder
+    # that a refused start removes; what stopped the run is said here
+    logging.disable(logging.CRITICAL)
+    _leave_folder(cfg, _refused_on(cause), wall_time_s)
+    unlock(HydraConfig.get().runtime.output_dir)
+    _say(_stopped_line(cause))
 
 
 def debug_last(args: list[str]) -> list[str]:

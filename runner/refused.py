@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
@@ -52,9 +53,13 @@ class NewRunFolder(Callback):
         try:
             folder = Path(os.path.abspath(str(config.hydra.run.dir)))
         except Exception:  # an interpolation only Hydra's job can resolve: not known to be new, so never removed
-            return
-        if environment()["rank"] == 0:  # under torchrun, the other ranks touch no folder
+            folder = None
+        if folder is not None and environment()["rank"] == 0:  # under torchrun, the other ranks touch no folder
             _launch["made"] = _made.get(folder) or missing(folder)
+        if torch.distributed.is_initialized():
+            # Hydra makes the folder next, on every rank: one that made it before rank 0 looked would hide that this
+            # launch made it, and a refused launch would leave it behind
+            torch.distributed.barrier()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """A sweep's job folders are kept (results.csv reads them): forget any earlier launch of this process."""

@@ -28,24 +28,43 @@ RANK_LOG = "logs/rank-{}.log"  # each rank's warnings and errors (runner.log.ran
 
 
 class DiskFull(ConfigError):
-    """A write failed for lack of space (ENOSPC). A ConfigError, so the CLI exits 2 with one paragraph: a full disk
-    needs a person to free space; an automatic requeue (exit 75) would only fail the same way again. Atomic writes
-    leave the earlier files whole, so resume=auto goes on from the newest checkpoint once there is room."""
+    """A write failed for lack of space (ENOSPC, a quota's EDQUOT, or EFBIG: a file over the process's size limit).
+    A ConfigError, so the CLI exits 2 with one paragraph: a full disk needs a person to free space; an automatic
+    requeue (exit 75) would only fail the same way again. Atomic writes leave the earlier files whole, so resume=auto
+    goes on from the newest checkpoint once there is room."""
+
+    errno = errno.ENOSPC  # which of the three: the advice differs (free space, or raise the size limit)
+
+
+# EFBIG is a full disk for this purpose: the write stops at the same point, and only a person can give it room (Python
+# ignores SIGXFSZ, so the write fails with EFBIG instead of the process being killed)
+_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+_FULL[errno.EFBIG] = "file too large: it reached this process's file-size limit, `ulimit -f`"
 
 
 def disk_full(
     what: str,
     kept: str = "what was written before is intact",
     then: str = "continue the run with resume=auto hydra.run.dir=<the run folder>",
+    error: BaseException | None = None,
 ) -> DiskFull:
     """The error for a write that found no space left (`what`: what was being written), naming the way out (`then`:
-    what to do once there is room; the tools that read a run folder say to run them again)."""
-    return DiskFull(f"disk full: {what} failed (no space left on device); {kept}. Free space on that disk, then {then}")
+    what to do once there is room; the tools that read a run folder say to run them again). `error`: the failed
+    write's (default: the exception being handled), which tells a full disk from a quota or the file-size limit."""
+    cause = sys.exc_info()[1] if error is None else error
+    code = cause.errno if isinstance(cause, DiskFull | OSError) and cause.errno in _FULL else errno.ENOSPC
+    fix = "Raise the limit (ulimit -f unlimited, or the job scheduler's file-size setting)"
+    made = DiskFull(
+        f"disk full: {what} failed ({_FULL[code]}); {kept}. "
+        f"{fix if code == errno.EFBIG else 'Free space on that disk'}, then {then}"
+    )
+    made.errno = code
+    return made
 
 
 def is_disk_full(error: BaseException) -> bool:
-    """`error` says the disk is full (an ENOSPC, or the DiskFull that write_atomic made of one)."""
-    return isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno == errno.ENOSPC)
+    """`error` says the disk is full (an ENOSPC, EDQUOT or EFBIG, or the DiskFull that write_atomic made of one)."""
+    return isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno in _FULL)
 
 
 def write_atomic(path: str | Path, data: bytes, fsync: bool = False) -> Path:

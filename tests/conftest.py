@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +17,18 @@ if not torch.cuda.is_available():
     # it must be set before they are defined. Where CUDA is, they (and Inductor's) compile and run on the GPU.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import CONF_DIR, SAE_LM, TINY_LM, compose_job, finished_run, module_runs, run_in_background, stop_runs
+from helpers import (
+    CONF_DIR,
+    SAE_LM,
+    TINY_LM,
+    compose_job,
+    deadline,
+    finished_run,
+    module_runs,
+    run_in_background,
+    stop_runs,
+)
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -146,3 +158,26 @@ def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     directory = tmp_path_factory.mktemp("lm")
     finished_run(directory, *TINY_LM)
     yield directory
+
+
+@pytest.fixture
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Iterator[Callable]:
+    """`run_cli(*args)`: `python -m runner *args` in this process (runner.__main__.cli); (exit code, stderr)."""
+    import hydra._internal.utils as hydra_utils
+
+    from runner.__main__ import cli
+
+    monkeypatch.setattr(hydra_utils, "run_and_report", hydra_utils.run_and_report)  # cli() wraps it: undone after
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    handlers, level = logging.root.handlers[:], logging.root.level
+
+    def run(*args: str) -> tuple[object, str]:
+        monkeypatch.setattr(sys, "argv", ["runner", *args])
+        with pytest.raises(SystemExit) as exited, deadline(300):  # a hang fails the test, whatever the load
+            cli()
+        return exited.value.code, capsys.readouterr().err
+
+    yield run
+    logging.root.handlers[:], logging.root.level = handlers, level
+    GlobalHydra.instance().clear()
+    HydraConfig.instance().cfg = None

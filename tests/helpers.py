@@ -6,12 +6,14 @@ subprocesses (the CLI, torchrun, a script); the e2e tier's runs in the backgroun
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
 import os
 import queue
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -704,3 +706,19 @@ def peer_python(peer: str) -> str:
     if not Path(path).exists():
         pytest.skip(f"no {peer} virtualenv ({path}): benchmarks/peers/install.sh makes it, or set {variable}")
     return path
+
+
+@contextlib.contextmanager
+def deadline(seconds: int = 60) -> Iterator[None]:
+    """Fail instead of hanging (a FIFO opened for reading blocks until a writer comes, which none does in a test)."""
+
+    def hung(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s: something waits forever (a FIFO opened?)")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

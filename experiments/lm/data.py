@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from experiments.lm import hf_datasets
 from experiments.lm.corpus import (
+    GLOB_LIMIT,
     corpus_files,
     held_out_files,
     no_val_split,
@@ -26,6 +27,7 @@ from experiments.lm.corpus import (
 )
 from runner import ConfigError, check_whole
 from runner.data import DataModule, load_npy
+from runner.rundir import disk_full, is_disk_full
 from runner.trust import buildable
 
 _FORMAT = 2  # of the cache's files: a change makes new keys, never reads an old layout (2: held_out_files' rule)
@@ -161,13 +163,23 @@ def write_once(folder: Path, fill: Callable[[Path], None], option: str) -> None:
     would trust. `option` names the setting that chose where, for the error when it cannot be written."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".encoding-"))
     except OSError as error:
         raise ConfigError(
             f"{option}: cannot make the cache folder {folder.parent} ({error.strerror}): name a folder you can write, "
             f"or {option}=null (~/.cache/runner)"
         ) from None
-    scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".encoding-"))
-    fill(scratch)
+    try:
+        fill(scratch)
+    except BaseException as error:  # a refused row, a full disk, Ctrl-C: the cache is left as it was
+        shutil.rmtree(scratch, ignore_errors=True)
+        if is_disk_full(error):
+            raise disk_full(
+                f"writing the cache {folder}",
+                "nothing was left in the cache",
+                f"run the same command again (or put the cache on another disk: {option}=DIR)",
+            ) from None
+        raise
     try:
         scratch.rename(folder)
     except OSError:  # another process finished first: its copy is the same content
@@ -192,6 +204,7 @@ class TextBytes(TokenData):
         cache_dir: str | None = None,
         bytes_per_token: float = 1.0,
         dataset: dict[str, Any] | str | None = None,
+        glob_limit: int = GLOB_LIMIT,  # folder entries a glob of `paths` may look at (a dataset's: dataset.glob_limit)
         **loader: Any,
     ) -> None:
         check_seq_len(seq_len)
@@ -202,11 +215,16 @@ class TextBytes(TokenData):
             folder, corpus = encode_dataset(hf_datasets.spec_of(dataset, "data.dataset"), val_every, cache_dir)
             files = [None] * corpus["rows"]  # rows stand for files in what is held out, and in the messages
         else:
-            files = corpus_files(paths, val_every)
+            files = corpus_files(paths, val_every, glob_limit)
             folder, corpus = encode_corpus(files, val_every, cache_dir)
         train, val = _mapped(folder / "train.u8"), _mapped(folder / "val.u8") if corpus["val_files"] else None
+        if len(train) == 0 and dataset is not None:
+            raise ConfigError(
+                f"data.dataset: the training rows are empty ({corpus['rows']} row(s), 0 bytes of text in "
+                f"text_column={hf_datasets.spec_of(dataset, 'data.dataset')['text_column']}): name data that holds text"
+            )
         if len(train) == 0:
-            empty = ", ".join(str(f) for f in files if f is not None and f.stat().st_size == 0) or "its rows"
+            empty = ", ".join(str(f) for f in files if f.stat().st_size == 0) or "its files"
             raise ConfigError(f"data.paths: the training text is empty ({empty}: 0 bytes): name files that hold text")
         super().__init__(train, val, seq_len, val_windows, **loader)
         self.info = {"corpus": {**corpus, "train_bytes": len(train), "val_bytes": 0 if val is None else len(val)}}

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.lm.corpus import corpus_files, held_out_files, no_val_split, read_text
+from experiments.lm.corpus import GLOB_LIMIT, corpus_files, held_out_files, no_val_split, read_text
 from experiments.lm.data import check_seq_len, windows_or_error
 from runner import ConfigError
 from runner.streaming import ShardedStream, StreamingData
@@ -160,10 +160,11 @@ class TextStream(StreamingData):
         bytes_per_token: float = 1.0,
         shuffle: bool = True,
         seed: int = 0,
+        glob_limit: int = GLOB_LIMIT,  # folder entries a glob of `paths` may look at
         **loader: Any,
     ) -> None:
         check_seq_len(seq_len)
-        files = corpus_files(paths, val_every)
+        files = corpus_files(paths, val_every, glob_limit)
         if block < 1:
             raise ConfigError(f"data.block={block}: windows shuffled together, at least 1")
         held = held_out_files(len(files), val_every)

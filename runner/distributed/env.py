@@ -94,7 +94,17 @@ def init_process_group() -> bool:
         agent = torch.distributed.TCPStore(info["master"], int(info["port"]), info["world_size"], is_master=False)
         store = torch.distributed.PrefixStore(f"runner/attempt-{restart_count()}/", agent)
     torch.distributed.init_process_group(backend, store=store, rank=info["rank"], world_size=info["world_size"])
+    # kept past the process group: a rank that stops tells the others through it (runner.distributed.stopping)
+    _job["store"] = torch.distributed.distributed_c10d._get_default_store()
     return True
+
+
+_job: dict[str, Any] = {}  # the job's store, once the process group is formed
+
+
+def job_store() -> Any:
+    """The store of this process's job (torchrun's, or rank 0's), kept past the process group; None in one process."""
+    return _job.get("store")
 
 
 def exit_without_teardown(code: Any) -> NoReturn:

@@ -31,6 +31,19 @@ class _FolderOnFirstRecord(logging.FileHandler):
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
         return super()._open()
 
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A full disk (or the file-size limit) fails the file: the console says what stopped the run, without a
+        traceback of logging's own."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handleError(record)
+
+    def close(self) -> None:
+        """Close the file; what a full disk kept in its buffer is dropped (the console said why the run stopped)."""
+        try:
+            super().close()
+        except OSError:
+            pass
+
 
 def log_rank(run_dir: str | Path, rank: int) -> None:
     """From now on, this process's warnings and errors also go to `run_dir`/logs/rank-`rank`.log; called again (the

@@ -3,6 +3,7 @@ goes to the file, so a run is readable afterwards even when its console is gone.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -22,17 +23,38 @@ class Tee:
     def write(self, text: str) -> int:
         """Write to both (the file without terminal control codes)."""
         if not _REDRAW.search(text):
-            self.file.write(_ANSI.sub("", text))
-            self.file.flush()
+            self._to_file(lambda: self.file.write(_ANSI.sub("", text)))
         return self.stream.write(text)
 
     def flush(self) -> None:
         """Flush both."""
         self.stream.flush()
-        self.file.flush()
+        self._to_file(lambda: None)
+
+    def _to_file(self, write: Any) -> None:
+        # A full disk (or the file-size limit) fails the copy, not the console: the message that says so must still
+        # be printed, so the copy stops and the console goes on
+        if self.file.closed:
+            return
+        try:
+            write()
+            self.file.flush()
+        except OSError:
+            broken, self.file = self.file, _Closed()
+            with contextlib.suppress(OSError):  # closed here: dropped, its buffer would fail again when collected
+                broken.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)  # isatty, fileno, encoding...: the console's, so rich sees the terminal
+
+
+class _Closed:
+    """Where the copy goes once its file could not be written: nowhere."""
+
+    closed = True
+
+    def close(self) -> None:
+        """Nothing to close."""
 
 
 def tee_to(path: Path) -> None:

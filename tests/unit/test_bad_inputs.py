@@ -4,17 +4,13 @@ In-process, as tests/unit/test_cli_errors.py; the CLI itself (hydra.run.dir, thr
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
 
 from runner import ConfigError
 from runner.sweeps.job import threads_per_job
@@ -198,29 +194,6 @@ def test_encode_corpus_given_one_path_as_a_string_encodes_that_file(tmp_path: Pa
     assert facts["files"] == 1 and (folder / "train.u8").read_bytes() == JSON_PY.read_bytes()
     assert encode_corpus(JSON_PY, 0, cache_dir=str(tmp_path))[0] == folder  # a Path: the same one file
     assert encode_corpus([str(JSON_PY)], 0, cache_dir=str(tmp_path))[0] == folder
-
-
-@pytest.fixture
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Iterator[Callable]:
-    """`run_cli(*args)`: `python -m runner *args` in this process (runner.__main__.cli); (exit code, stderr)."""
-    import hydra._internal.utils as hydra_utils
-
-    from runner.__main__ import cli
-
-    monkeypatch.setattr(hydra_utils, "run_and_report", hydra_utils.run_and_report)  # cli() wraps it: undone after
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    handlers, level = logging.root.handlers[:], logging.root.level
-
-    def run(*args: str) -> tuple[object, str]:
-        monkeypatch.setattr(sys, "argv", ["runner", *args])
-        with pytest.raises(SystemExit) as exited:
-            cli()
-        return exited.value.code, capsys.readouterr().err
-
-    yield run
-    logging.root.handlers[:], logging.root.level = handlers, level
-    GlobalHydra.instance().clear()
-    HydraConfig.instance().cfg = None
 
 
 @pytest.mark.parametrize(

@@ -7,18 +7,14 @@ cfg.json is data: a resolver in it is never resolved into what the tools write."
 from __future__ import annotations
 
 import json
-import logging
 import shutil
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import refused
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
 from safetensors.torch import save_file
 
 from experiments.sae.coders.base import SAE
@@ -293,29 +289,6 @@ def test_muon_takes_every_ns_steps_from_1_to_99(steps: int) -> None:
 def test_muon_refuses_what_it_cannot_step_with(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Muon([torch.zeros(2, 2, requires_grad=True)], lr=0.1, **options)
-
-
-@pytest.fixture
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Iterator[Callable]:
-    """`run_cli(*args)`: `python -m runner *args` in this process (runner.__main__.cli); (exit code, stderr)."""
-    import hydra._internal.utils as hydra_utils
-
-    from runner.__main__ import cli
-
-    monkeypatch.setattr(hydra_utils, "run_and_report", hydra_utils.run_and_report)  # cli() wraps it: undone after
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    handlers, level = logging.root.handlers[:], logging.root.level
-
-    def run(*args: str) -> tuple[object, str]:
-        monkeypatch.setattr(sys, "argv", ["runner", *args])
-        with pytest.raises(SystemExit) as exited:
-            cli()
-        return exited.value.code, capsys.readouterr().err
-
-    yield run
-    logging.root.handlers[:], logging.root.level = handlers, level
-    GlobalHydra.instance().clear()
-    HydraConfig.instance().cfg = None
 
 
 @pytest.mark.parametrize("case", ["ns_steps-a-million", "lr_scale-a-list", "adam_betas-above-one"])
