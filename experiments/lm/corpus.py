@@ -96,40 +96,43 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
-def expand_paths(paths: list[str], glob_limit: int = GLOB_LIMIT) -> list[Path]:
+def expand_paths(paths: list[str], glob_limit: int = GLOB_LIMIT, option: str = "data") -> list[Path]:
     """The files that `paths` (files or globs) name, each pattern's sorted; a ConfigError for one that names none,
-    or whose glob looks at more than `glob_limit` folder entries."""
-    check_whole(glob_limit, "data.glob_limit")
+    or whose glob looks at more than `glob_limit` folder entries (`option`: the config node the messages name)."""
+    check_whole(glob_limit, f"{option}.glob_limit")
     files: list[Path] = []
     for pattern in paths:
         if not isinstance(pattern, str):
-            raise ConfigError(f"data.paths: {pattern!r} is not a path: e.g. data.paths=[notes/*.md,book.txt]")
-        found = sorted(bounded_glob(os.path.expanduser(pattern), glob_limit, "data.paths", "data.glob_limit"))
+            raise ConfigError(f"{option}.paths: {pattern!r} is not a path: e.g. {option}.paths=[notes/*.md,book.txt]")
+        found = sorted(bounded_glob(os.path.expanduser(pattern), glob_limit, f"{option}.paths", f"{option}.glob_limit"))
         matches = [m for m in found if m.is_file()]
         if not matches and (others := [m for m in found if not m.is_dir()]):
             raise ConfigError(
-                f"data.paths: {others[0]} is {file_kind(others[0])}, not a regular file; refused without opening it: "
-                "name text files"
+                f"{option}.paths: {others[0]} is {file_kind(others[0])}, not a regular file; refused without opening "
+                "it: name text files"
             )
         if not matches and found:
             raise ConfigError(
-                f"data.paths: {pattern!r} names only folders ({found[0]}...): name the files in them, e.g. "
-                f"data.paths=[{Path(pattern) / '**' / '*.txt'}]"
+                f"{option}.paths: {pattern!r} names only folders ({found[0]}...): name the files in them, e.g. "
+                f"{option}.paths=[{Path(pattern) / '**' / '*.txt'}]"
             )
         if not matches:
-            raise ConfigError(f"data.paths: {pattern!r} matches no file (relative paths start at {os.getcwd()})")
+            raise ConfigError(f"{option}.paths: {pattern!r} matches no file (relative paths start at {os.getcwd()})")
         files += matches
     return files
 
 
-def corpus_files(paths: list[str] | str | None, val_every: int, glob_limit: int = GLOB_LIMIT) -> list[Path]:
+def corpus_files(
+    paths: list[str] | str | None, val_every: int, glob_limit: int = GLOB_LIMIT, option: str = "data"
+) -> list[Path]:
     """The files of a text corpus: `paths` (files or globs, each looking at no more than `glob_limit` folder entries;
-    one string is one of them) or the standard library's sources; `val_every` checked."""
+    one string is one of them) or the standard library's sources; `val_every` checked (`option`: the config node the
+    messages name, data or source.inputs)."""
     if val_every == 1 or val_every < 0:
-        raise ConfigError(f"data.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
+        raise ConfigError(f"{option}.val_every={val_every}: every n-th file is held out; n must be >= 2, or 0 (none)")
     if isinstance(paths, str):  # data.paths=book.txt: one path, not a list of its characters
         paths = [paths]
-    return expand_paths(list(paths), glob_limit) if paths else stdlib_sources()
+    return expand_paths(list(paths), glob_limit, option) if paths else stdlib_sources()
 
 
 def held_out_files(n: int, val_every: int) -> list[bool]:

@@ -278,6 +278,16 @@ def test_a_glob_that_walks_too_much_stops_at_the_limit_naming_it(option: str, tm
     assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
 
 
+def test_a_transformers_source_s_glob_is_named_by_its_own_options(tmp_path: Path) -> None:
+    from experiments.lm.corpus import corpus_files
+
+    pattern = f"{_tree(tmp_path / 'tree')}/**/*.jsonl"
+    with pytest.raises(ConfigError) as caught, deadline():
+        corpus_files([pattern], 2, 100, "source.inputs")
+    message = str(caught.value)
+    assert message.startswith("source.inputs.paths: the glob") and "raise source.inputs.glob_limit (now 100)" in message
+
+
 def test_a_glob_looks_at_no_more_entries_than_its_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from experiments.lm import corpus
 

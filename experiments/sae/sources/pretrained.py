@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.lm import hf_datasets
-from experiments.lm.corpus import corpus_files, held_out_files, read_text
+from experiments.lm.corpus import GLOB_LIMIT, corpus_files, held_out_files, read_text
 from experiments.lm.data import Windows, cache_root, content_key, load_tokens, write_once
 from experiments.sae.sources.hf_code import hub_offline, loaded, model_weights, refuse_own_code
 from runner import ConfigError, check_whole, require
@@ -41,6 +41,7 @@ INPUTS: dict[str, Any] = {
     "prepend_bos": True,  # each window starts with the tokenizer's BOS (where it has one), as the model was trained
     "batch_size": 32,  # windows per forward of the source
     "val_every": 20,  # text: every n-th file held out for validation
+    "glob_limit": GLOB_LIMIT,  # folder entries a glob of `paths` may look at before it is refused
     "val_fraction": 0.05,  # a tokens file: its last fraction held out
     "val_windows": 256,  # validation windows (spread evenly over the held-out tokens)
     "torch_dtype": "float32",  # the source's weights: bfloat16 halves a large model on a GPU
@@ -226,7 +227,7 @@ def _tokenized(tokenizer: Any, options: dict[str, Any]) -> tuple[np.ndarray, np.
     val_every = options["val_every"]
     if options["dataset"] is not None:
         return _tokenized_dataset(tokenizer, options)
-    files = corpus_files(options["paths"], val_every)
+    files = corpus_files(options["paths"], val_every, options["glob_limit"], "source.inputs")
     if not any(held_out_files(len(files), val_every)):
         raise ConfigError(
             f"source.inputs: {len(files)} text file(s) with val_every={val_every} hold none out for validation, "
