@@ -28,7 +28,7 @@ from runner.trust import resolver_calls  # the build's own reading of OmegaConf'
 # Resolvers that only read the config itself: what they give is the run's own stored values
 CONFIG_READERS = {"oc.select", "oc.dict.keys", "oc.dict.values"}
 QUOTED = ("model", "data", "source", "imported")  # what the writers read of a config
-MAX_VALUES = 100_000  # a reference repeats a subtree, so a few lines can stand for billions of values
+MAX_VALUES = 10_000  # a reference repeats a subtree, so a few lines can stand for billions; a run quotes ~100
 MAX_DEPTH = 64  # deeper is a cycle of references (a: {b: ${c}}, c: {d: ${a}})
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"  # a part of a URL or a file name: no `/`, no `..`, no control character
 NAMES = {"model_name": re.compile(f"{NAME}(/{NAME})?"), "sae_set": re.compile(NAME)}  # a model: a hub id, org/name
