@@ -23,6 +23,7 @@ from runner import ConfigError
 from runner.hints import check_value, fits, plain_value, set_at, typed
 from runner.optimizers import MAX_NS_STEPS
 from runner.resolvers import check_interpolations
+from runner.trust import HYDRA_KEYS
 
 # What runner reads under `trainer` (runner/conf/config.yaml documents each), and the type of each; durations are
 # parsed by runner.progress, whose errors name the units (a duration given as a number reads as a bad duration).
@@ -50,7 +51,6 @@ TOP_KEYS: dict[str, Any] = {
     "threads": int | None,
     "fail_fast": bool,
 }
-HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 # Optimizer settings torch would refuse with a traceback, or accept where no run can learn: (low, high, closed at
 # high, an example). The learning rate's bound is what the optimizer's float32 arithmetic survives: above ~1e37
 # torch's Adam raises "value cannot be converted to type float without overflow" mid-step (1e99 did). Up to it, a huge

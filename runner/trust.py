@@ -33,7 +33,7 @@ SLOTS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 _MARK = "__runner_buildable__"
 # Hydra's own keys beside _target_ that change nothing of what is built (_partial_ is allowed below the slot's root)
-_HYDRA_KEYS = {"_target_", "_args_", "_convert_", "_recursive_", "_partial_"}
+HYDRA_KEYS = {"_target_", "_args_", "_convert_", "_recursive_", "_partial_"}  # instantiate's own, not a class's
 # Resolvers a run folder's config may use: each only reads (the environment, the config itself, the clock, the running
 # job's Hydra config). Any other is refused unresolved: runner_fresh makes folders, a plugin's may do anything, and
 # oc.decode / oc.create parse a string into config again, where an escaped `\${...}` becomes a resolver call.
@@ -200,7 +200,7 @@ def _component(node: dict, slot: str, trusted: Sequence[str], path: str, verdict
         return node
     if root and node.get("_partial_"):
         verdict.forged.append(f"{path}._partial_ asks for a partial, not the {slot} itself")
-    arguments = {k: v for k, v in node.items() if k not in _HYDRA_KEYS}
+    arguments = {k: v for k, v in node.items() if k not in HYDRA_KEYS}
     if node.get("_args_"):
         arguments = _by_name(obj, node["_args_"], arguments, path, verdict)
     for name, value in arguments.items():
@@ -210,7 +210,7 @@ def _component(node: dict, slot: str, trusted: Sequence[str], path: str, verdict
             verdict.forged.append(f"{path}.{name} holds a _target_, but `{name}` of {target} takes plain data")
         else:
             _resolved_once(value, f"{path}.{name}", verdict)
-    return {**{k: v for k, v in node.items() if k in _HYDRA_KEYS and k != "_args_"}, **arguments}
+    return {**{k: v for k, v in node.items() if k in HYDRA_KEYS and k != "_args_"}, **arguments}
 
 
 def _by_name(obj: Any, args: Any, arguments: dict, path: str, verdict: Verdict) -> dict:
