@@ -175,7 +175,7 @@ def test_a_rank_log_on_a_full_disk_prints_no_logging_traceback(capsys: pytest.Ca
         logger.removeHandler(plain)
         with contextlib.suppress(OSError):  # (its buffer fails again)
             plain.close()
-    assert "Logging error" in capsys.readouterr().err  # what the rank log used to print
+    assert "Logging error" in capsys.readouterr().err  # what a plain FileHandler prints there: the case is real
 
 
 def test_write_atomic_names_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
