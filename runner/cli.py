@@ -9,6 +9,17 @@ from collections.abc import Collection
 
 from runner import ConfigError
 
+HELP = ("-h", "--help", "help")  # what a user types for a tool's usage, argparse's spelling and the bare word
+
+
+def help_asked(argv: list[str], doc: str) -> bool:
+    """Whether `argv` asks only for help: if so the tool's `doc` (its module docstring: usage, options, exit codes) is
+    printed to stdout, and the caller exits 0."""
+    if len(argv) != 1 or argv[0] not in HELP:
+        return False
+    print(doc.strip())
+    return True
+
 
 def _known(key: str, keys: Collection[str]) -> bool:
     # a key ending in "." stands for every key under it (evaluate's data.KEY=VALUE)

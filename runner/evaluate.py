@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from runner import ConfigError, check_whole, trust
 from runner.build import build_data
-from runner.cli import key_values
+from runner.cli import help_asked, key_values
 from runner.load import ATTACH, ATTACH_TEXT, is_foreign, load_model
 from runner.log.console import ConsoleLogger
 from runner.outdir import write_failed
@@ -223,8 +223,11 @@ def _arguments(argv: list[str]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     """The command: evaluate, print the metrics, exit 0; or print why not and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if help_asked(argv, __doc__):
+        return 0
     try:
-        path, options, data = _arguments(sys.argv[1:] if argv is None else argv)
+        path, options, data = _arguments(argv)
         run_dir = path
         if not is_foreign(path):
             run_dir, options["weights"] = _run_and_weights(path, options.get("weights"))

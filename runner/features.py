@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import ConfigError
-from runner.cli import key_values
+from runner.cli import help_asked, key_values
 from runner.evaluate import checked_device, read_options
 from runner.load import ATTACH, ATTACH_TEXT, load_model
 from runner.log.console import ConsoleLogger
@@ -158,8 +158,11 @@ def _serve(out: Path, port: int, index: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the pages (and serve them with --serve), exit 0; or print why not and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if help_asked(argv, __doc__):
+        return 0
     try:
-        path, options, serve = _options(sys.argv[1:] if argv is None else argv)
+        path, options, serve = _options(argv)
         device = checked_device(options["device"])
         model, cfg = load_model(path, trusted_here(), {key: options[key] for key in ATTACH})
         if not hasattr(model, "features"):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from runner import ConfigError
-from runner.cli import key_values
+from runner.cli import help_asked, key_values
 from runner.evaluate import checked_device, read_options
 from runner.trained import load_trained, trusted_here
 
@@ -68,8 +68,11 @@ def _prompt(model: torch.nn.Module, options: dict[str, Any]) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     """Sample, print each sample and the rate, exit 0; or print why not and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if help_asked(argv, __doc__):
+        return 0
     try:
-        path, options = _options(sys.argv[1:] if argv is None else argv)
+        path, options = _options(argv)
         device = torch.device(checked_device(options["device"]))
         model, _ = load_trained(path, trusted_here(), weights=options["weights"])
         if not hasattr(model, "generate"):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import ConfigError
-from runner.cli import key_values
+from runner.cli import help_asked, key_values
 from runner.evaluate import checked_device, read_options
 from runner.load import ATTACH, ATTACH_TEXT, load_model
 from runner.log.console import ConsoleLogger
@@ -65,8 +65,11 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Evaluate, print the headline figures and where they are written, exit 0; or print why not and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if help_asked(argv, __doc__):
+        return 0
     try:
-        path, options = _options(sys.argv[1:] if argv is None else argv)
+        path, options = _options(argv)
         device = checked_device(options["device"])
         model, cfg = load_model(path, trusted_here(), {key: options[key] for key in ATTACH})
         coder = getattr(model, "coder", model)  # an end-to-end run's coder (experiments/sae/end_to_end.py)

@@ -73,3 +73,15 @@ def test_export_report_init_and_finetune_take_both_spellings_alike(
     monkeypatch.setattr(finetune, "merge", lambda run_dir, base: merged.append((run_dir, base)) or "merged")
     assert finetune.main(["merge", "RUN", "base=BASE"]) == finetune.main(["merge", "RUN", "--base", "BASE"]) == 0
     assert merged == [("RUN", "BASE"), ("RUN", "BASE")]
+
+
+@pytest.mark.parametrize("tool", [features, sae_eval, evaluate, generate, export, report, finetune])
+@pytest.mark.parametrize("asked", ["--help", "-h"])
+def test_help_prints_the_tool_s_usage_and_exits_0(tool, asked: str, capsys) -> None:
+    try:
+        code = tool.main([asked])
+    except SystemExit as exited:  # the argparse tools exit themselves
+        code = exited.code
+    out = capsys.readouterr()
+    assert code == 0 and f"python -m runner.{tool.__name__.rsplit('.', 1)[1]}" in out.out, out
+    assert "error" not in out.err
