@@ -126,7 +126,7 @@ class ConsoleLogger(Logger):
             if self.bar is not None:
                 self.pass_bars[what] = self.bar.add_task(what, total=total, stats="batches")
         if self.bar is not None and what in self.pass_bars:
-            self.bar.update(self.pass_bars[what], completed=done)
+            self.bar.update(self.pass_bars[what], completed=done, total=total)  # a pass may learn its length as it goes
             if done == total:
                 self.bar.remove_task(self.pass_bars.pop(what))
         elif self.bar is None and now - self.last_line >= self.every_s and done != total:

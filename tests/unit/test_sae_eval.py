@@ -174,3 +174,13 @@ def test_probing_with_no_class_to_tell_apart_is_one_error(
     monkeypatch.setattr("experiments.sae.evals.probing.stdlib_sources", lambda: [plain] * 20)
     assert main([str(sae_lm_run), "evals=[probing]", "--limit", f"out={tmp_path / 'ev'}"]) == 2
     assert "sparse probing had too few examples of every class" in capsys.readouterr().err
+
+
+def test_the_core_pass_says_how_many_batches_it_reads(sae_lm_run: Path) -> None:
+    sae, cfg = load_trained(sae_lm_run)
+    calls: list[tuple[int, int | None]] = []
+    core(sae, source_of(cfg, torch.device("cpu")), 3000, 500, lambda done, total: calls.append((done, total)))
+    # a total from the first batch on, estimated from each batch's rows (the held-out batches hold more than the
+    # training ones), and exact at the last
+    assert len(calls) > 2 and [done for done, _ in calls] == list(range(1, len(calls) + 1))
+    assert all(total is not None and total >= done for done, total in calls) and calls[-1] == (len(calls), len(calls))

@@ -197,8 +197,8 @@ def core(
                 del logits
             spliced_positions += int(mask.sum())
         n_windows, batches = n_windows + len(batch["tokens"]), batches + 1
-        if working is not None:
-            working(batches, None)
+        if working is not None:  # the batches still to read at this one's rows: the pass's length and ETA
+            working(batches, batches + -(-max(tokens - sums.n, 0) // max(int(mask.sum()), 1)))
     out = sums.result()
     out["downstream"] = _downstream(losses, spliced_positions)
     out["read"] = {"positions": sums.n, "windows": n_windows, "seconds": round(time.perf_counter() - started, 2)}
