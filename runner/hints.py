@@ -85,6 +85,8 @@ def check_value(key: str, value: Any, hint: Any, default: Any = inspect.Paramete
     if not fits(value, hint):
         given = default is not None and default is not inspect.Parameter.empty and fits(default, hint)
         example = f": e.g. {key}={typed(default)}" if given else ""
+        if value is None:  # a preset's placeholder left for the user: say what to give, not what null is not
+            raise ConfigError(f"{key} is not set (null): give {describe(hint)} on the command line, {key}=...{example}")
         shown = repr(value) if isinstance(value, str) else typed(value)
         raise ConfigError(f"{key} must be {describe(hint)}, got {shown} ({type(value).__name__}){example}")
 

@@ -84,7 +84,15 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         [*DIGITS, "trainer.gradient_clip_val=[1,2]"],
         ["trainer.gradient_clip_val must be a number or null, got [1,2]"],
     ),
-    "null-for-a-count": ([*DIGITS, "model.num_classes=null"], ["model.num_classes must be a whole number, got null"]),
+    "null-for-a-count": (
+        [*DIGITS, "model.num_classes=null"],
+        ["model.num_classes is not set (null): give a whole number"],
+    ),
+    # a preset's placeholder the user did not fill: said before the model loads (minutes for a hub model)
+    "transformers-source-without-its-module": (
+        ["+experiment=sae_hf", "source.checkpoint=hf:gpt2"],
+        ["source.module is not set (null): give a string or a list of strings on the command line, source.module="],
+    ),
     "unknown-target": ([*DIGITS, "model._target_=nope.Nothing"], ["model._target_=nope.Nothing cannot be imported"]),
     # unclear messages before
     "folder-as-tokens-file": (

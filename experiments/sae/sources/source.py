@@ -43,8 +43,13 @@ class _Captured(Exception):
     """Raised by the capturing hook: what follows the hooked module is not needed."""
 
 
-def hook_points(module: str | Sequence[str]) -> list[str]:
+def hook_points(module: str | Sequence[str] | None) -> list[str]:
     """The hooked modules' names: one (`source.module=blocks.2`) or several (`source.module=[blocks.1,blocks.3]`)."""
+    if module is None:
+        raise ConfigError(
+            "source.module is not set: name the module whose output the SAE reads, e.g. source.module=transformer.h.8 "
+            "(GPT-2), model.layers.6 (Llama, Gemma, Qwen), gpt_neox.layers.3 (Pythia), blocks.2 (runner's GPT)"
+        )
     names = [module] if isinstance(module, str) else [str(name) for name in module]
     if not names or len(set(names)) != len(names):
         raise ConfigError(f"source.module={names}: name one module, or several different ones")
@@ -78,6 +83,7 @@ class SourceModel:
             raise ConfigError(
                 f"source.skip_positions={skip_positions!r}: give how many first positions to leave out, >= 0"
             )
+        hook_points(module)  # before the model loads (minutes for a large one): a module not given is said at once
         self.pretrained: pretrained.Pretrained | None = None
         self.checkpoint, self.read = str(checkpoint), (None, None)
         if pretrained.is_pretrained(checkpoint):
