@@ -311,5 +311,5 @@ def test_a_ring_too_small_for_every_rank_s_take_or_a_ragged_epoch_is_refused(lm_
 
 def test_a_source_without_its_module_is_refused_before_the_model_loads(tmp_path: Path) -> None:
     # a folder that is no model at all: the refusal comes first, so nothing is read (a hub model takes minutes)
-    with pytest.raises(ConfigError, match=r"source.module is not set: name the module .* transformer.h.8 \(GPT-2\)"):
+    with pytest.raises(ConfigError, match=r"source.module is not set: name the module .*=transformer.h.8 \(GPT-2\)"):
         SourceModel(str(tmp_path / "no-model-here"), None)
