@@ -1,4 +1,4 @@
-"""What `optimizer.fused: null` gains on the CPU, where it is fused since 2026-11-28: each preset that steps torch's
+"""What `optimizer.fused: null` gains on the CPU, where null picks the fused kernel: each preset that steps torch's
 Adam or AdamW without setting `fused` (digits, lm) trained by `python -m runner` as it comes and with
 `optimizer.fused=false` (torch's default there: a for-loop over the tensors, what a hand-written loop gets).
 

@@ -88,8 +88,8 @@ def steps(device: str, out: Path, reps: int) -> list[tuple[str, float, list[str]
 
     usual = ["--size", "usual", "--reps", str(reps), "--steps", "20", "--backward", "dense", "sparse", "triton"]
     lm, overhead = ["--reps", "1", "--steps", "30"], ["--reps", str(reps - 1), "--steps", "1000"]
-    # issue 45 item 2: the tiny model's step, eager and with CUDA graphs, runner against the hand loop; the ops and
-    # syncs per step columns say where an eager gap goes (launches, or the host)
+    # the tiny model's step, where runner's own cost per step shows most, eager and with CUDA graphs, runner against
+    # the hand loop; the ops and syncs per step columns say where an eager gap goes (launches, or the host)
     graphs = ["--reps", "3", "--steps", "600", "--sizes", "tiny", "--contenders", "hand", "runner", "runner_usual"]
     graphs += ["hand_graphs", "runner_graphs"]
     pipeline = ["--shape", "gpt2_small", "--reps", str(reps), "--precision", "bf16", "model.n_latents=12288"]

@@ -47,7 +47,7 @@ CUDA_MODEL = ["model.n_layer=12", "model.d_model=768", "model.n_head=12", "model
 def _config(overrides: list[str], steps: int, device: str, precision: str):
     from hydra import compose, initialize_config_module
 
-    from runner import resolvers
+    from runner.config import resolvers
 
     resolvers.register()
     with initialize_config_module("runner.conf", version_base="1.3"):

@@ -1,5 +1,5 @@
-"""source.cache throughput: the residual stream of the lm experiment's GPT (d_model 128) written to an activation
-cache, then read back as training reads it.
+"""data.cache throughput (data=activations_cached): the residual stream of the lm experiment's GPT (d_model 128)
+written to an activation cache, then read back as training reads it.
 
     python benchmarks/sae_cache.py [--rows 524288] [--n-layer 6] [--layer 2] [--batch 1024] [--threads 1]
                                    [--device cpu|cuda] [--dir DIR] [--json out.json]

@@ -82,7 +82,7 @@ def main() -> None:
     if not args.lm and not (lm / "model.safetensors").exists():
         command = [sys.executable, "-m", "runner", "+experiment=lm", "logger=none", *device, *args.lm_args]
         subprocess.run([*command, f"hydra.run.dir={lm}"], check=True)
-    SETTINGS.extend([f"source.checkpoint={lm}", f"source.cache={out / 'acts'}"])
+    SETTINGS.extend([f"source.checkpoint={lm}", "data=activations_lm_cached", f"data.cache={out / 'acts'}"])
     results: dict[str, list[dict[str, float]]] = {}
     for seed in args.seeds:
         for name in args.variants:

@@ -212,7 +212,7 @@ def check_model(lm: Path, ids: torch.Tensor, probe: Path | None = None) -> dict:
     the lm's validation windows): here, and (`probe`: the logits sparsify's driver wrote in its own virtualenv)
     there."""
     from benchmarks.peers import gpt
-    from runner.trained import load_trained
+    from runner.load import load_trained
 
     model, _ = load_trained(str(lm))
     with torch.no_grad():

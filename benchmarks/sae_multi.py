@@ -40,7 +40,7 @@ CONTENDERS = {
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_module
 
-    from runner import resolvers
+    from runner.config import resolvers
 
     resolvers.register()
     with initialize_config_module("runner.conf", version_base="1.3"):

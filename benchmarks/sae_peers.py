@@ -9,7 +9,7 @@ held-out quality and training speed.
 
 The peers run in their own virtualenvs (`benchmarks/peers/install.sh` makes .venv-sparsify and .venv-saelens), each
 through its own trainer (benchmarks/peers/*_run.py); runner runs as `python -m runner`. Without --acts, the
-activations are the lm preset's GPT's residual stream after blocks.2 (`source.cache`, written by a one-step
+activations are the lm preset's GPT's residual stream after blocks.2 (`data.cache`, written by a one-step
 `+experiment=sae_lm` run; the GPT is trained first without --lm, as benchmarks/sae_init.py does). With
 --target-columns N the last N columns of each row are a transcoder's target, and without --acts the rows are blocks.2's
 MLP input and output side by side (a one-step `+experiment=transcoder_lm` run writes them): every contender reads the
@@ -54,7 +54,7 @@ SKIP = "-skip"  # a transcoder contender with a skip connection: runner-skip, sp
 
 
 def cached_rows(path: Path) -> np.ndarray:
-    """The rows of a source.cache folder (its shards in order) or of one .npy file, as float32."""
+    """The rows of a data.cache folder (its shards in order) or of one .npy file, as float32."""
     if path.is_dir():
         manifest = json.loads((path / "manifest.json").read_text())
         return np.concatenate([np.load(path / s["file"]) for s in manifest["shards"]]).astype(np.float32)
@@ -90,7 +90,8 @@ def build_acts(args: argparse.Namespace, out: Path) -> Path:
         train = [sys.executable, "-m", "runner", "+experiment=lm", "logger=none", f"hydra.run.dir={lm}"]
         subprocess.run(train, check=True)
     command = [
-        *("-m", "runner", f"+experiment={preset}", f"source.checkpoint={lm}", f"source.cache={cache}"),
+        *("-m", "runner", f"+experiment={preset}", f"source.checkpoint={lm}", "data=activations_lm_cached"),
+        f"data.cache={cache}",
         *(f"data.cache_rows={args.rows}", "trainer.max_duration=1st", "callbacks=none", "logger=none"),
         *("checkpoint=none", "trainer.val_interval=1.0dur", f"hydra.run.dir={out / 'cache-run'}"),
     ]
@@ -165,7 +166,7 @@ def run_one(name: str, spec: dict, args: argparse.Namespace, out: Path) -> dict:
 def main() -> None:
     """Prepare the data once, train every contender for every seed in rotating order, print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--acts", help="a source.cache folder or an [N, d] .npy file (default: build the lm's)")
+    parser.add_argument("--acts", help="a data.cache folder or an [N, d] .npy file (default: build the lm's)")
     parser.add_argument("--lm", help="a finished +experiment=lm run folder, for building --acts")
     parser.add_argument("--rows", type=int, default=589824, help="rows to cache when building --acts")
     parser.add_argument("--heldout", type=int, default=65536)

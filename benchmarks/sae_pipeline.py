@@ -64,9 +64,9 @@ def hand_contender(cfg, source: Path, layer: int, steps: int, device: str) -> di
     from hydra.utils import instantiate
 
     from runner.build import build_data
+    from runner.load import load_trained
     from runner.progress import TrainingProgress
     from runner.schedulers import wsd
-    from runner.trained import load_trained
 
     dev = torch.device(device)
     gpt, source_cfg = load_trained(source)

@@ -45,7 +45,7 @@ def worker(out: Path, steps: int, overrides: list[str]) -> None:
     import torch
     from hydra import compose, initialize_config_module
 
-    from runner import resolvers
+    from runner.config import resolvers
     from runner.run import Callback
     from runner.train import train
 

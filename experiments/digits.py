@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner import ConfigError, check_whole
+from runner.config.trust import buildable
 from runner.data import TensorData
-from runner.trust import buildable
 
 
 def _digits_file() -> Path:

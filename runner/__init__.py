@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 # Every `python -m runner.<tool>` (generate, features, evaluate, export, sae_eval, ...) gets `python -m runner`'s
-# OpenMP wait policy, chosen from the machine's load (runner/waits.py): on a busy machine runner.generate ran at 4
+# OpenMP wait policy, chosen from the machine's load (runner/waits.py): on a busy machine runner.tools.generate ran at 4
 # tokens/s with spinning threads, ~200 with sleeping ones. Chosen here because the package is imported before the
 # tool, and so before torch; sys.argv[0] is "-m" only while `-m` looks for its module, so a library import (a
 # notebook's `import runner`) changes nothing. A user's own value wins.

@@ -15,11 +15,9 @@ waits.choose()
 gc.disable()  # while torch and the rest load: what runner.collector_paused says (train() pauses it again to build)
 
 import difflib
-import logging
 import shlex
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner import ConfigError, resolvers
+from runner import ConfigError
+from runner.config import resolvers
 from runner.distributed.env import (
     QUIET_RANK,
     environment,
@@ -41,13 +40,15 @@ from runner.distributed.env import (
     shared_launch_time,
     with_resume_auto,
 )
-from runner.distributed.stopping import Stop, leave_together, stop_together, stopping_ranks_at, watch_for_refusals
-from runner.log.ranks import log_rank, record_failure
+from runner.distributed.stopping import watch_for_refusals
+from runner.failure import diverged, fail, failed, stopped_by
+from runner.log.ranks import log_rank
 from runner.log.tee import tee_to
-from runner.refused import remove_refused
 from runner.run import StopReason
-from runner.rundir import LOG, SUMMARY, DiskFull, FolderInUse, claim, unlock, write_json
-from runner.sweeps.job import SweepJob, objective, parallel_jobs, sweep_job, threads_per_job
+from runner.rundir import LOG, claim, unlock
+from runner.rundir.old_names import renamed_options
+from runner.rundir.refused import remove_refused
+from runner.sweeps.job import objective, parallel_jobs, sweep_job, threads_per_job
 from runner.train import train
 
 gc.enable()
@@ -57,26 +58,14 @@ gc.enable()
 resolvers.register()
 
 
-def _fail(error: Exception, code: int) -> None:
-    # Every rank says why it stops (a missing file may be missing on one node only), each naming itself; under
-    # several processes it exits once every rank has chosen its code (runner.distributed.stopping).
-    _say(error)
-    stop_together(code, str(error), isinstance(error, DiskFull))
-    leave_together(code)
-    sys.exit(code)
-
-
-def _say(error: Exception) -> None:
-    rank = environment()["rank"]
-    print(f"error{f' on rank {rank}' if rank else ''}: {error}", file=sys.stderr)
-
-
 def _one_paragraph(error: Exception) -> str:
     """Hydra's composition error as one paragraph; a misspelled key names its nearest valid sibling."""
     cause = error.__cause__
     parent, key = getattr(cause, "parent_node", None), getattr(cause, "key", None)
     if parent is not None and key is not None and str(error).startswith("Could not override"):
         full = getattr(cause, "full_key", key)
+        if full in (options := renamed_options()):
+            return f"{full}= is no longer an option: {options[full]}"
         siblings = [str(k) for k in parent.keys()]
         close = difflib.get_close_matches(str(key), siblings, n=1, cutoff=0.5)
         scope = full.rpartition(".")[0]
@@ -100,13 +89,13 @@ def _hydra_user_errors(run_and_report: Callable[[Callable[[], Any]], Any]) -> Ca
         except (ConfigCompositionException, MissingConfigException, OverrideParseException) as error:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            _fail(ConfigError(_one_paragraph(error)), 2)
+            fail(ConfigError(_one_paragraph(error)), 2)
         except ConfigError as error:  # from outside a job: a sweep folder that another sweep holds
-            _fail(error, 2)
+            fail(error, 2)
         except OSError as error:
             if os.environ.get("HYDRA_FULL_ERROR") == "1" or _raised_in_job(error):
                 raise
-            _fail(ConfigError(_folder_error(error)), 2)
+            fail(ConfigError(_folder_error(error)), 2)
 
     return lambda func: run_and_report(lambda: translated(func))
 
@@ -133,19 +122,6 @@ def _folder_error(error: OSError) -> str:
     )
 
 
-def _record_failure(cfg: DictConfig, error: BaseException, wall_time_s: float) -> None:
-    # summary.json of a failed run says why (a sweep job's row in results.csv and `runner.report` read it; the
-    # console and runner.log say it too). A summary.json already there (a finished or preempted launch that this one
-    # failed to resume) is kept: nothing it says is lost.
-    path = Path(cfg.run_dir) / SUMMARY
-    if environment()["rank"] == 0 and path.parent.is_dir() and not path.exists():
-        error_text = str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
-        try:
-            write_json(path, {"stop_reason": StopReason.FAILED, "error": error_text, "wall_time_s": wall_time_s})
-        except (OSError, ConfigError) as failed:  # a full disk fails this write too: the first error is the one to tell
-            print(f"warning: {SUMMARY} not written ({str(failed).split(';')[0]})", file=sys.stderr)
-
-
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Train one run; return the best value of `monitor` so that sweepers can optimize it (runner.sweeps.job)."""
@@ -157,7 +133,7 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as error:
         remove_refused(run_dir)
         if not in_sweep:  # said here: raised, it comes after a line of Hydra's ("Error executing job with ...")
-            _fail(error, 2)
+            fail(error, 2)
         raise
     if threads is not None:
         torch.set_num_threads(threads)
@@ -168,20 +144,17 @@ def main(cfg: DictConfig) -> float | None:
             tee_to(run_dir / LOG)
         log_rank(run_dir, rank)  # every rank: its warnings and errors in logs/rank-K.log
         if not in_sweep:  # another rank refused while this one waits for it in a collective: exit 2 with one line
-            watch_for_refusals(lambda cause: _stopped_by(cfg, cause, time.perf_counter() - started))
+            watch_for_refusals(lambda cause: stopped_by(cfg, cause, time.perf_counter() - started))
         run = train(cfg, sweep=job)
     except Exception as error:
-        return _failed(cfg, error, job, time.perf_counter() - started)
+        return failed(cfg, error, time.perf_counter() - started)
     finally:
         unlock(run_dir)
     reason = run.stop_reason
     if reason == StopReason.NONFINITE:
-        message = RuntimeError(
-            f"stopped after {run.settings.max_nonfinite_steps} optimizer steps in a row with a non-finite loss "
-            f"or gradient norm (trainer.max_nonfinite_steps). {_nonfinite_advice(run.settings.gradient_clip_val)}"
-        )
+        message = diverged(run)
         if not in_sweep:  # in a sweep, one diverged trial must not end the others
-            _fail(message, reason.exit_code)
+            fail(message, reason.exit_code)
         print(f"error: {message}", file=sys.stderr)
     elif reason.resumable:  # preempted, max_time, Ctrl-C: a checkpoint of this step exists
         if run.strategy.is_main:
@@ -194,73 +167,6 @@ def main(cfg: DictConfig) -> float | None:
     return objective(reason, run.state.best.value, cfg.mode)
 
 
-def _nonfinite_advice(clip: float | None) -> str:
-    """What to change after a run stopped on non-finite losses: a clip to set only where none is."""
-    if clip is None:
-        return "Lower the learning rate, enable trainer.gradient_clip_val (e.g. 1.0), or check the data for NaN/inf."
-    # Clipped already: a clip bounds the gradient, and Adam's step is about the learning rate whatever the gradient's
-    # size, so the rate is the lever (a smaller clip only helps plain SGD), unless the data itself is not finite.
-    return (
-        f"The gradients were clipped already (trainer.gradient_clip_val={clip:g}): lower the learning rate "
-        "(optimizer.lr; a longer warmup helps too), or check the data for NaN/inf. Only with optimizer=sgd does a "
-        "smaller clip also bound each step."
-    )
-
-
-def _failed(cfg: DictConfig, error: Exception, job: SweepJob | None, wall_time_s: float) -> float | None:
-    # Under several processes, a rank whose collective failed because another rank was refused (a full disk on rank 0,
-    # a file missing on one node) stops as that one does, exit 2, with one line; the run records that rank's message.
-    # (Asked first: where the watcher thread is stopping this rank already, this thread writes nothing more.)
-    cause = stop_together(2 if isinstance(error, ConfigError) else 1, str(error), isinstance(error, DiskFull))
-    if not isinstance(error, FolderInUse):  # (that folder is another run's)
-        record_failure(error)  # logs/rank-K.log, with the traceback, on every rank
-    if cause is not None:
-        error = _refused_on(cause)
-    if isinstance(error, ConfigError):  # every rank's log is written before rank 0 may remove the folder it is in
-        stopping_ranks_at("recorded")
-    if not isinstance(error, FolderInUse):
-        _leave_folder(cfg, error, wall_time_s)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:  # one failed job must not end the sweep (fail_fast: SweepResults)
-        if not isinstance(error, ConfigError):
-            traceback.print_exc()
-        print(f"error: job {HydraConfig.get().job.num} failed: {error}", file=sys.stderr)
-        return objective(StopReason.FAILED, None, cfg.mode)
-    if cause is not None:  # its paragraph is that rank's to print
-        _fail(_stopped_line(cause), 2)
-    if isinstance(error, ConfigError):
-        _fail(error, 2)
-    raise error
-
-
-def _leave_folder(cfg: DictConfig, error: Exception, wall_time_s: float) -> None:
-    # A run refused before training leaves no folder of its own (runner.refused); else summary.json says why (a sweep's
-    # results.csv reads it)
-    refused = isinstance(error, ConfigError) and not isinstance(error, DiskFull)  # (a full disk: resume=auto)
-    if not (refused and remove_refused(HydraConfig.get().runtime.output_dir)):
-        _record_failure(cfg, error, wall_time_s)
-
-
-def _refused_on(cause: Stop) -> ConfigError:
-    """Another rank's refusal as this rank's error: what the run folder records."""
-    return (DiskFull if cause.disk_full else ConfigError)(f"rank {cause.rank}: {cause.message}")
-
-
-def _stopped_line(cause: Stop) -> ConfigError:
-    return ConfigError(f"stopped because rank {cause.rank} stopped (exit 2; its message says why)")
-
-
-def _stopped_by(cfg: DictConfig, cause: Stop, wall_time_s: float) -> None:
-    # (in runner.distributed.stopping's watcher thread) this rank stops because another was refused: the run folder says
-    # why, the console one line; the thread then exits 2 once every rank is ready
-    stopping_ranks_at("recorded")
-    # The main thread goes on meanwhile: a warning of its own would make its rank log again, and with it the run folder
-    # that a refused start removes; what stopped the run is said here
-    logging.disable(logging.CRITICAL)
-    _leave_folder(cfg, _refused_on(cause), wall_time_s)
-    unlock(HydraConfig.get().runtime.output_dir)
-    _say(_stopped_line(cause))
-
-
 def debug_last(args: list[str]) -> list[str]:
     """`args` with each `debug=X` moved to the end as `+debug=X`. Hydra merges `+experiment=...` after every default,
     so a debug option in the defaults list would lose to the experiment's own durations; appended after it, the debug
@@ -271,9 +177,9 @@ def debug_last(args: list[str]) -> list[str]:
 
 def cli() -> None:
     """The command: under torchrun or SLURM, join the process group first and agree on one run folder;
-    `runner init DIR` makes a project of your own (runner.init)."""
+    `runner init DIR` makes a project of your own (runner.tools.scaffold)."""
     if sys.argv[1:2] == ["init"]:
-        from runner.init import main as init
+        from runner.tools.scaffold import main as init
 
         sys.exit(init(sys.argv[2:]))
     # hydra-core is pinned to 1.3.x, whose _run_hydra reports errors through this module-level function.
@@ -281,7 +187,7 @@ def cli() -> None:
     try:
         resolvers.set_launch_time(shared_launch_time())
     except ConfigError as error:  # a launch that cannot form its process group (no rendezvous address, say)
-        _fail(error, 2)
+        fail(error, 2)
     rank = environment()["rank"]
     if restart_count() > 0:
         # torchrun --max-restarts restarted the workers after a failure: go on from the run's newest checkpoint

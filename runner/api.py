@@ -3,18 +3,11 @@
     from runner import api
 
     model, cfg = api.load("outputs/2026-11-28/10-00-00")         # a finished run: its model (frozen) and config
-    sae = api.load_sae("outputs/2026-11-28/10-00-00")            # its SAE; or a SAELens / sparsify folder:
-    sae = api.load_sae("my-saelens-sae", source="hf:gpt2")       #   attached to the model it reads
-    codes = sae.encode(x)                                        # [rows, n_latents] codes of raw activations
-    x_hat = api.decode(sae, codes)                               # the raw activations they reconstruct (= sae(x))
-    src = api.source("outputs/2026-11-28/10-00-00")              # the model the SAE reads, hooked at its module
-    acts = src.output_of(src.name, tokens[:, :-1])               # that module's activations [B, T, d]
-    clean, spliced = api.spliced_loss(sae, src, tokens)          # the loss on [B, T + 1], and with the SAE spliced
     for row in api.metrics("outputs/2026-11-28/10-00-00"): ...   # what the run logged, row by row
 
-`SAE.load_from_disk(path)` (experiments.sae.coders.base.SAE) is load_sae, as SAELens and sparsify spell it. Every
-call reads a run folder as data under the same trust rules as the tools (runner.trained): a config names only
-runner's classes, or those of the packages in `trusted` (default: runner.trained.trusted_here()).
+A task package adds its own calls (the SAE workbench: experiments.sae.api). Every call reads a run folder as data
+under the same trust rules as the tools (runner.load): a config names only runner's classes, or those of the packages
+in `trusted` (default: runner.load.trusted_here()).
 """
 
 from __future__ import annotations
@@ -23,92 +16,27 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from runner import ConfigError
+from runner.load import Attach
 
 
 def load(
     path: str | Path,
     *,
-    source: str | None = None,
-    hook: str | None = None,
-    module: str | None = None,
-    target: str | None = None,
-    skip_positions: int | None = None,
     weights: str | Path | None = None,
     trusted: Sequence[str] | None = None,
+    **attach: Any,
 ) -> tuple[nn.Module, Any]:
-    """A finished run's model, frozen in eval mode, and its config; or an SAE folder of SAELens or sparsify attached
-    to `source` (hook= picks one of a sparsify family; module=/target= name what no rule finds; runner.load)."""
-    from runner.load import load_model
-    from runner.trained import trusted_here
+    """A finished run's model, frozen in eval mode, and its config; or a foreign folder (an SAE of SAELens or
+    sparsify) attached to the model it reads (`attach`: runner.load.Attach's source=, hook=, module=, target=,
+    skip_positions=, inputs=)."""
+    from runner.load import load_model, trusted_here
 
-    attach = {"source": source, "hook": hook, "module": module, "target": target, "skip_positions": skip_positions}
-    return load_model(path, tuple(trusted or trusted_here()), attach, weights=weights)
-
-
-def load_sae(path: str | Path, name: str | None = None, **options: Any) -> nn.Module:
-    """The SAE (or transcoder) of `path`, as load() reads it: a run's model, an end-to-end run's coder, or with
-    `name`, one SAE of a family (model=sae_multi: its names are `family.saes`). A SAELens or sparsify folder needs no
-    `source` here: the SAE alone (hook= picks one of a sparsify family's)."""
-    from runner.load import is_foreign
-
-    if is_foreign(path) and not options.get("source"):
-        from experiments.sae.imported import read_folder
-
-        # what attaches the SAE to a model means nothing without one: said, rather than left unused
-        attaching = ("module", "target", "skip_positions", "weights")
-        if unused := [f"{key}=" for key in attaching if options.get(key) is not None]:
-            raise ConfigError(
-                f"{', '.join(unused)}: they attach {path}'s SAE to the model it reads; give source=MODEL with them, or "
-                "leave them out for the SAE alone"
-            )
-        return read_folder(path, options.get("hook"))[0]
-    model, _ = load(path, **options)
-    model = getattr(model, "coder", model)  # an end-to-end run trains a coder through its source
-    saes = getattr(model, "saes", None)
-    if saes is not None:
-        if name not in saes:
-            raise ConfigError(f"{path} holds a family of SAEs: give name=, one of {', '.join(saes)}")
-        return saes[name]
-    if name is not None:
-        raise ConfigError(f"name={name}: {path} holds one SAE, not a family")
-    if not hasattr(model, "encode"):
-        raise ConfigError(f"{path}'s model ({type(model).__name__}) is no SAE: load it with runner.api.load")
-    return model
-
-
-def decode(sae: nn.Module, codes: torch.Tensor) -> torch.Tensor:
-    """The raw activations (a transcoder: its target) that dense codes [rows, n_latents] reconstruct, what
-    `sae.encode(x)` gave: sae(x) for an SAE (a skip transcoder adds its skip term of x, which codes do not hold)."""
-    with torch.no_grad():
-        return sae.decode(codes, None) / sae.out_scale
-
-
-def source(path: str | Path, device: str | torch.device = "cpu", **options: Any) -> Any:
-    """The model an SAE run (or an attached SAE folder) reads, hooked at its module, on `device`: a SourceModel
-    (experiments/sae/sources/source.py), whose `output_of(name, tokens)` gives a module's activations and
-    `loss(batch)` the model's loss."""
-    from experiments.sae.sources.source import hooked_source
-
-    _, cfg = load(path, **options)
-    if cfg.get("data", {}).get("checkpoint") is None:
-        raise ConfigError(f"{path} is no run on a model's activations: it reads no source model")
-    return hooked_source(cfg.data, torch.device(device))
-
-
-def spliced_loss(sae: nn.Module, source_model: Any, tokens: torch.Tensor) -> tuple[float, float]:
-    """(the source model's loss on `tokens`, the same with `sae`'s reconstruction in place of its module's output):
-    what the splice metrics average, for one batch. `tokens` [B, T + 1] are the inputs and their next-token targets,
-    as the source's batches hold them (`source.data.val_loader()`); positions the run skipped keep the model's own."""
-    batch = {"tokens": tokens.to(source_model.device)}
-    through = lambda acts: sae(acts.float()).to(acts.dtype)  # noqa: E731
-    with torch.no_grad():
-        clean = source_model.loss(batch)[0]
-        spliced = source_model.run(batch, (source_model.name, through))[0]
-    return float(clean), float(spliced)
+    if unknown := sorted(set(attach) - set(Attach.keys())):
+        raise ConfigError(f"{', '.join(unknown)}: not an option of load; give weights=, trusted=, or {Attach.keys()}")
+    return load_model(path, tuple(trusted or trusted_here()), Attach(**attach), weights=weights)
 
 
 def metrics(run_dir: str | Path) -> Iterator[dict[str, Any]]:

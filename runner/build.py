@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import hashlib
-import math
 import random
 import sys
 from collections.abc import Iterator
@@ -20,12 +18,14 @@ from torch import nn
 
 from runner import ConfigError
 from runner.callbacks.time_limit import TimeLimit
-from runner.checks import check_config
 from runner.ckpt.weights import load_weights
-from runner.loop import check_monitored_metrics, check_monitors, validation_metrics
+from runner.config.checks import check_config
+from runner.config.monitors import check_monitored_metrics, check_monitors, validation_metrics
+from runner.durations import Duration
 from runner.meter import Meter, peak_flops
 from runner.optimizers import FUSED_DEVICES
-from runner.progress import Duration, TrainingProgress
+from runner.param_groups import param_groups
+from runner.progress import TrainingProgress
 from runner.run import Best, Run, Settings, State
 
 
@@ -34,45 +34,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _names(name: str, pattern: str) -> bool:
-    # `W_enc` names model.coder.W_enc (and DDP's module.W_enc): the command line's dict keys take no `*`.
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
-
-
-def param_groups(task: nn.Module, lr_scale: dict[str, float] | None = None) -> list[dict[str, Any]]:
-    """Weight decay for matrices and embeddings only (biases and norm gains, 1-D, are not decayed); `lr_scale` maps
-    parameter names (fnmatch globs, matched against the whole name or its last parts; first match wins) to a multiple
-    of the optimizer's lr for those parameters."""
-    lr_scale = dict(lr_scale or {})
-    bad = {k: v for k, v in lr_scale.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0}
-    if bad or not all(map(math.isfinite, lr_scale.values())):
-        raise ConfigError(f"optimizer.lr_scale's values must be finite numbers >= 0, got {lr_scale}")
-    groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
-    matched = set()
-    for name, p in task.named_parameters():
-        if not p.requires_grad:
-            continue
-        pattern = next((pattern for pattern in lr_scale if _names(name, pattern)), None)
-        matched.add(pattern)
-        groups.setdefault((float(lr_scale.get(pattern, 1.0)), p.ndim < 2), []).append(p)
-    unmatched = [pattern for pattern in lr_scale if pattern not in matched]
-    if unmatched:
-        names = [name for name, p in task.named_parameters() if p.requires_grad]
-        raise ConfigError(
-            f"optimizer.lr_scale names {unmatched}, which match none of the trained parameters "
-            f"({', '.join(names[:12])}{', ...' if len(names) > 12 else ''}): the keys are fnmatch globs on these names "
-            "or their last parts, e.g. optimizer.lr_scale={W_enc:0.5}"
-        )
-    # The unscaled decayed group first: the loop logs param_groups[0]'s lr.
-    order = sorted(groups, key=lambda key: (key[0] != 1.0, key[1]))
-    return [
-        {"params": groups[key]}
-        | ({"weight_decay": 0.0} if key[1] else {})
-        | ({"lr_scale": key[0]} if key[0] != 1.0 else {})
-        for key in order
-    ]
 
 
 def _not_selected(name: str, how: str, quiet: bool) -> None:
@@ -195,26 +156,16 @@ def build(cfg: DictConfig) -> Run:
 
 
 def _build(cfg: DictConfig) -> Run:
+    # The order is the seeded run's: what draws random numbers (the data, the model's init) draws them in this order.
     check_config(cfg)
     dist = instantiate(cfg.distributed)
     seed_everything(cfg.seed)
     data = instantiate(cfg.data)
-    train_loader = data.train_loader(dist.rank, dist.world_size, dist.device, cfg.trainer.accumulate_grad_batches)
-    val_loader = data.val_loader(dist.rank, dist.world_size, dist.device)
-    epoch = len(train_loader) if hasattr(train_loader, "__len__") else None  # a stream has no epochs
-    if epoch == 0:
-        raise ConfigError(
-            f"the train loader is empty: {len(train_loader.dataset)} samples make no optimizer step of "
-            f"data.batch_size={data.batch_size} x {dist.world_size} rank(s) x trainer.accumulate_grad_batches="
-            f"{cfg.trainer.accumulate_grad_batches} with data.drop_last={data.drop_last}"
-        )
+    train_loader, val_loader, epoch = _loaders(cfg, data, dist)
     trainer = cfg.trainer
     if trainer.max_nonfinite_steps < 1:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
-    task = instantiate(cfg.model, **decided_by_data(cfg.model, data, dist)).to(dist.device)
-    if cfg.get("init_from"):
-        load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True), say=dist.is_main)
-    task = instantiate(cfg.finetune).apply(task) if _on(cfg, "finetune") else task  # adapts init_from's weights
+    task = _task(cfg, data, dist)
     if not hasattr(task, "validation_step"):
         val_loader = None  # validation_step is optional: a task without one is never validated
     precision = instantiate(cfg.precision, device=dist.device)
@@ -232,18 +183,71 @@ def _build(cfg: DictConfig) -> Run:
     optimizer = _optimizer(
         cfg.optimizer, precision.optimizer_groups(param_groups(task, cfg.optimizer.get("lr_scale"))), dist.device
     )
-    progress = TrainingProgress(
+    progress = _progress(trainer, data, train_loader, epoch, dist.world_size)
+    settings = _settings(cfg, progress, data, compiled, recomputed)
+    run = Run(
+        task=task,
+        optimizer=optimizer,
+        schedule=instantiate(cfg.scheduler)(optimizer=optimizer, progress=progress),
+        precision=precision,
+        strategy=dist,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        settings=settings,
+        state=State(progress=progress, best=Best(cfg.get("mode", "min")), meter=Meter(progress, flops_per_token, peak)),
+        forward=forward,
+        callbacks=_callbacks(cfg, quiet=not dist.is_main),
+    )
+    check_monitors(run, getattr(data, "no_val_split", None))  # a data module of your own need not say
+    check_monitored_metrics(run, metric_names)
+    # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
+    run.loggers = _named(cfg.get("logger"), "logger") if dist.is_main else []
+    return run
+
+
+def _loaders(cfg: DictConfig, data: Any, dist: Any) -> tuple[Any, Any, int | None]:
+    """This rank's train and validation loaders, and the micro-batches of a train epoch (None: a stream has none)."""
+    train_loader = data.train_loader(dist.rank, dist.world_size, dist.device, cfg.trainer.accumulate_grad_batches)
+    val_loader = data.val_loader(dist.rank, dist.world_size, dist.device)
+    epoch = len(train_loader) if hasattr(train_loader, "__len__") else None
+    if epoch == 0:
+        raise ConfigError(
+            f"the train loader is empty: {len(train_loader.dataset)} samples make no optimizer step of "
+            f"data.batch_size={data.batch_size} x {dist.world_size} rank(s) x trainer.accumulate_grad_batches="
+            f"{cfg.trainer.accumulate_grad_batches} with data.drop_last={data.drop_last}"
+        )
+    return train_loader, val_loader, epoch
+
+
+def _task(cfg: DictConfig, data: Any, dist: Any) -> nn.Module:
+    """The model on this rank's device: shaped by its data, started from init_from's weights, adapted to fine-tune."""
+    task = instantiate(cfg.model, **decided_by_data(cfg.model, data, dist)).to(dist.device)
+    if cfg.get("init_from"):
+        load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True), say=dist.is_main)
+    return instantiate(cfg.finetune).apply(task) if _on(cfg, "finetune") else task  # adapts init_from's weights
+
+
+def _progress(trainer: DictConfig, data: Any, train_loader: Any, epoch: int | None, world: int) -> TrainingProgress:
+    """The run's clock, from the data's batches and the trainer's max_duration and accumulation."""
+    return TrainingProgress(
         trainer.max_duration,
         batch_size=data.batch_size,
         batches_per_epoch=epoch,
         samples_per_epoch=getattr(getattr(train_loader, "batch_sampler", None), "samples_per_epoch", None),
         accumulate=trainer.accumulate_grad_batches,
-        world_size=dist.world_size,
+        world_size=world,
         tokens_per_sample=data.tokens_per_sample,
     )
+
+
+def _settings(
+    cfg: DictConfig, progress: TrainingProgress, data: Any, compiled: str | None, recomputed: str | None
+) -> Settings:
+    """What the config fixes for the loop, once every duration in it reads in this run's units."""
     config = _plain(cfg)
     progress.check_durations(config)
-    settings = Settings(
+    trainer = cfg.trainer
+    return Settings(
         val_interval=_interval(progress, trainer.val_interval, "trainer.val_interval"),
         log_interval=_interval(progress, trainer.log_interval, "trainer.log_interval"),
         gradient_clip_val=trainer.gradient_clip_val,
@@ -256,33 +260,18 @@ def _build(cfg: DictConfig) -> Run:
         compiled=compiled,
         recomputed=recomputed,
     )
-    run = Run(
-        task=task,
-        optimizer=optimizer,
-        schedule=instantiate(cfg.scheduler)(optimizer=optimizer, progress=progress),
-        precision=precision,
-        strategy=dist,
-        train_loader=train_loader,
-        val_loader=val_loader,
-        settings=settings,
-        state=State(
-            progress=progress,
-            best=Best(cfg.get("mode", "min")),
-            meter=Meter(progress, flops_per_token, peak),
-        ),
-        forward=forward,
-        callbacks=_named(cfg.get("callbacks"), "callbacks", quiet=not dist.is_main)
-        + _checkpoint(cfg.get("checkpoint"), quiet=not dist.is_main)
-        + ([TimeLimit(trainer.max_time)] if trainer.get("max_time") else []),
+
+
+def _callbacks(cfg: DictConfig, quiet: bool) -> list[Any]:
+    """The callbacks in the config's order, then the checkpoint (it saves what they leave), then max_time's limit."""
+    return (
+        _named(cfg.get("callbacks"), "callbacks", quiet=quiet)
+        + _checkpoint(cfg.get("checkpoint"), quiet=quiet)
+        + ([TimeLimit(cfg.trainer.max_time)] if cfg.trainer.get("max_time") else [])
     )
-    check_monitors(run, getattr(data, "no_val_split", None))  # a data module of your own need not say
-    check_monitored_metrics(run, metric_names)
-    # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
-    run.loggers = _named(cfg.get("logger"), "logger") if dist.is_main else []
-    return run
 
 
 def build_data(cfg: DictConfig) -> Any:
-    """The data component of a config that runner.trained.load_trained returned (its targets already checked)."""
+    """The data component of a config that runner.load.load_trained returned (its targets already checked)."""
     with user_errors():
         return instantiate(cfg.data)

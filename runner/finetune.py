@@ -22,11 +22,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import ConfigError, check_whole, trust
+from runner import ConfigError, check_whole
 from runner.ckpt.files import ADAPTER
 from runner.ckpt.weights import read_weights, save_weights
-from runner.cli import as_flags
+from runner.config import trust
 from runner.rundir import CONFIG, MODEL, read_run_config
+from runner.tools.cli import as_flags
 
 MERGED = "model.merged.safetensors"
 TARGET = "runner.finetune.Lora"  # not f"{__name__}.Lora": under `python -m runner.finetune` that is __main__.Lora
@@ -110,7 +111,7 @@ def merged_weights(
 
 
 def _config(run_dir: Path) -> Any:
-    # The run's own config, with ${run_dir} as the folder the run is in now (as runner.trained reads a run)
+    # The run's own config, with ${run_dir} as the folder the run is in now (as runner.load reads a run)
     if not run_dir.is_dir():
         what = "does not exist" if not run_dir.exists() else "is a file"
         raise ConfigError(f"{run_dir} {what}: give the folder of a finetune=lora run, e.g. outputs/DATE/TIME")

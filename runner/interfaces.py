@@ -1,10 +1,16 @@
-"""The interface every experiment's model implements (Task): the one method the loop needs and the optional hooks the
-framework looks up by name, each with who calls it. The components' own interfaces (Precision, Strategy, Schedule,
-Callback, Logger) are in runner.run."""
+"""The interfaces the framework's parts follow.
+
+Task: what every experiment's model implements, the one method the loop needs and the optional hooks the framework
+looks up by name, each with who calls it; a task package declares its own tools' hooks (the SAE workbench's `coder`,
+`saes`, `encode`: experiments.sae.api). Precision, Strategy, Schedule and Logger: the components a config names.
+Callback is in runner.run, beside the Run its hooks take: this module imports nothing of the framework, so that
+runner.run can import it.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -43,25 +49,17 @@ class Task(Protocol):
     parts: dict[str, str]  # runner.train at the end: part name -> weights prefix; each part gets its own weights file
 
     def export(self, fmt: str, out: Any, cfg: Any, summary: dict | None = None) -> list[Any]:
-        """runner.export for `python -m runner.export`: write the weights in format `fmt` into `out`; the folders."""
+        """runner.tools.export (`python -m runner.export`): write the weights as `fmt` into `out`; the folders."""
 
     def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
-        """runner.features for `python -m runner.features`: write the feature pages into `out`; the pages."""
+        """runner.tools.features (`python -m runner.features`): write the feature pages into `out`; the pages."""
 
     def generate(
         self, tokens: torch.Tensor, new_tokens: int, temperature: float, top_k: int | None, generator: Any
     ) -> torch.Tensor:
-        """runner.generate for `python -m runner.generate`: the prompt `tokens` [B, T] followed by `new_tokens`."""
+        """runner.tools.generate (`python -m runner.generate`): the prompt `tokens` [B, T] followed by `new_tokens`."""
 
-    vocab_size: int  # runner.generate: the token ids a prompt may hold (256: bytes, so a prompt= of text)
-    coder: nn.Module  # runner.api.load_sae and runner.sae_eval: the SAE an end-to-end task trains, taken in its place
-    saes: dict[str, nn.Module]  # runner.api.load_sae(name=): a family's SAEs by name
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """runner.api.load_sae: what makes the task (or its coder) an SAE to return; dense codes [B, n_latents]."""
-
-    def reconstruct(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """runner.sae_eval for `python -m runner.sae_eval`: what makes the task (or its coder) an SAE to evaluate."""
+    vocab_size: int  # runner.tools.generate: the token ids a prompt may hold (256: bytes, so a prompt= of text)
 
 
 TASK_HOOKS = (  # the Task's optional hooks, in the order above
@@ -77,8 +75,88 @@ TASK_HOOKS = (  # the Task's optional hooks, in the order above
     "features",
     "generate",
     "vocab_size",
-    "coder",
-    "saes",
-    "encode",
-    "reconstruct",
 )
+
+
+# ---- the components' interfaces --------------------------------------------------------------------------------------
+class Precision(Protocol):
+    """Numeric precision (runner.precision): autocast for the forward, backward and the optimizer step."""
+
+    name: str
+    handles_overflow: bool  # it skips steps whose gradients overflowed itself (fp16 loss scaling)
+
+    def cast(self, task: nn.Module) -> None: ...
+    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
+    def stepped(self, params: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    def autocast(self) -> AbstractContextManager: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Strategy(Protocol):
+    """Where the processes run and how they agree (runner.distributed): one process, DDP or FSDP."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    is_main: bool
+    device: torch.device
+    backend: str
+    strategy: str
+
+    def wrap(self, task: nn.Module) -> Any: ...
+    def sync(self, enabled: bool) -> AbstractContextManager: ...
+    def norm(self, tensors: list[torch.Tensor]) -> torch.Tensor: ...
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor: ...
+    def model_state(self, task: nn.Module) -> dict[str, Any]: ...
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+    def load_model_state(self, task: nn.Module, state: dict[str, torch.Tensor]) -> None: ...
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None: ...
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def all_max(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def gather(self, value: Any) -> list[Any]: ...
+    def any(self, flags: list[bool]) -> list[bool]: ...
+    def barrier(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Schedule(Protocol):
+    """When the learning rate moves (runner.schedulers): per optimizer step, or on a validation metric."""
+
+    monitor: str | None
+
+    def on_optimizer_step(self) -> None: ...
+    def on_validation(self, metrics: dict[str, float]) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """start(info), log(metrics, step), log_histograms(values, step), close(summary); a logger overrides what it
+    needs (subclass this)."""
+
+    def start(self, info: dict[str, Any]) -> None:
+        """Called once before training with facts about the run (parameters, batch, steps, config...)."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record metrics at an optimizer step."""
+
+    def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
+        """Record distributions (one value per layer, say) at an optimizer step, where the logger can draw them."""
+
+    def working(self, what: str, done: int, total: int | None) -> None:
+        """Progress through a long pass that logs nothing until it ends (a validation): `done` of `total` batches."""
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        """Flush and release; `summary` is what summary.json holds (None if the run failed)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run continues this log (e.g. a wandb run id)."""
+        return {}
+
+    def resume(self, step: int, state: dict[str, Any]) -> None:
+        """Before start(): the run resumes after `step` from a checkpoint that held state_dict()."""

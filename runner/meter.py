@@ -127,7 +127,7 @@ class Meter:
         """Means since the last read, norms, LR, skipped steps, throughput and memory, with one device sync; then
         start over.
 
-        `strategy` (runner.run.Strategy) sums over ranks; `params` are the trained parameters."""
+        `strategy` (runner.interfaces.Strategy) sums over ranks; `params` are the trained parameters."""
         p, keys, device = self.progress, list(self.sums), strategy.device
         param_norm = strategy.norm([q.detach() for q in params])  # FSDP: over every rank's shards
         records = self._stacked(device).double()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from runner import ConfigError
-from runner.trust import buildable
+from runner.config.trust import buildable
 
 
 @buildable("precision")

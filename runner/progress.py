@@ -1,69 +1,14 @@
-"""TrainingProgress: the one clock of a run, and the duration strings that are read off it."""
+"""TrainingProgress: the one clock of a run, which every duration (runner.durations) is read off."""
 
 from __future__ import annotations
 
 import math
-import re
 import warnings
-from dataclasses import dataclass
 
-from runner import ConfigError, check_whole
+from runner import check_whole
+from runner.durations import Duration, DurationError, is_duration, parse_duration
 
-UNITS = {"st": "optimizer steps", "ep": "epochs", "sa": "samples", "tok": "tokens", "dur": "fraction of max_duration"}
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(st|ep|sa|tok|dur)\s*$")
 _EPS = 1e-9  # float slack so that 0.1ep * 30 batches ticks at batch 3, not at batch 4
-
-
-class DurationError(ConfigError):
-    """A duration string that cannot be parsed or does not fit this run."""
-
-
-@dataclass(frozen=True)
-class Duration:
-    """A length of training: a non-negative value and one of the units in UNITS."""
-
-    value: float
-    unit: str
-
-    def __str__(self) -> str:
-        value = int(self.value) if self.value == int(self.value) else self.value
-        return f"{value}{self.unit}"
-
-
-def parse_duration(text: str | Duration) -> Duration:
-    """Parse '500st', '3ep', '1e6sa', '2e7tok' or '0.25dur' into a Duration."""
-    if isinstance(text, Duration):
-        return text
-    match = _PATTERN.match(str(text))
-    if not match:
-        units = ", ".join(f"{u} ({name})" for u, name in UNITS.items())
-        raise DurationError(
-            f"cannot read duration {text!r}: write a number followed by one unit, e.g. '500st', "
-            f"'3ep', '1e6sa', '0.25dur'. Units: {units}."
-        )
-    value, unit = float(match.group(1)), match.group(2)
-    if not math.isfinite(value) or value >= 2**62:
-        raise DurationError(f"duration {text!r} is too large to count (at most 2^62 {UNITS[unit]}): e.g. '1e12{unit}'")
-    if unit == "st" and value != int(value):
-        raise DurationError(f"duration {text!r}: optimizer steps must be a whole number")
-    if unit == "dur" and value > 1:
-        raise DurationError(f"duration {text!r}: a fraction of max_duration must be at most 1")
-    return Duration(value, unit)
-
-
-def parse_time(text: str | float) -> float:
-    """Seconds in a wall-clock duration: '23h50m', '90m', '1d', '45s', '1h30m15s', or a number of seconds."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    match = re.fullmatch(
-        r"\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*"
-        r"(?:(\d+(?:\.\d+)?)s)?\s*",
-        str(text),
-    )
-    if not match or not any(match.groups()):
-        raise ConfigError(f"cannot read the time {text!r}: write e.g. '23h50m', '90m', '1d', '45s'")
-    days, hours, minutes, seconds = (float(g or 0) for g in match.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 class TrainingProgress:
@@ -218,7 +163,7 @@ class TrainingProgress:
         elif isinstance(config, list):
             for i, value in enumerate(config):
                 self.check_durations(value, f"{path}[{i}]")
-        elif isinstance(config, str) and _PATTERN.match(config):
+        elif is_duration(config):
             self.resolve(config, path)
 
     @staticmethod

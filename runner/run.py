@@ -1,13 +1,13 @@
-"""The run: its settings, its components and its state, the interfaces they follow, and why a run stops.
+"""The run: its settings, its components and its state, the callbacks' hooks, and why a run stops.
 
-A leaf module: the loop, callbacks, checkpoints and loggers take a `Run`; nothing here knows any of them.
+A leaf module: the loop, callbacks, checkpoints and loggers take a `Run`; nothing here knows any of them. The
+components' interfaces (Precision, Strategy, Schedule, Logger) are runner.interfaces'.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from runner import ConfigError
+from runner.durations import Duration
+from runner.interfaces import Logger, Precision, Schedule, Strategy
 from runner.meter import Meter, WallClock
-from runner.progress import Duration, TrainingProgress
+from runner.progress import TrainingProgress
 
 
 class StopReason(str, enum.Enum):
@@ -119,62 +121,7 @@ class Best:
         self.value, self.step = state["value"], state["step"]
 
 
-# ---- the interfaces of the components -----------------------------------------------------------------------------
-class Precision(Protocol):
-    """Numeric precision (runner.precision): autocast for the forward, backward and the optimizer step."""
-
-    name: str
-    handles_overflow: bool  # it skips steps whose gradients overflowed itself (fp16 loss scaling)
-
-    def cast(self, task: nn.Module) -> None: ...
-    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
-    def stepped(self, params: list[torch.Tensor]) -> list[torch.Tensor]: ...
-    def autocast(self) -> AbstractContextManager: ...
-    def backward(self, loss: torch.Tensor) -> None: ...
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class Strategy(Protocol):
-    """Where the processes run and how they agree (runner.distributed): one process, DDP or FSDP."""
-
-    rank: int
-    world_size: int
-    local_world_size: int
-    is_main: bool
-    device: torch.device
-    backend: str
-    strategy: str
-
-    def wrap(self, task: nn.Module) -> Any: ...
-    def sync(self, enabled: bool) -> AbstractContextManager: ...
-    def norm(self, tensors: list[torch.Tensor]) -> torch.Tensor: ...
-    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor: ...
-    def model_state(self, task: nn.Module) -> dict[str, Any]: ...
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
-    def load_model_state(self, task: nn.Module, state: dict[str, torch.Tensor]) -> None: ...
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None: ...
-    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
-    def all_max(self, tensor: torch.Tensor) -> torch.Tensor: ...
-    def gather(self, value: Any) -> list[Any]: ...
-    def any(self, flags: list[bool]) -> list[bool]: ...
-    def barrier(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class Schedule(Protocol):
-    """When the learning rate moves (runner.schedulers): per optimizer step, or on a validation metric."""
-
-    monitor: str | None
-
-    def on_optimizer_step(self) -> None: ...
-    def on_validation(self, metrics: dict[str, float]) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
+# ---- the hooks the loop calls ----------------------------------------------------------------------------------------
 @runtime_checkable
 class Callback(Protocol):
     """Named hooks the loop calls; every hook is a no-op until a callback overrides it (subclass this).
@@ -214,34 +161,6 @@ class Callback(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict()."""
-
-
-@runtime_checkable
-class Logger(Protocol):
-    """start(info), log(metrics, step), log_histograms(values, step), close(summary); a logger overrides what it
-    needs (subclass this)."""
-
-    def start(self, info: dict[str, Any]) -> None:
-        """Called once before training with facts about the run (parameters, batch, steps, config...)."""
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Record metrics at an optimizer step."""
-
-    def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
-        """Record distributions (one value per layer, say) at an optimizer step, where the logger can draw them."""
-
-    def working(self, what: str, done: int, total: int | None) -> None:
-        """Progress through a long pass that logs nothing until it ends (a validation): `done` of `total` batches."""
-
-    def close(self, summary: dict[str, Any] | None = None) -> None:
-        """Flush and release; `summary` is what summary.json holds (None if the run failed)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps so that a resumed run continues this log (e.g. a wandb run id)."""
-        return {}
-
-    def resume(self, step: int, state: dict[str, Any]) -> None:
-        """Before start(): the run resumes after `step` from a checkpoint that held state_dict()."""
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------

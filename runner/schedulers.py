@@ -9,7 +9,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from runner import ConfigError
-from runner.progress import Duration, TrainingProgress, parse_duration
+from runner.durations import Duration, parse_duration
+from runner.progress import TrainingProgress
 
 
 class PerStep:

@@ -119,29 +119,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
     run.callbacks += list(extra_callbacks)
     manifest = resume(run, cfg)
     if manifest is not None and manifest["stop_reason"] is not None and StopReason(manifest["stop_reason"]).finished:
-        # A kill after the final checkpoint may have cost the final outputs: fit() trains no step but ends the run
-        # again from the checkpoint (restore_best, EMA, the final evaluation), and the outputs are written as then.
-        if run.strategy.is_main:
-            step, reason = manifest["step"], manifest["stop_reason"]
-            print(
-                f"resume: this run already finished at step {step} ({reason}); writing its final outputs "
-                f"({MODEL}, {SUMMARY}) from that checkpoint again",
-                file=sys.stderr,
-            )
-        run.stop_reason = StopReason(manifest["stop_reason"])
+        _finish_again(run, manifest)
     if run.strategy.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless train() is called from Python
-        if not (run_dir / CONFIG).exists():
-            # run_dir=X moves the run away from Hydra's output folder, which keeps .hydra/: the run folder must hold
-            # its config anyway (a finished run is an SAE's source.checkpoint, read from there)
-            (run_dir / CONFIG).parent.mkdir(exist_ok=True)
-            write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(cfg).encode())
-        info = run_metadata(str(run.device), run.world_size)
-        if run.settings.data_info:
-            info["data"] = run.settings.data_info
-        if manifest is not None:
-            info["config_changes"] = manifest["config_changes"]  # resume_allow_changes: what differs, honestly
-        write_json(run_dir / (RUN_INFO if manifest is None else f"run-resumed-at-{manifest['step']}.json"), info)
+        _write_run_info(run, cfg, run_dir, manifest)
     samples_at_start, tokens_at_start, summary = run.progress.samples, run.progress.tokens, None
     run.state.clock.start()
     try:
@@ -154,12 +134,8 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
         run.stop_reason = StopReason.INTERRUPTED
         summary = summarize(run, samples_at_start, tokens_at_start)
     finally:
-        weights = model_weights(run) if summary is not None else None  # collective under FSDP: every rank
-        if summary is not None and run.strategy.is_main:
-            save_weights(weights, run_dir / MODEL)
-            for name, part in weight_parts(run.task, weights).items():
-                save_weights(part, run_dir / MODEL_PART.format(name))
-            write_json(run_dir / SUMMARY, summary)
+        if summary is not None:
+            _write_outputs(run, run_dir, summary)
         for logger in run.loggers:
             logger.close(summary)
         if summary is not None:
@@ -168,3 +144,42 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
             run.strategy.barrier()
         run.strategy.close()
     return run
+
+
+def _finish_again(run: Run, manifest: dict[str, Any]) -> None:
+    # A kill after the final checkpoint may have cost the final outputs: fit() trains no step but ends the run
+    # again from the checkpoint (restore_best, EMA, the final evaluation), and the outputs are written as then.
+    if run.strategy.is_main:
+        step, reason = manifest["step"], manifest["stop_reason"]
+        print(
+            f"resume: this run already finished at step {step} ({reason}); writing its final outputs "
+            f"({MODEL}, {SUMMARY}) from that checkpoint again",
+            file=sys.stderr,
+        )
+    run.stop_reason = StopReason(manifest["stop_reason"])
+
+
+def _write_run_info(run: Run, cfg: DictConfig, run_dir: Path, manifest: dict[str, Any] | None) -> None:
+    # The run's config where Hydra did not write it, and run.json (run-resumed-at-N.json for a resumed launch)
+    run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless train() is called from Python
+    if not (run_dir / CONFIG).exists():
+        # run_dir=X moves the run away from Hydra's output folder, which keeps .hydra/: the run folder must hold
+        # its config anyway (a finished run is an SAE's source.checkpoint, read from there)
+        (run_dir / CONFIG).parent.mkdir(exist_ok=True)
+        write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(cfg).encode())
+    info = run_metadata(str(run.device), run.world_size)
+    if run.settings.data_info:
+        info["data"] = run.settings.data_info
+    if manifest is not None:
+        info["config_changes"] = manifest["config_changes"]  # resume_allow_changes: what differs, honestly
+    write_json(run_dir / (RUN_INFO if manifest is None else f"run-resumed-at-{manifest['step']}.json"), info)
+
+
+def _write_outputs(run: Run, run_dir: Path, summary: dict[str, Any]) -> None:
+    # The weights are gathered on every rank (a collective under FSDP); rank 0 writes them and summary.json.
+    weights = model_weights(run)
+    if run.strategy.is_main:
+        save_weights(weights, run_dir / MODEL)
+        for name, part in weight_parts(run.task, weights).items():
+            save_weights(part, run_dir / MODEL_PART.format(name))
+        write_json(run_dir / SUMMARY, summary)

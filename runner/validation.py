@@ -1,5 +1,6 @@
 """One evaluation pass over a loader, as validation computes it: float64 means over the whole split (every rank's
-shard), then the task's validation_summary. A leaf module: the loop, the EMA callback and `runner.evaluate` use it."""
+shard), then the task's validation_summary. A leaf module: the loop, the EMA callback and `runner.tools.evaluate` use
+it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from runner.data import batch_size_of, to_device
-from runner.run import Precision
+from runner.interfaces import Precision
 
 
 @torch.no_grad()

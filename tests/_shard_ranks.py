@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from experiments.sae.sources.hooked import source_parameters
+from experiments.sae.sources.sharded import source_parameters
 from experiments.sae.sources.source import SourceModel
 
 dist.init_process_group("gloo")

@@ -133,7 +133,7 @@ class FullDiskFrom(Callback):
             def full(fd: int) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
 
-            rundir.os.fsync = full
+            rundir.files.os.fsync = full
 
 
 class SleepEachStep(Callback):

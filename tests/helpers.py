@@ -42,7 +42,23 @@ from runner.schedulers import constant
 # ---- paths --------------------------------------------------------------------------------------------------------
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-CONF_DIR = ROOT / "runner" / "conf"
+CONF_DIR = ROOT / "runner" / "conf"  # the framework's groups, and config.yaml
+# Every folder of config groups: runner/conf and each task package's conf/ (a package: its __init__.py), which
+# hydra_plugins/runner_launchers/search_path.py puts on Hydra's search path. Found on disk, not read from the plugin:
+# a folder the plugin leaves out fails the tests that compose its options.
+CONF_DIRS = [CONF_DIR, *sorted(p.parent for p in (ROOT / "experiments").rglob("conf/__init__.py"))]
+
+
+def config_groups() -> list[str]:
+    """The config groups that have options (a YAML file directly in them), over every folder of CONF_DIRS."""
+    return sorted({d.name for conf in CONF_DIRS for d in conf.iterdir() if d.is_dir() and any(d.glob("*.yaml"))})
+
+
+def config_options(group: str) -> dict[str, Path]:
+    """A config group's options, name -> file, over every folder of CONF_DIRS, sorted by name."""
+    return dict(sorted((f.stem, f) for conf in CONF_DIRS for f in (conf / group).glob("*.yaml")))
+
+
 # wall-clock figures: the only ones a resume may change (a row whose window held only a launch's first step has none
 # of the rates: that step is left out of throughput)
 TIMING = {

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from runner import ConfigError
+from runner.config.trust import buildable
 from runner.log.wandb_logger import WandbLogger
 from runner.progress import parse_duration
 from runner.run import Callback
-from runner.trust import buildable
 
 if TYPE_CHECKING:
     from runner.run import Run

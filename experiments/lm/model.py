@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner import ConfigError, check_whole
-from runner.trust import buildable
+from runner.config.trust import buildable
 
 LN2 = math.log(2)
 

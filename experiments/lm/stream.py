@@ -21,8 +21,8 @@ import torch
 from experiments.lm.corpus import GLOB_LIMIT, corpus_files, held_out_files, no_val_split, read_text
 from experiments.lm.data import check_seq_len, windows_or_error
 from runner import ConfigError
-from runner.streaming import ShardedStream, StreamingData
-from runner.trust import buildable
+from runner.config.trust import buildable
+from runner.data.streaming import ShardedStream, StreamingData
 
 _SNIFF = 8192  # bytes of each training file checked before streaming: no NUL (a binary file), UTF-8
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from experiments.sae.coders.multi import combined, from_every_rank, members, spread_over_ranks
 from experiments.sae.metrics import feature_recovery, relative_error
 from runner import ConfigError
+from runner.config.trust import buildable
 from runner.progress import parse_duration
 from runner.run import Callback
-from runner.trust import buildable
 
 if TYPE_CHECKING:
     from runner.run import Run

@@ -29,7 +29,7 @@ from experiments.sae.sources.replay import recording, replaying
 from experiments.sae.sources.source import SourceModel, Splice
 from runner import ConfigError
 from runner.compile import class_name
-from runner.trust import buildable
+from runner.config.trust import buildable
 
 LOSSES = ("kl", "ce")
 
@@ -184,6 +184,6 @@ class Spliced(nn.Module):
 
 def _kl(clean: torch.Tensor, spliced: torch.Tensor) -> torch.Tensor:
     """KL(clean || spliced) of next-token distributions from logits [..., vocab], averaged over positions, in float32
-    (the validation's is in float64: experiments/sae/sources/source.py)."""
+    (the validation's is in float64: experiments/sae/sources/costs.py)."""
     p = clean.float().log_softmax(-1)
     return (p.exp() * (p - spliced.float().log_softmax(-1))).sum(-1).mean()

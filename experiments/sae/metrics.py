@@ -36,7 +36,7 @@ def relative_error(estimate: torch.Tensor, truth: torch.Tensor) -> float:
 
 
 # An ablation that moves the loss by less than this share of it leaves the recovered fraction meaningless: a ratio
-# of two differences near float noise (issue 46: 1.58 "recovered" from an ablation that cost 0.03%)
+# of two differences near float noise gave 1.58 "recovered" from an ablation that cost 0.03%
 MIN_ABLATION_GAP = 1e-3
 
 

@@ -43,7 +43,7 @@ class _TasksAreRanks:
 
     def __call__(self, sweep_overrides: list[str], *args: Any, **kwargs: Any) -> JobReturn:
         """One task of a job: export its rank for torch.distributed, then run the job as rank 0 or a quiet rank."""
-        from runner import resolvers
+        from runner.config import resolvers
         from runner.distributed.env import QUIET_RANK
 
         resolvers.register()  # the config's resolvers (runner_now, runner_hydra_subdir) in this process

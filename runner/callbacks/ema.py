@@ -12,7 +12,7 @@ from runner import ConfigError
 from runner.callbacks import needs_every_module
 from runner.callbacks.early_stopping import EarlyStopping
 from runner.ckpt.weights import save_weights
-from runner.progress import parse_duration
+from runner.durations import parse_duration
 from runner.run import Callback, Run
 from runner.rundir import MODEL_PART
 from runner.validation import evaluate_loader

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runner import ConfigError
-from runner.progress import parse_duration
+from runner.durations import parse_duration
 from runner.run import Callback
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runner.callbacks import needs_every_module
-from runner.progress import parse_duration
+from runner.durations import parse_duration
 from runner.run import Callback
 
 if TYPE_CHECKING:

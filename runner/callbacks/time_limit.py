@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from runner import ConfigError
-from runner.progress import parse_time
+from runner.durations import parse_time
 from runner.run import Callback, Run, StopReason
 
 

@@ -25,9 +25,9 @@ from runner.ckpt.files import (
     write_checkpoint,
 )
 from runner.ckpt.state import model_weights, training_state
-from runner.progress import parse_duration
+from runner.durations import parse_duration
 from runner.run import Best, Callback, Run, StopReason
-from runner.rundir import disk_full, is_disk_full
+from runner.rundir import disk_full, is_disk_full, staged_in
 
 
 def _snapshot(value: Any, buffers: dict[str, torch.Tensor], path: str = "", copy: bool = True) -> Any:
@@ -96,9 +96,10 @@ class Checkpoint(Callback):
         self.started = time.time()
 
     def on_fit_start(self, run: Run) -> None:
-        """Remove the half-written folders of a save that a crash interrupted."""
+        """Remove the half-written folders of a save that a crash interrupted (this run alone writes them)."""
         if run.strategy.is_main:
-            for stale in self.dir.glob(".tmp-*"):
+            # (.tmp-*: a runner from before runner.rundir.staged_folder named them so)
+            for stale in [*staged_in(self.dir), *self.dir.glob(".tmp-*")]:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:

@@ -3,9 +3,9 @@
 A checkpoint is a folder `<dir>/step-00001000/` holding `model.safetensors` (the bare model's weights), `state.pt`
 (everything else: optimizer, schedule, precision, progress, data position, RNG, callbacks, loggers; tensors and plain
 Python values only, so it loads with `torch.load(weights_only=True)`) and `manifest.json` (step, metrics, wall time,
-config hash, and the size and sha256 of each file). It is written under a temporary name, fsynced, renamed into place
-and the folder fsynced: a crash leaves either the whole checkpoint or none. What the state holds is runner.ckpt.state's;
-when to save is runner.ckpt.callback's.
+config hash, and the size and sha256 of each file). It is written under a staging name (runner.rundir.staged_folder),
+fsynced, renamed into place and the folder fsynced: a crash leaves either the whole checkpoint or none. What the state
+holds is runner.ckpt.state's; when to save is runner.ckpt.callback's.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import pickle
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,24 +60,15 @@ def safetensors_bytes(weights: dict[str, torch.Tensor]) -> bytes:
 def write_checkpoint(
     folder: Path, model: dict[str, torch.Tensor], state: dict[str, Any], info: dict[str, Any]
 ) -> dict[str, Any]:
-    """Write a checkpoint folder atomically: temporary folder, fsync every file, rename, fsync the parent; its
-    manifest. A failure (a full disk) removes the temporary folder and leaves the other checkpoints as they were."""
-    tmp = folder.parent / f".tmp-{folder.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    """Write a checkpoint folder atomically: staging folder, fsync every file, rename, fsync the parent; its
+    manifest. A failure (a full disk) removes the staging folder and leaves the other checkpoints as they were. The
+    same step saved twice (an interval save, then the end of training) keeps the new one."""
+    with rundir.staged_folder(folder, replace=True, fsync=True) as tmp:
         manifest = _write_folder(tmp, model, state, info)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if folder.exists():  # the same step saved twice (an interval save, then the end of training): keep the new one
-        shutil.rmtree(folder)
-    os.rename(tmp, folder)
-    rundir.fsync_dir(folder.parent)
     return manifest
 
 
 def _write_folder(tmp: Path, model: dict[str, torch.Tensor], state: dict[str, Any], info: dict[str, Any]) -> dict:
-    tmp.mkdir(parents=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     files = {"model.safetensors": safetensors_bytes(model), "state.pt": buffer.getvalue()}

@@ -13,7 +13,7 @@ import torch
 
 from runner.ckpt.files import CheckpointError, bare_names
 from runner.run import Run
-from runner.rundir import moved_target
+from runner.rundir.old_names import upgraded
 
 
 def model_weights(run: Run) -> dict[str, torch.Tensor]:
@@ -67,7 +67,7 @@ def training_state(run: Run, gather: bool = True) -> dict[str, Any]:
 
 
 def stateful_data(run: Run) -> Any:
-    """The training loader (a stream's: runner.streaming) or dataset (an SAE's activation buffer) when it has state
+    """The training loader (a stream's: runner.data.streaming) or dataset (an SAE's activation buffer) when it has state
     of its own that a resume needs, or None.
 
     Such an object has `state_dict(batches)`, its state after this rank's first `batches` training micro-batches
@@ -128,10 +128,10 @@ def config_changes(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> 
     """Dotted keys whose values differ between a checkpoint's config and this run's: (saved, now); INERT keys aside."""
     if saved is None or now is None:  # a run built without a config (from Python): nothing to compare
         return {}
-    a, b = _flat(saved), _flat(now)
-    # A checkpoint written before a shipped class moved names its old module; one written before an option existed
-    # lacks its key, which a new option's default (null, false: off) leaves as it was.
-    a = {k: moved_target(v) if k.endswith("_target_") else v for k, v in a.items()}
+    # A checkpoint written before a shipped class moved or changed its options' shape is read as it is written now;
+    # one written before an option existed lacks its key, which a new option's default (null, false: off) leaves
+    # as it was.
+    a, b = _flat(upgraded(saved)), _flat(now)
     a |= {k: v for k, v in b.items() if k not in a and (v is None or v is False)}
     inert = [k.split(".") for k in INERT]
     return {

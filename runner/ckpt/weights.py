@@ -1,5 +1,5 @@
 """Weights files: the bare model's weights as safetensors, with a sha256 record beside them that every load checks,
-and loading weights into a model (init_from, runner.evaluate, an SAE's source, finetune merge)."""
+and loading weights into a model (init_from, runner.tools.evaluate, an SAE's source, finetune merge)."""
 
 from __future__ import annotations
 

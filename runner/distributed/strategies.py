@@ -1,6 +1,6 @@
 """How the processes train together: `Single`, `DDP` (and `FSDP`, runner/distributed/fsdp.py) share one interface
-(runner.run.Strategy: wrapping, gradient sync, norms, full state dicts, the few collectives the loop and checkpoints
-need), so the loop has no distributed branches."""
+(runner.interfaces.Strategy: wrapping, gradient sync, norms, full state dicts, the few collectives the loop and
+checkpoints need), so the loop has no distributed branches."""
 
 from __future__ import annotations
 

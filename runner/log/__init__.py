@@ -1,4 +1,4 @@
-"""Loggers (runner.run.Logger): console, metrics.jsonl (jsonl), wandb (wandb_logger), TensorBoard
+"""Loggers (runner.interfaces.Logger): console, metrics.jsonl (jsonl), wandb (wandb_logger), TensorBoard
 (tensorboard_logger), MLflow (mlflow_logger); run facts (info). Here: what the optional ones share."""
 
 from __future__ import annotations

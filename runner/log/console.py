@@ -7,7 +7,7 @@ import math
 import time
 from typing import Any
 
-from runner.run import Logger
+from runner.interfaces import Logger
 
 
 def _fmt(value: Any) -> str:
@@ -184,6 +184,6 @@ class ConsoleLogger(Logger):
 
     def _print_run_dir(self) -> None:
         # On a line of its own and never wrapped or cut (a table cell is, to the console's width: 80 columns in a
-        # pipe or a log file): it is what source.checkpoint=, resume and runner.evaluate are given.
+        # pipe or a log file): it is what source.checkpoint=, resume and runner.tools.evaluate are given.
         if self.run_dir is not None:
             self.console.print(f"run dir {self.run_dir}", soft_wrap=True, highlight=False, markup=False)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.run import Logger
+from runner.interfaces import Logger
 from runner.rundir import disk_full, is_disk_full, jsonl_lines, write_atomic
 
 UNREADABLE = ".unreadable"  # metrics.jsonl.unreadable: lines a resume could not read, byte for byte

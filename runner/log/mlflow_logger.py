@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from runner import require
+from runner.interfaces import Logger
 from runner.log import say_lost, scalars
-from runner.run import Logger
 from runner.rundir import MODEL, MODEL_PART, SUMMARY
 
 # MLflow's limits (mlflow.utils.validation): keys, values and entries per log_batch call

@@ -63,7 +63,7 @@ def log_rank(run_dir: str | Path, rank: int) -> None:
     _wired["handler"] = handler
     if rank > 0 and "console" not in _wired:
         # Hydra's logging is off on these ranks, so a record would reach the console only through logging's
-        # last-resort handler, which no longer runs once the root has a handler: errors get a console of their own.
+        # last-resort handler, which stays silent once the root has a handler: errors get a console of their own.
         _wired["console"] = logging.StreamHandler(sys.stderr)
         _wired["console"].setLevel(logging.ERROR)
         root.addHandler(_wired["console"])

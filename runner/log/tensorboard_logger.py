@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 
 from runner import require
+from runner.interfaces import Logger
 from runner.log import say_lost, scalars
-from runner.run import Logger
 
 
 class TensorBoardLogger(Logger):

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from runner.interfaces import Logger
 from runner.log import say_lost
-from runner.run import Logger
 
 
 def has_api_key() -> bool:

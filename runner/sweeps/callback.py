@@ -3,9 +3,7 @@ log lines without colour codes when they do not go to a terminal."""
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -15,8 +13,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner.rundir import FolderInUse, lock, unlock
+from runner.rundir import FolderInUse, lock, locked, unlock
 from runner.sweeps.results import collect, job_row, leaderboard, table_console, write_csv
+
+RESULTS_LOCK = ".results.lock"  # one job at a time writes results.csv (removed when released)
 
 
 class SweepResults(Callback):
@@ -33,16 +33,11 @@ class SweepResults(Callback):
 
     def _update(self, sweep_dir: Path) -> list[dict[str, Any]]:
         # Parallel launchers (joblib) finish jobs in several processes at once: one writer at a time, each one
-        # re-reading every job folder, so the last writer's file has every finished job.
-        # The lock is on the folder itself, so no lock file is left behind.
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        lock = os.open(sweep_dir, os.O_RDONLY)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        # re-reading every job folder, so the last writer's file has every finished job. A lock of its own: the
+        # sweep's process holds the folder's (on_multirun_start) for the whole sweep.
+        with locked(sweep_dir, RESULTS_LOCK):
             rows = collect(sweep_dir)
             write_csv(rows, sweep_dir / self.filename)
-        finally:
-            os.close(lock)  # releases the lock
         return rows
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

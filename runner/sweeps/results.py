@@ -176,7 +176,7 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
 
 
 def write_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write results.csv atomically: a reader (`runner.report` on a live sweep, say) never sees half a file."""
+    """Write results.csv atomically: a reader (`runner.tools.report` on a live sweep, say) never sees half a file."""
     return write_atomic(path, to_csv(rows).encode())
 
 

@@ -1,7 +1,7 @@
-"""A crafted run folder runs no code through the real commands (issue 27): its config spells torch.load as a path under
-a trusted package (`runner.data.torch.load`), with a pickle whose unpickling would write a marker file. Both readers
-of run folders, `python -m runner.evaluate RUN` and `python -m runner +experiment=sae_digits source.checkpoint=RUN`,
-must refuse it with exit 2 and one paragraph, and write nothing."""
+"""A crafted run folder runs no code through the real commands: its config spells torch.load as a path under a trusted
+package (`runner.data.torch.load`), with a pickle whose unpickling would write a marker file. Both readers of run
+folders, `python -m runner.evaluate RUN` and `python -m runner +experiment=sae_digits source.checkpoint=RUN`, must
+refuse it with exit 2 and one paragraph, and write nothing."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ SMOKE = {
     "sae_cache": ["--rows", "5000", "--shard-rows", "2048", "--n-layer", "1", "--layer", "0"],
     # a 4-step one-block GPT on one stdlib package, then each variant on 2,048 of its activations
     "sae_init": [
-        *("model.n_latents=64", "model.k=4", "data.buffer_size=1024", "scheduler.decay=0.5dur"),  # the SAEs'
+        *("model.n_latents=64", "model.k=4", "scheduler.decay=0.5dur"),  # the SAEs'
         *("--variants", "unit-norm encoder", "fit encoder scale", "norm 0.5 (default)"),  # 3 of the 7 processes
         *("--seeds", "0", "--rows", "2048", "--batch", "256", "--layer", "0", "--dir", "out", "--lm-args"),
         *("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=2"),

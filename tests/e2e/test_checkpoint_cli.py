@@ -28,6 +28,7 @@ from helpers import (
 )
 
 from runner.ckpt.files import checkpoints, load_checkpoint
+from runner.rundir import staged_in
 from runner.train import train
 
 # digits with a checkpoint every 10 steps
@@ -59,11 +60,11 @@ def uninterrupted(run_dir: Path) -> Path:
 def killed_during_a_save(run_dir: Path) -> dict[str, Any]:
     """SIGKILL while the checkpoint of step 20 is being written, then resume=auto."""
     proc = launch(run_dir, *SLOW_CHECKPOINT, *STALL_AT_20)
-    wait_for(proc, "checkpoints/.tmp-step-00000020", run_dir)
+    wait_for(proc, "checkpoints/.step-00000020.partial-*", run_dir)
     proc.kill()
     proc.wait()
     left = [p.name for p in checkpoints(run_dir / "checkpoints")]
-    half_written = sorted(p.name for p in (run_dir / "checkpoints").glob(".tmp-*"))
+    half_written = sorted(p.name.rpartition("-")[0] for p in staged_in(run_dir / "checkpoints"))
     resumed = cli(*ARGS, *SLOW_CHECKPOINT, "resume=auto", cwd=run_dir.parent, run_dir=run_dir)
     return {"left": left, "half_written": half_written, "resumed": resumed}
 
@@ -98,10 +99,10 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(runs: dict[s
     reference, outcome = runs["uninterrupted"].result(), runs["killed"].result()
     run_dir = reference.parent / "killed"
     assert outcome["left"] == ["step-00000010"]  # step 20 never became a checkpoint
-    assert outcome["half_written"] == [".tmp-step-00000020"]  # but its folder was begun
+    assert outcome["half_written"] == [".step-00000020.partial"]  # but its folder was begun
     resumed = ok(outcome["resumed"])
     assert "resuming from" in resumed.stderr and "step-00000010" in resumed.stderr
-    assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # the half-written folder was cleaned up
+    assert not staged_in(run_dir / "checkpoints")  # the half-written folder was cleaned up
     assert_same_weights(run_dir, reference)
     assert metric_rows(run_dir) == metric_rows(reference)
 
@@ -132,10 +133,10 @@ def test_sigterm_or_ctrl_c_checkpoints_the_step_and_resumes(
     assert metric_rows(run_dir) == metric_rows(reference)
 
 
-# Once the writes of step 8's checkpoint begin, every write through runner.rundir fails as on a full disk.
+# Once the writes of step 8's checkpoint begin, every write through runner.rundir.files fails as on a full disk.
 DISK_FULL = """
 import errno, sys
-import runner.rundir as rundir
+import runner.rundir.files as rundir
 
 full = []
 
@@ -178,7 +179,7 @@ def test_a_full_disk_during_a_checkpoint_stops_cleanly_and_resumes(compose_cfg: 
     assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
     assert "Error executing job" not in done.stderr, done.stderr  # summary.json's own failed write said as a warning
     assert "disk full" in errors[0] and "step-00000008" in errors[0] and "resume=auto" in errors[0]
-    leftovers = [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".tmp-")]
+    leftovers = [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or ".partial-" in p.name]
     assert leftovers == []
     (kept,) = checkpoints(run_dir / "checkpoints")
     assert kept.name == "step-00000004" and load_checkpoint(kept)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import CONF_DIR, cli, explain, jsonl, metric_rows, ok, read_json
+from helpers import cli, config_groups, config_options, explain, jsonl, metric_rows, ok, read_json
 
 # The digits data: 1797 images; the stratified split rounds each class's 20% share, giving 359 held out (val and
 # test) and 1438 train samples, i.e. 45 micro-batches of 32 per epoch (44 full ones and one of 30).
@@ -178,7 +178,7 @@ def test_a_config_error_is_one_line_on_stderr_exit_code_2_and_no_files(runs: Run
     assert "Traceback" not in proc.stdout + proc.stderr, explain(proc)
     assert len((proc.stdout + proc.stderr).strip().splitlines()) <= 15, explain(proc)
     # refused before it trained: the run folder this launch made (Hydra's .hydra/, runner.log) is removed again
-    # (runner.refused; a resume's folder is kept: tests/unit/test_bad_inputs.py)
+    # (runner.rundir.refused; a resume's folder is kept: tests/unit/test_bad_inputs.py)
     assert not run_dir.exists(), sorted(run_dir.iterdir())
 
 
@@ -197,10 +197,10 @@ def test_help_lists_every_group_and_option(runs: Runs) -> None:
     assert "== Configuration groups ==" in proc.stdout and "== Config ==" in proc.stdout
     section = proc.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
     lines = {line.split(":", 1)[0]: line.split(":", 1)[1] for line in section.splitlines() if ":" in line}
-    groups = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
+    groups = config_groups()  # runner/conf's and the task packages' conf folders', merged by Hydra
     assert "scheduler" in groups
     for group in groups:
-        options = {f.stem for f in (CONF_DIR / group).glob("*.yaml")}
+        options = set(config_options(group))
         assert group in lines, proc.stdout
         assert {o.strip() for o in lines[group].split(",")} == options, lines[group]
     assert "cosine" in lines["scheduler"] and "plateau" in lines["scheduler"]

@@ -109,4 +109,4 @@ def test_a_file_one_rank_alone_cannot_read_stops_every_rank_with_exit_2_and_no_f
     assert errors[1] == "error: stopped because rank 1 stopped (exit 2; its message says why)", errors[1]
     _no_worker_traceback(proc.stderr)
     assert not folder.exists()  # refused at start-up: no run folder (rank 0 removed it once rank 1 had logged)
-    assert not [p for p in (folder.parent / "cache").iterdir() if p.name.startswith(".encoding-")]
+    assert not [p for p in (folder.parent / "cache").iterdir() if ".partial-" in p.name]  # no scratch folder

@@ -338,7 +338,7 @@ def test_several_processes_without_a_rendezvous_address_is_a_clear_error(runs: d
 
 def test_a_diverged_ddp_run_exits_3_after_rank_0_has_written_its_outputs(runs: dict[str, Future]) -> None:
     # Every rank stops with exit code 3; rank 1 is done first, and torchrun stops the other ranks as soon as one exits
-    # with a failure code: rank 1 must wait for rank 0's outputs (CI once lost summary.json so).
+    # with a failure code: rank 1 must wait for rank 0's outputs, or rank 0 is stopped before it writes summary.json.
     proc, run_dir = runs["diverged"].result()
     assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, explain(proc)  # torchrun's own code is 1
     assert "\nerror: stopped after 2 optimizer steps in a row" in proc.stderr  # rank 0's, not stopped by torchrun

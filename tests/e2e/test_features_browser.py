@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import finished_run, popen
 
-from runner.features import main
+from runner.tools.features import main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 browser = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
@@ -111,7 +111,8 @@ def test_markup_in_the_corpus_is_shown_as_text(pages: Path) -> None:
 
 @browser
 def test_every_latent_shows_five_fifths_or_says_why_and_no_blank_token_cell(pages: Path) -> None:
-    # issue 46: a fifth was missing, blank cells where the token was a space, histograms without a count axis
+    # the faults this guards against: a fifth missing, blank cells where the token was a space, histograms without a
+    # count axis
     def cells(view: str) -> list[str]:  # the text of every token cell (top tokens, promotes, suppresses)
         found = re.findall(r'<td class="text ctx">(.*?)</td>', view)
         return [html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in found]

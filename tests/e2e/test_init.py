@@ -59,7 +59,7 @@ def test_runner_init_makes_a_project_that_trains_from_its_own_folder(tmp_path: P
     assert summary["metrics"]["val/loss"] < 1.0, summary["metrics"]  # y's variance is about 3.5
     config = (run / ".hydra" / "config.yaml").read_text()
     assert "_target_: mytask.model.Model" in config and "hidden: 32" in config
-    # runner.evaluate from the project folder builds mytask's classes: its runner.yaml trusts them (no
+    # runner.tools.evaluate from the project folder builds mytask's classes: its runner.yaml trusts them (no
     # trusted_targets= on the command line; from elsewhere, refused: tests/unit/test_source_trust.py)
     evaluated = ok(python("-m", "runner.evaluate", str(run), "split=val", cwd=project))
     assert "val/loss" in evaluated.stdout

@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from helpers import ROOT, child_env, summary
+from helpers import CONF_DIRS, ROOT, child_env, summary
 
 SOURCES = ("pyproject.toml", "README.md", "runner", "experiments", "hydra_plugins")
 
@@ -38,9 +38,11 @@ def test_a_wheel_installed_into_a_fresh_venv_runs_from_another_directory(tmp_pat
     ]
     subprocess.run(build, check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = wheels.glob("*.whl")
-    # every config group's options and the feature pages' static files ship in it (the run below reads them)
+    # every config group's options (runner/conf and the task packages' conf folders, each a package Hydra reads as
+    # pkg://) and the feature pages' static files ship in it (the runs below read them)
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    confs = [p.relative_to(ROOT).as_posix() for p in (ROOT / "runner" / "conf").rglob("*.yaml")]
+    files = [path for conf in CONF_DIRS for path in [*conf.rglob("*.yaml"), conf / "__init__.py"]]
+    confs = [path.relative_to(ROOT).as_posix() for path in files]
     static = [p.relative_to(ROOT).as_posix() for p in (ROOT / "experiments" / "sae" / "pages" / "static").iterdir()]
     assert not [name for name in confs + static if name not in shipped]
 
@@ -77,3 +79,14 @@ def test_a_wheel_installed_into_a_fresh_venv_runs_from_another_directory(tmp_pat
     )
     assert trained.returncode == 0, trained.stderr
     assert summary(run_dir)["progress"]["step"] == 5
+    # the task packages' options are on the installed runner's search path (hydra_plugins/runner_launchers/)
+    composed = subprocess.run(
+        [venv / "bin" / "runner", "+experiment=sae_lm", "model=sae_multi", "--cfg", "job"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert composed.returncode == 0, composed.stderr
+    assert "experiments.sae.coders.multi.MultiSAE" in composed.stdout and "TopKSAE" in composed.stdout

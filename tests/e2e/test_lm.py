@@ -26,7 +26,8 @@ from helpers import (
 
 JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 EMAIL_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "email" / "*.py")  # 20 files: 16 train, 4 validation
-# 12 steps of 8 windows of 32 bytes: 2 ranks x 4 see the same windows as 1 x 8 (runner.samplers.GlobalBatchSampler).
+# 12 steps of 8 windows of 32 bytes: 2 ranks x 4 see the same windows as 1 x 8
+# (runner.data.samplers.GlobalBatchSampler).
 TINY = [
     "+experiment=lm",
     f"data.paths=[{JSON_PACKAGE}]",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import cli, explain, python, read_json, results_csv
 
-from runner.report import PLOT_DPI, PLOT_SIZE, main
+from runner.tools.report import PLOT_DPI, PLOT_SIZE, main
 
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=5st", "trainer.log_interval=5st"]
 

@@ -1,6 +1,6 @@
-"""Run and sweep folders are never shared by accident (issue 16 B): two launches in the same second get two folders, a
-second writer into a folder in use is refused naming the holder's pid, a new run into a finished run's folder is
-refused without touching it, and a second sweep on a sweep folder in use is refused."""
+"""Run and sweep folders are never shared by accident: two launches in the same second get two folders, a second writer
+into a folder in use is refused naming the holder's pid, a new run into a finished run's folder is refused without
+touching it, and a second sweep on a sweep folder in use is refused."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import torch
 from helpers import hf_text, peer_python, tiny_hf_model
 
 from experiments.sae.evals.core import DENSE, core, per_token
-from experiments.sae.imported import read_folder
+from experiments.sae.formats import read_folder
 from experiments.sae.sources.source import SourceModel
 
 pytestmark = pytest.mark.slow

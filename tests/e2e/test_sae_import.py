@@ -1,5 +1,5 @@
 """SAE folders written by the real SAELens and sparsify, in their own virtualenvs, read by runner
-(experiments/sae/imported.py): runner's forward gives what the package's own forward gives on the same inputs, to 1e-5,
+(experiments/sae/formats/): runner's forward gives what the package's own forward gives on the same inputs, to 1e-5,
 and SAELens's codes are runner's. Every architecture each writes, with the options that change the forward
 (SAELens's rescale_acts_by_decoder_norm and apply_b_dec_to_input false, transcoders with and without skip connections;
 sparsify's transcoders). Skipped where those virtualenvs are absent (benchmarks/peers/install.sh makes them)."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import peer_python
 
-from experiments.sae.imported import read_folder
+from experiments.sae.formats import read_folder
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
-"""runner.export's folders loaded by the real SAELens and sparsify, in their own virtualenvs: the same reconstructions
-(a transcoder's: the same predicted targets) as runner's on the same inputs. Skipped where those virtualenvs are absent
-(benchmarks/peers/install.sh makes them at the repository root; RUNNER_SAELENS_PYTHON / RUNNER_SPARSIFY_PYTHON name
-others)."""
+"""runner.tools.export's folders loaded by the real SAELens and sparsify, in their own virtualenvs: the same
+reconstructions (a transcoder's: the same predicted targets) as runner's on the same inputs. Skipped where those
+virtualenvs are absent (benchmarks/peers/install.sh makes them at the repository root; RUNNER_SAELENS_PYTHON /
+RUNNER_SPARSIFY_PYTHON name others)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from experiments.sae.coders.activations import TopKSAE
 from experiments.sae.coders.jumprelu import JumpReLUSAE
 from experiments.sae.formats import export
-from runner.trained import load_trained
+from runner.load import load_trained
 
 pytestmark = pytest.mark.slow
 

@@ -141,7 +141,7 @@ def test_its_files_hold_each_sae_once_in_one_process_s_format(runs: dict[str, Fu
     # Adam's moments for every parameter of every SAE, numbered as one process numbers them
     numbered = [i for group in optimizer["param_groups"] for i in group["params"]]
     assert sorted(optimizer["state"]) == sorted(numbered) and len(numbered) == 12
-    from runner.trained import load_trained
+    from runner.load import load_trained
 
     family, _ = load_trained(spread)  # one process reads the spread run's folder
     assert torch.equal(family.saes["k4"].W_dec, whole["saes.k4.W_dec"])

@@ -120,7 +120,7 @@ def test_a_skip_transcoder_on_two_ranks_trains_like_one_process(runs: dict[str, 
 
 
 def test_a_transcoder_s_init_on_two_ranks_reads_both_ranks_first_rows(runs: dict[str, Future]) -> None:
-    from experiments.sae.coders.base import _unit_scale
+    from experiments.sae.coders.init import unit_scale
     from experiments.sae.sources.synthetic import synthetic_splits
 
     ddp = runs["init_ddp"].result()
@@ -132,8 +132,8 @@ def test_a_transcoder_s_init_on_two_ranks_reads_both_ranks_first_rows(runs: dict
     )["train"]
     rows = torch.cat([train.__getitems__(list(range(r * 32, r * 32 + 32)))[0] for r in (0, 1)])
     got = weights(ddp["run_dir"])
-    assert torch.equal(got["input_scale"], _unit_scale(rows[:, :32]))
-    assert torch.equal(got["target_scale"], _unit_scale(rows[:, 32:]))
+    assert torch.equal(got["input_scale"], unit_scale(rows[:, :32]))
+    assert torch.equal(got["target_scale"], unit_scale(rows[:, 32:]))
     assert bool(got["initialized"]) and torch.count_nonzero(got["W_skip"]) > 0
 
 

@@ -226,7 +226,7 @@ def test_zero_threads_exits_2_before_the_run_starts(run_cli: Callable, tmp_path:
     code, err = run_cli("+experiment=digits", "logger=none", "threads=0", f"hydra.run.dir={tmp_path / 'run'}")
     assert code == 2, err
     assert "threads must be a whole number >= 1" in err and "Traceback" not in err, err
-    assert not (tmp_path / "run").exists()  # (nor the folder: runner.refused)
+    assert not (tmp_path / "run").exists()  # (nor the folder: runner.rundir.refused)
 
 
 # A bad value caught while the run is built; a ??? left in the config; `threads`, refused before the folder is claimed

@@ -17,8 +17,8 @@ spec.loader.exec_module(common)
 
 
 def test_a_worker_gets_the_variables_its_caller_gives_it(tmp_path: Path) -> None:
-    # lm.py gives each worker an empty compile cache and its threads, overhead.py the console's TTY setting: all were
-    # dropped once (the defaults overwrote them), so every "compiled from cold" worker shared one warm cache
+    # lm.py gives each worker an empty compile cache and its threads, overhead.py the console's TTY setting: were the
+    # defaults to overwrite them, every "compiled from cold" worker would share one warm cache
     out = tmp_path / "env.json"
     names = ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "OMP_WAIT_POLICY", "PYTHONPATH")
     probe = f"import json, os, sys; json.dump({{k: os.environ.get(k) for k in {names!r}}}, open(sys.argv[1], 'w'))"

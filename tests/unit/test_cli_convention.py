@@ -1,16 +1,22 @@
-"""One CLI convention for every tool (runner/cli.py): KEY=VALUE, with `--key VALUE`, `--key=VALUE` and dashed keys
+"""One CLI convention for every tool (runner/tools/cli.py): KEY=VALUE, with `--key VALUE`, `--key=VALUE` and dashed keys
 read the same, so that a user who guesses either spelling is understood. Each tool is called both ways and must do
 the same thing: the options it reads, or the files it writes."""
 
 from __future__ import annotations
 
+import runpy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers import finished_run
 
-from runner import ConfigError, evaluate, export, features, finetune, generate, init, report, sae_eval
+from experiments.sae.evals import cli as sae_eval
+from runner import ConfigError, finetune
+from runner import sae_eval as sae_eval_command  # the documented command, the SAE workbench's registered tool
+from runner.tools import evaluate, export, features, generate, report
+from runner.tools import scaffold as init
 from runner.train import train
 
 
@@ -75,7 +81,7 @@ def test_export_report_init_and_finetune_take_both_spellings_alike(
     assert merged == [("RUN", "BASE"), ("RUN", "BASE")]
 
 
-@pytest.mark.parametrize("tool", [features, sae_eval, evaluate, generate, export, report, finetune])
+@pytest.mark.parametrize("tool", [features, sae_eval_command, evaluate, generate, export, report, finetune])
 @pytest.mark.parametrize("asked", ["--help", "-h"])
 def test_help_prints_the_tool_s_usage_and_exits_0(tool, asked: str, capsys) -> None:
     try:
@@ -85,3 +91,20 @@ def test_help_prints_the_tool_s_usage_and_exits_0(tool, asked: str, capsys) -> N
     out = capsys.readouterr()
     assert code == 0 and f"python -m runner.{tool.__name__.rsplit('.', 1)[1]}" in out.out, out
     assert "error" not in out.err
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "export", "features", "generate", "report", "sae_eval"])
+def test_every_documented_python_m_command_still_runs_its_tool(tool: str, capsys, monkeypatch) -> None:
+    # the tools live in runner.tools (the SAE workbench's in experiments.sae): `python -m runner.X` stays the command
+    monkeypatch.setattr(sys, "argv", [f"runner/{tool}.py", "--help"])
+    monkeypatch.delitem(sys.modules, f"runner.{tool}", raising=False)  # as a fresh `python -m` finds it
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module(f"runner.{tool}", run_name="__main__", alter_sys=True)
+    assert exited.value.code == 0 and f"python -m runner.{tool}" in capsys.readouterr().out
+
+
+def test_a_project_that_runner_init_wrote_still_imports_buildable() -> None:
+    from runner.config.trust import buildable
+    from runner.trust import buildable as old
+
+    assert old is buildable

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CONF_DIR
+from helpers import CONF_DIRS, config_options
 from hydra.errors import CompactHydraException
 
 from runner import ConfigError
@@ -107,9 +107,10 @@ def test_config_errors_are_refused_with_a_clear_message_before_any_file_is_writt
     message = str(caught.value)
     for fragment in fragments:
         assert fragment in message, message
-    # a paragraph, not a traceback: a few lines, plus one per option when Hydra lists a group's options
-    options = max(len(list((CONF_DIR / group).glob("*.yaml"))) for group in ("model", "experiment"))
-    assert len(message.strip().splitlines()) <= 8 + options, message  # and Hydra's search path
+    # a paragraph, not a traceback: a few lines, plus one per option when Hydra lists a group's options, and one per
+    # entry of Hydra's search path it lists (its own configs, every conf folder, the structured configs)
+    options = max(len(config_options(group)) for group in ("model", "experiment"))
+    assert len(message.strip().splitlines()) <= 5 + options + len(CONF_DIRS) + 2, message
     assert not (tmp_path / "run").exists()  # train() refused before making the run folder
 
 

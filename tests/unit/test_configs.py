@@ -1,10 +1,12 @@
 """Every option of every config group composes in the experiment that uses it (else digits) and builds.
 
-Options are discovered from the YAML files under conf/, so a newly added file is tested without editing this module.
+Options are discovered from the YAML files of every conf folder on Hydra's search path (runner/conf and each task
+package's conf/: helpers.CONF_DIRS), so a newly added file is tested without editing this module.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import math
 import re
 import sysconfig
@@ -14,16 +16,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CONF_DIR, compose_job, hf_text, tiny_hf_model
+from helpers import CONF_DIR, CONF_DIRS, compose_job, config_groups, config_options, hf_text, tiny_hf_model
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import MissingConfigException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner import ConfigError, trust
+from runner import ConfigError
 from runner.build import build
 from runner.ckpt.weights import save_weights
+from runner.config import trust
 from runner.data import batch_size_of, to_device
+from runner.load import TRUSTED_TARGETS
 from runner.log.jsonl import JsonlLogger
 from runner.log.wandb_logger import WandbLogger
 from runner.loop import fit
@@ -31,7 +37,6 @@ from runner.precision import FP32
 from runner.progress import Duration, parse_duration
 from runner.run import Callback, Logger, Run
 from runner.schedulers import OnMetric, PerStep
-from runner.trained import TRUSTED_TARGETS
 
 EXPECTED_GROUPS = {
     "model",
@@ -51,11 +56,11 @@ EXPECTED_GROUPS = {
 }
 METRIC_CALLBACKS = {"perplexity", "sae_ground_truth", "sae_splice"}  # what a run folder's evaluation may rebuild
 APPENDED = {"experiment", "debug"}  # groups added with +group=option, after every default (runner.__main__.debug_last)
-GROUPS = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and any(d.glob("*.yaml")))
-OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((CONF_DIR / group).glob("*.yaml"))]
+GROUPS = config_groups()
+OPTIONS = [(group, option) for group in GROUPS for option in config_options(group)]
 EXPERIMENTS = [option for group, option in OPTIONS if group == "experiment"]
 # each preset's defaults list, read once: _host was reading every preset's file for each option, ~1,400 loads a tier
-DEFAULTS = {e: OmegaConf.load(CONF_DIR / "experiment" / f"{e}.yaml").get("defaults", []) for e in EXPERIMENTS}
+DEFAULTS = {e: OmegaConf.load(config_options("experiment")[e]).get("defaults", []) for e in EXPERIMENTS}
 
 
 def _host(group: str, option: str) -> str:
@@ -77,6 +82,8 @@ def _host(group: str, option: str) -> str:
 HOSTS = {("data", "tokens_file"): "lm", ("finetune", "lora"): "lm", ("model", "gpt2_small"): "lm"}
 HOSTS[("data", "transcoder_synthetic")] = "sae"  # the synthetic preset, with a transcoder's rows
 HOSTS[("distributed", "spread")] = "sae"  # with a family to spread (model=sae_multi, below)
+HOSTS[("data", "activations_cached")] = "sae_digits"  # the hooked presets' activations, written to a folder once
+HOSTS[("data", "activations_lm_cached")] = "sae_lm"
 
 
 def _with_digits_params() -> list:
@@ -123,7 +130,11 @@ def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str
     if host == "sae_digits":
         overrides.append(f"source.checkpoint={inputs['source']}")
     if host in ("sae_lm", "transcoder_lm", "clt_lm", "sae_lm_kl", "transcoder_lm_kl"):
-        overrides += [f"source.checkpoint={inputs['lm']}", "data.buffer_size=4096"]
+        overrides.append(f"source.checkpoint={inputs['lm']}")
+        if not host.endswith("_kl") and (group, option) != ("data", "activations_lm_cached"):  # (no ring there)
+            overrides.append("data.buffer_size=4096")
+    if group == "data" and option.endswith("_cached"):  # a folder a session: written once, read by the other runs
+        overrides += [f"data.cache={Path(inputs['acts']).parent / option}", "data.cache_rows=4096"]
     if host == "clt_lm":  # the tiny GPT's 3 blocks, and small coders
         overrides += ["source.module=[" + ",".join(f"blocks.{i}.mlp_norm" for i in range(3)) + "]"]
         overrides += ["source.target=[" + ",".join(f"blocks.{i}.mlp" for i in range(3)) + "]"]
@@ -247,7 +258,7 @@ def check_run(cfg: DictConfig, run: Run, tmp_path: Path) -> None:
     for cb in run.callbacks:
         assert cb.monitor is None or cb.monitor.startswith("val/")
 
-    # a run folder holding this config loads (runner/trust.py, as load_trained checks it): no false refusal
+    # a run folder holding this config loads (runner/config/trust.py, as load_trained checks it): no false refusal
     for slot, trusted in (("model", TRUSTED_TARGETS), ("data", TRUSTED_TARGETS), ("precision", ["runner.precision"])):
         trust.check(OmegaConf.to_container(cfg[slot], resolve=True), slot, trusted, slot, "the shipped config")
     for name, node in _components(cfg.get("callbacks")).items():
@@ -264,6 +275,45 @@ def test_expected_groups_are_discovered() -> None:
     counts = {g: sum(1 for group, _ in OPTIONS if group == g) for g in GROUPS}
     assert all(n >= 1 for n in counts.values()), counts
     assert "digits" in EXPERIMENTS
+
+
+def _conf_folders(cfg: DictConfig) -> list[Path]:
+    """The folders of Hydra's search path in a config composed with its hydra node."""
+    folders = []
+    for source in cfg.hydra.runtime.config_sources:
+        if source.schema == "file":
+            folders.append(Path(source.path).resolve())
+        elif source.schema == "pkg":
+            folders.append(Path(str(importlib.resources.files(source.path))).resolve())
+    return folders
+
+
+def test_every_conf_folder_is_on_the_search_path_and_no_option_is_in_two() -> None:
+    # the task packages' folders are found (runner/conf has no task's options), and Hydra sees each of them
+    assert len(CONF_DIRS) >= 4 and {"mlp", "gpt", "sae_topk"} <= set(config_options("model"))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra.run.dir=unused"], return_hydra_config=True)
+    folders = _conf_folders(cfg)
+    assert [conf for conf in CONF_DIRS if conf not in folders] == []
+    assert folders.index(CONF_DIR) == min(folders.index(conf) for conf in CONF_DIRS)  # runner's own first
+    # Hydra takes the first folder's file of a name: the same option in two folders would hide one of them
+    owners: dict[str, list[Path]] = {}
+    for conf in CONF_DIRS:
+        for path in conf.rglob("*.yaml"):
+            owners.setdefault(path.relative_to(conf).as_posix(), []).append(conf)
+    assert {name: where for name, where in owners.items() if len(where) > 1} == {}
+
+
+def test_another_hydra_app_gets_none_of_the_task_options(tmp_path: Path) -> None:
+    # the search-path plugin adds the task folders to runner's config only, not to every Hydra app of the environment
+    (tmp_path / "model").mkdir()
+    (tmp_path / "config.yaml").write_text("defaults:\n  - model: mine\n")
+    (tmp_path / "model" / "mine.yaml").write_text("size: 1\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+        with pytest.raises(MissingConfigException):
+            compose(config_name="config", overrides=["model=sae_topk"])
+    assert not set(_conf_folders(cfg)) & set(CONF_DIRS)
 
 
 def test_base_config_defaults_list_neither_experiment_nor_debug() -> None:
@@ -397,7 +447,7 @@ def _preset_groups(experiment: str) -> list[str]:
 
 def _preset_body(experiment: str) -> set[str]:
     # the groups a preset writes keys of in its own body (a group's option files write only their own group: below)
-    return set(OmegaConf.load(CONF_DIR / "experiment" / f"{experiment}.yaml")) - {"defaults"}
+    return set(OmegaConf.load(config_options("experiment")[experiment])) - {"defaults"}
 
 
 # Only a preset's own body can put its keys into another option of a group (the options write only their own group,
@@ -414,7 +464,9 @@ LEAK_CASES = [
 
 def test_only_presets_debug_and_searches_write_outside_their_group() -> None:
     # an option file with `# @package _global_` could write another group's keys; only these may
-    writers = {p.relative_to(CONF_DIR).parts[0] for p in CONF_DIR.rglob("*.yaml") if "@package" in p.read_text()}
+    writers = {
+        p.relative_to(conf).parts[0] for conf in CONF_DIRS for p in conf.rglob("*.yaml") if "@package" in p.read_text()
+    }
     assert writers <= {"experiment", "debug", "hparams_search"}, writers
     assert len(LEAK_CASES) >= 30  # the presets that tune a group in their body (digits' callbacks, sae's optimizer...)
 
@@ -457,8 +509,8 @@ def test_your_own_model_under_a_preset_trains(compose_cfg: Callable[..., DictCon
 def test_the_readme_s_config_groups_table_names_every_option() -> None:
     # the table a user reads to learn what each group offers: an option added without a word there is missed
     rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.*)$", (CONF_DIR.parents[1] / "README.md").read_text(), re.MULTILINE))
-    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"):
-        options = sorted(p.stem for p in group.glob("*.yaml"))
-        assert group.name in rows, f"README has no row for the config group {group.name} ({options})"
-        missing = [o for o in options if f"`{o}`" not in rows[group.name]]
-        assert not missing, f"README's {group.name} row does not name {missing}"
+    for group in config_groups():
+        options = list(config_options(group))
+        assert group in rows, f"README has no row for the config group {group} ({options})"
+        missing = [o for o in options if f"`{o}`" not in rows[group]]
+        assert not missing, f"README's {group} row does not name {missing}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runner.data import DataModule, TensorData
-from runner.samplers import GlobalBatchSampler
+from runner.data.samplers import GlobalBatchSampler
 
 # (micro-batch size, ranks, accumulation): every split of a global batch of 32
 SPLITS_OF_32 = [(32, 1, 1), (16, 2, 1), (16, 1, 2), (8, 2, 2), (8, 1, 4), (4, 4, 2), (2, 8, 2), (1, 8, 4)]

@@ -1,6 +1,6 @@
-"""Data lost or silently wrong (issue 27): rotation keeps the newest checkpoint that verifies, a run whose
-checkpoints are all corrupt is refused rather than retrained over, final weights carry a checksum checked on every
-load, unreadable metrics.jsonl rows are kept, and a full disk stops a checkpoint cleanly."""
+"""Data lost or silently wrong: rotation keeps the newest checkpoint that verifies, a run whose checkpoints are all
+corrupt is refused rather than retrained over, final weights carry a checksum checked on every load, unreadable
+metrics.jsonl rows are kept, and a full disk stops a checkpoint cleanly."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_a_full_disk_removes_the_temporary_file(tmp_path: Path, monkeypatch: pyt
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rundir.os, "fsync", full)
+    monkeypatch.setattr(rundir.files.os, "fsync", full)
     with pytest.raises(ConfigError, match="disk full"):
         rundir.write_atomic(tmp_path / "x.json", b"{}", fsync=True)
     assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,6 @@
 """Datasets that cannot be read (experiments/lm/hf_datasets.py, saved_dataset.py, corpus.py): a broken jsonl line, an
 empty jsonl, a bad csv, a forged save_to_disk folder are each one paragraph naming the file (and line) and the fix,
-exit 2, with no run folder and no `.encoding-*` scratch folder left behind; a state.json naming a FIFO is refused
+exit 2, with no run folder and no `.KEY.partial-*` scratch folder left behind; a state.json naming a FIFO is refused
 without being opened; a glob that walks too much is stopped at data.glob_limit entries, naming the glob and the way
 on. In-process: runner.__main__.cli as tests/unit/test_bad_inputs.py runs it, TextBytes for the variants."""
 
@@ -102,7 +102,7 @@ def test_a_dataset_that_cannot_be_read_exits_2_in_one_paragraph_leaving_nothing(
             assert fragment in err, err
         assert f"data.dataset.path={data}" in err or f"data.dataset.path: {data}" in err, err
         assert not (tmp_path / "new").exists() and [p.name for p in (tmp_path / "outputs").iterdir()] == ["earlier"]
-        assert not cache.exists() or list(cache.iterdir()) == []  # no .encoding-* scratch folder
+        assert not cache.exists() or list(cache.iterdir()) == []  # no .KEY.partial-* scratch folder
     assert {p: p.read_bytes() for p in before} == before
 
 

@@ -7,17 +7,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import CONF_DIR
+from helpers import config_options
 from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.__main__ import debug_last
+from runner.data.samplers import GlobalBatchSampler
 from runner.loop import fit
 from runner.run import Logger, Run
-from runner.samplers import GlobalBatchSampler
 
-OPTIONS = sorted(f.stem for f in (CONF_DIR / "debug").glob("*.yaml"))
-EXPERIMENTS = sorted(f.stem for f in (CONF_DIR / "experiment").glob("*.yaml"))
+OPTIONS = list(config_options("debug"))
+EXPERIMENTS = list(config_options("experiment"))  # runner/conf and the task packages' conf folders
 DIGITS_TRAIN, DIGITS_STEPS = 1438, 45  # digits' training split, and its optimizer steps of 32 per epoch
 
 
@@ -48,7 +48,7 @@ def test_option_composes_with_every_experiment_and_its_values_win(
     option: str, experiment: str, compose_cfg: Callable[..., DictConfig]
 ) -> None:
     cfg = compose_cfg(f"+experiment={experiment}", f"+debug={option}")
-    own = OmegaConf.load(CONF_DIR / "debug" / f"{option}.yaml")
+    own = OmegaConf.load(config_options("debug")[option])
     for key, value in own.get("trainer", {}).items():
         assert cfg.trainer[key] == value, (key, cfg.trainer[key])
     for key, value in own.get("data", {}).items():

@@ -182,7 +182,7 @@ def test_write_atomic_names_a_full_disk(tmp_path: Path, monkeypatch: pytest.Monk
     def full(fd: int) -> None:
         raise OSError(errno.EFBIG, "File too large")
 
-    monkeypatch.setattr("runner.rundir.os.fsync", full)
+    monkeypatch.setattr("runner.rundir.files.os.fsync", full)
     with pytest.raises(DiskFull, match=r"writing .*x\.json failed \(file too large"):
         write_atomic(tmp_path / "x.json", b"{}", fsync=True)
     assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,7 @@ from helpers import finished_run, read_json
 from omegaconf import OmegaConf
 
 from experiments.digits import digits_splits
-from runner.evaluate import main
+from runner.tools.evaluate import main
 
 DIGITS = ["+experiment=digits", "trainer.max_duration=40st", "logger=none", "callbacks=none"]
 

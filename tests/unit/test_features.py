@@ -17,9 +17,9 @@ from experiments.sae.pages.dashboard import BEFORE
 from experiments.sae.pages.stats import QUANTILES, LatentStats, bin_edges, logit_lens, nearest, top_per_group
 from experiments.sae.pages.write import CHUNK
 from experiments.sae.sources.source import SourceModel
-from runner import features as features_module
-from runner.features import main
-from runner.trained import load_trained
+from runner.load import load_trained
+from runner.tools import features as features_module
+from runner.tools.features import main
 
 
 def _data(path: Path) -> dict:
@@ -63,7 +63,7 @@ def test_streaming_statistics_equal_brute_force_over_the_whole_matrix(sparse: bo
 
 
 def test_a_latent_whose_activations_fill_one_bin_still_shows_every_fifth_in_order() -> None:
-    # issue 46: such a latent's quantile sections skipped the 60-80% fifth (each bin went to one fifth, by its middle)
+    # each bin's rows placed in one fifth (by the bin's middle) left such a latent's sections without the 60-80% fifth
     gen = torch.Generator().manual_seed(0)
     codes = torch.zeros(3000, 2)
     codes[:, 0] = 1.0 + 0.04 * torch.rand(3000, generator=gen)  # one log10 bin holds every activation

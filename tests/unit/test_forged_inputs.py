@@ -18,16 +18,15 @@ from helpers import refused
 from safetensors.torch import save_file
 
 from experiments.sae.coders.base import SAE
-from experiments.sae.imported import read_folder
+from experiments.sae.evals.cli import main as sae_eval_main
+from experiments.sae.formats import read_folder
 from runner import ConfigError
-from runner.evaluate import main as evaluate_main
-from runner.export import main as export_main
-from runner.features import main as features_main
-from runner.load import load_model
+from runner.load import load_model, load_trained
 from runner.optimizers import Muon
-from runner.sae_eval import main as sae_eval_main
+from runner.tools.evaluate import main as evaluate_main
+from runner.tools.export import main as export_main
+from runner.tools.features import main as features_main
 from runner.train import train
-from runner.trained import load_trained
 
 D, N = 32, 64  # the tiny GPT's width (helpers.TINY_LM), and the forged SAEs' latents
 HOOK = "blocks.1.hook_resid_post"
@@ -206,7 +205,7 @@ def test_a_resolver_in_a_foreign_cfg_json_is_never_resolved_into_the_outputs(
 
 # ---- a forged run folder: a key its class does not take ---------------------------------------------------------
 @pytest.mark.parametrize(
-    ("key", "where"), [("data", "experiments.sae.sources.hooked.HookedData"), ("model", "TopKSAE")]
+    ("key", "where"), [("data", "experiments.sae.sources.hooked.LiveActivations"), ("model", "TopKSAE")]
 )
 def test_a_run_whose_config_has_a_key_its_class_does_not_take_is_refused(
     key: str, where: str, sae_lm_run: Path, tmp_path: Path, capsys

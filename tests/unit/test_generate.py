@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from experiments.lm.model import GPT
-from runner.generate import main
+from runner.tools.generate import main
 
 
 def _gpt() -> GPT:

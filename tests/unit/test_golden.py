@@ -1,5 +1,6 @@
-"""A seeded run writes the metrics.jsonl rows recorded before the code was reorganised (issue 15): the same rows,
-keys and counts exactly, every float to 1e-5 (the recording machine's CPU kernels are not every machine's)."""
+"""A seeded run writes the metrics.jsonl rows on record (tests/data/golden_digits_metrics.json), so that a change meant
+to leave training as it is cannot move a figure unseen: the same rows, keys and counts exactly, every float to 1e-5 (the
+recording machine's CPU kernels are not every machine's)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def recorded_threads():
 def test_a_seeded_digits_run_writes_the_recorded_rows(
     golden: dict, compose_cfg: Callable, tmp_path: Path, recorded_threads: None
 ) -> None:
-    # recorded before digits had a test split: validation on all the held-out images, as then
+    # recorded with no test split: validation on all the held-out images, which test_fraction=0 gives
     overrides = [*golden["overrides"], "data.splits.test_fraction=0"]
     train(compose_cfg(*overrides, "logger=jsonl", run_dir=tmp_path / "run"))
     rows = metric_rows(tmp_path / "run")

@@ -28,7 +28,7 @@ from helpers import (
 
 from runner.ckpt.callback import Checkpoint
 from runner.data import device_batches
-from runner.evaluate import main as evaluate_main
+from runner.tools.evaluate import main as evaluate_main
 from runner.train import train
 
 pytestmark = [

@@ -1,7 +1,7 @@
-"""A transformers folder is data: its own code never runs (issue 41). A config.json or tokenizer_config.json with
-`auto_map`, or a model_type transformers does not implement itself, is refused before transformers reads the folder,
-every load passes trust_remote_code=False (and local_files_only for a folder), and standard input is closed while it
-loads, so transformers' "run the custom code? [y/N]" prompt can never be answered yes, not even by a patched input()."""
+"""A transformers folder is data: its own code never runs. A config.json or tokenizer_config.json with `auto_map`, or a
+model_type transformers does not implement itself, is refused before transformers reads the folder, every load passes
+trust_remote_code=False (and local_files_only for a folder), and standard input is closed while it loads, so
+transformers' "run the custom code? [y/N]" prompt can never be answered yes, not even by a patched input()."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ FORGED = {
         r"tokenizer_config.json has auto_map .*modeling_evil.*trust_remote_code",
     ),
     "unknown_model_type": ({"model_type": "evil"}, {}, r"model_type='evil'.*trust_remote_code"),
-    # found by a red-team pass: each reached further into transformers than a folder should
+    # each of these reaches further into transformers than a folder should
     "a hub attention kernel": (
         {"attn_implementation": "kernels-community/flash-attn2"},
         {},

@@ -1,8 +1,8 @@
-"""Scores whose answer is known: SAEs in SAELens's layout whose splice is exact, zero or the ablation's mean score 1,
-0 against zero ablation and 0 against mean ablation, in runner.evaluate's validation (SpliceEval) and runner.sae_eval's
-core alike, on a runner GPT (its first position left out of splicing) and on a transformers model (its special tokens
-left out). A baseline that destroyed more positions than the coder is asked to rebuild would score the zero SAE above
-0."""
+"""Scores whose answer is known: SAEs in SAELens's layout whose splice is exact, zero or the ablation's mean score 1, 0
+against zero ablation and 0 against mean ablation, in runner.tools.evaluate's validation (SpliceEval) and
+runner.sae_eval's core alike, on a runner GPT (its first position left out of splicing) and on a transformers model (its
+special tokens left out). A baseline that destroyed more positions than the coder is asked to rebuild would score the
+zero SAE above 0."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import torch
 from helpers import hf_text, tiny_hf_model
 from safetensors.torch import save_file
 
+from experiments.sae.evals.cli import main as sae_eval_main
 from experiments.sae.evals.core import core
 from experiments.sae.sources.source import SourceModel
-from runner.evaluate import evaluate_run
 from runner.load import load_model
-from runner.sae_eval import main as sae_eval_main
+from runner.tools.evaluate import evaluate_run
 
 D, HOOK = 32, "blocks.0.hook_resid_post"  # the tiny GPTs' width; their first block's output, which the second reads
 
@@ -65,7 +65,7 @@ def assert_known_answers(got: dict[str, dict[str, float]]) -> None:
 
 
 def spliced(folder: Path, attach: dict[str, Any]) -> dict[str, float]:
-    """runner.evaluate's validation metrics of an SAE folder (SpliceEval's) under sae_eval's names."""
+    """runner.tools.evaluate's validation metrics of an SAE folder (SpliceEval's) under sae_eval's names."""
     m = evaluate_run(folder, attach=attach)["metrics"]
     kl = {name: m[f"val/kl_{name}"] for name in ("spliced", "zero_ablated", "mean_ablated")}
     return {

@@ -17,7 +17,7 @@ from experiments.lm.corpus import held_out_files, no_val_split
 from experiments.lm.data import TextBytes, TokensFile, Windows, stdlib_sources
 from experiments.lm.model import GPT, Block
 from runner import ConfigError
-from runner.samplers import GlobalBatchSampler
+from runner.data.samplers import GlobalBatchSampler
 from runner.train import train
 
 JSON_PACKAGE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")  # 5 real files, ~50 kB

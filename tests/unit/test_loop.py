@@ -13,9 +13,10 @@ from torch import nn
 from runner import ConfigError
 from runner.callbacks.early_stopping import EarlyStopping
 from runner.callbacks.ema import EMA
+from runner.config.monitors import check_monitors
 from runner.data import DataModule, TensorData
 from runner.distributed.strategies import Single
-from runner.loop import check_monitors, fit
+from runner.loop import fit
 from runner.run import Callback, Run
 from runner.schedulers import plateau
 
@@ -457,13 +458,13 @@ def test_profiler_window_shorter_than_a_step_is_refused(tmp_path):
     [("23h50m", 85800), ("90m", 5400), ("1d", 86400), ("45s", 45), ("1h30m15s", 5415), (12.5, 12.5)],
 )
 def test_parse_time(text, seconds):
-    from runner.progress import parse_time
+    from runner.durations import parse_time
 
     assert parse_time(text) == seconds
 
 
 def test_parse_time_rejects_nonsense():
-    from runner.progress import parse_time
+    from runner.durations import parse_time
 
     with pytest.raises(ConfigError, match="23h50m"):
         parse_time("soon")

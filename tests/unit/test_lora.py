@@ -18,9 +18,9 @@ from runner.build import build
 from runner.ckpt.files import ADAPTER, ADAPTERS_ONLY
 from runner.ckpt.weights import read_weights
 from runner.finetune import MERGED, merge
+from runner.load import load_trained
 from runner.log.console import ConsoleLogger
 from runner.log.info import run_info
-from runner.trained import load_trained
 
 # find_spec, not importorskip: importing peft (and transformers) costs 2.2 s, paid by every collection otherwise
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (the lora extra)")

@@ -1,5 +1,7 @@
-"""Run folders written before experiments/sae was grouped into coders/, sources/, pages/ name their classes by the old
-modules (experiments.sae.model.TopKSAE): they still load, as the same model (runner.rundir.MOVED)."""
+"""Run folders whose config names a class by an old dotted name (experiments.sae.model.TopKSAE, from before the SAE
+workbench was grouped into coders/, sources/, pages/; runner.refused.NewRunFolder) still load, as the same model: the
+framework's own table and each task's, registered through the `runner.renamed` entry point group
+(runner.rundir.renamed)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,30 @@ import torch
 from helpers import finished_run
 
 from runner.ckpt.state import ABSENT, config_changes
-from runner.rundir import CONFIG, MOVED, moved
-from runner.trained import load_trained
+from runner.load import load_trained
+from runner.rundir import CONFIG, RENAMED, moved, renamed
 
 
-def test_every_moved_module_exists_under_its_new_name() -> None:
-    for old, new in MOVED.items():
-        assert old.startswith("experiments.sae.") and importlib.util.find_spec(old) is None, old
-        importlib.import_module(new)
+def _exists(dotted: str) -> bool:
+    module, _, name = dotted.rpartition(".")
+    if importlib.util.find_spec(dotted.split(".")[0]) and _module(dotted):
+        return True
+    return bool(module) and _module(module) and hasattr(importlib.import_module(module), name)
+
+
+def _module(dotted: str) -> bool:
+    try:
+        return importlib.util.find_spec(dotted) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def test_every_renamed_name_exists_under_its_new_name_and_not_under_its_old() -> None:
+    table = renamed()
+    assert set(RENAMED) <= set(table) and "experiments.sae.model" in table  # the framework's and the SAE task's
+    for old, new in table.items():
+        assert not _exists(old), f"{old} still exists: a config naming it would not be renamed"
+        assert _exists(new), f"{old} -> {new}, which does not exist"
 
 
 def test_only_targets_of_moved_modules_are_renamed() -> None:
@@ -26,7 +44,10 @@ def test_only_targets_of_moved_modules_are_renamed() -> None:
     text += "cb:\n  - _target_: 'experiments.sae.hooked.SpliceEval'\n  - _target_: experiments.sae.callbacks.X\n"
     assert moved(text) == (
         "model:\n  _target_: experiments.sae.coders.activations.TopKSAE\n  note: experiments.sae.model.TopKSAE\n"
-        "cb:\n  - _target_: 'experiments.sae.sources.hooked.SpliceEval'\n  - _target_: experiments.sae.callbacks.X\n"
+        "cb:\n  - _target_: 'experiments.sae.evals.splice.SpliceEval'\n  - _target_: experiments.sae.callbacks.X\n"
+    )
+    assert (
+        moved("x:\n  _target_: runner.refused.NewRunFolder\n") == "x:\n  _target_: runner.rundir.refused.NewRunFolder\n"
     )
 
 
@@ -47,7 +68,7 @@ def test_a_run_folder_that_names_the_old_modules_loads_as_the_same_model(tmp_pat
     now, _ = load_trained(tmp_path)
     config = tmp_path / CONFIG
     text = config.read_text()
-    for old, new in MOVED.items():
+    for old, new in renamed().items():
         text = text.replace(f"{new}.", f"{old}.")
     assert "experiments.sae.model.TopKSAE" in text and "experiments.sae.data.SyntheticData" in text
     config.write_text(text)

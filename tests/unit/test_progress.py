@@ -15,7 +15,8 @@ from typing import NamedTuple
 import pytest
 
 from runner import ConfigError
-from runner.progress import UNITS, Duration, DurationError, TrainingProgress, parse_duration
+from runner.durations import UNITS, Duration, DurationError, parse_duration
+from runner.progress import TrainingProgress
 
 EPS = 1e-9
 

@@ -1,4 +1,4 @@
-"""Publishing names are not local paths (runner.published): the model card's title, SAELens's `model_name` and
+"""Publishing names are not local paths (runner.tools.published): the model card's title, SAELens's `model_name` and
 Neuronpedia's `model_id` / `sae_set` are the source's hub name or a folder's name by default (said on the console, with
 how to choose others), or what model_name= and sae_set= give, checked to be safe as parts of URLs and file names; the
 card counts "1 step", "300 steps"."""
@@ -15,8 +15,9 @@ import pytest
 from helpers import finished_run, refused
 
 from experiments.sae.formats import hub_card
-from runner import ConfigError, export, features
-from runner.published import publish_names
+from runner import ConfigError
+from runner.tools import export, features
+from runner.tools.published import publish_names
 
 HOME = "/home/someone/work"  # a machine's absolute path: never part of a name
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import jsonl
 
-from runner.report import main
+from runner.tools.report import main
 from runner.train import train
 
 # digits for 6 optimizer steps: a log row every step, a validation every 3

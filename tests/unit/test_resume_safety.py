@@ -1,5 +1,5 @@
-"""Resume never loses or silently changes a run (issue 16 C, D, E, F): a finished checkpoint completes the final
-outputs, a changed config is refused or applied and recorded, a broken manifest falls back, checkpoints sort by step."""
+"""Resume never loses or silently changes a run: a finished checkpoint completes the final outputs, a changed config is
+refused or applied and recorded, a broken manifest falls back, checkpoints sort by step."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _train(compose_cfg: Callable, run_dir: Path, *overrides: str, stop_at: int |
     return train(compose_cfg(*DIGITS, *overrides, run_dir=run_dir), extra_callbacks=extra)
 
 
-# ---- C: a kill right after the final checkpoint ------------------------------------------------------------------
+# ---- a kill right after the final checkpoint ---------------------------------------------------------------------
 def test_a_finished_checkpoint_lets_resume_write_the_final_outputs_again(compose_cfg: Callable, tmp_path: Path) -> None:
     # Early stopping with restore_best: the final weights are the best validation's, not the last step's.
     stopping = (
@@ -57,7 +57,7 @@ def test_a_finished_checkpoint_lets_resume_write_the_final_outputs_again(compose
     assert any(not torch.equal(last_step_weights[k], v) for k, v in again.task.state_dict().items())
 
 
-# ---- D: a changed config on resume ---------------------------------------------------------------------------------
+# ---- a changed config on resume ------------------------------------------------------------------------------------
 def test_a_resume_with_another_seed_is_refused_naming_the_change(compose_cfg: Callable, tmp_path: Path) -> None:
     _train(compose_cfg, tmp_path, stop_at=6)
     with pytest.raises(CheckpointError) as caught:
@@ -90,7 +90,7 @@ def test_an_allowed_new_learning_rate_is_applied_and_recorded(compose_cfg: Calla
     assert changes == {"optimizer.lr": [0.001, 0.01]}
 
 
-# ---- E: a manifest that is not what it should be ------------------------------------------------------------------
+# ---- a manifest that is not what it should be ---------------------------------------------------------------------
 def _flip_files(text: str) -> str:
     return text.replace('"files"', '"filgs"', 1)
 
@@ -136,7 +136,7 @@ def test_a_broken_manifest_falls_back_to_the_previous_checkpoint(
         assert (tmp_path / f"run-resumed-at-{int(previous.name.split('-')[1])}.json").exists()
 
 
-# ---- F: step numbers past eight digits -----------------------------------------------------------------------------
+# ---- step numbers past eight digits --------------------------------------------------------------------------------
 def test_checkpoints_sort_and_rotate_by_step_number_past_eight_digits(tmp_path: Path) -> None:
     weights, state = {"w": torch.zeros(2)}, {"x": torch.ones(1)}
     for step in (99_999_998, 99_999_999, 100_000_000):
@@ -164,7 +164,7 @@ def test_a_truncated_state_with_a_matching_manifest_is_reported_as_truncated(
         load_checkpoint(folder)
 
 
-# ---- O: a resumed launch's rate is its own ------------------------------------------------------------------------
+# ---- a resumed launch's rate is its own ---------------------------------------------------------------------------
 def test_a_resumed_launch_reports_its_own_rate_and_the_total_wall_time(compose_cfg: Callable, tmp_path: Path) -> None:
     first = _train(compose_cfg, tmp_path, stop_at=6)
     samples_at_6 = first.progress.samples

@@ -1,5 +1,6 @@
-"""A run folder's files that a tool cannot use (runner.finetune merge, runner.report): exit 2 and one paragraph naming
-the file and what to give instead, or for a report the job shown `unreadable` with the reason; never a traceback."""
+"""A run folder's files that a tool cannot use (runner.finetune merge, runner.tools.report): exit 2 and one paragraph
+naming the file and what to give instead, or for a report the job shown `unreadable` with the reason; never a
+traceback."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from helpers import refused
 from safetensors.torch import load_file, save_file
 
-from runner import finetune, report
+from runner import finetune
 from runner.sweeps.results import collect
+from runner.tools import report
 
 # ---- python -m runner.finetune merge ------------------------------------------------------------------------------
 LORA_CONFIG = """\
@@ -78,7 +80,7 @@ def test_merge_refuses_a_config_it_cannot_use(tmp_path: Path, capsys, change: di
 
 
 def test_merge_runs_no_resolver_that_writes(tmp_path: Path, capsys) -> None:
-    from runner import resolvers
+    from runner.config import resolvers
 
     resolvers.register()  # as in any process that composed a config: runner_fresh makes the folder it names
     made = tmp_path / "made by the config"
@@ -175,8 +177,8 @@ def test_a_summary_that_is_a_fifo_a_device_or_too_deep_is_read_as_missing(sae_lm
     import os
     import shutil
 
-    from runner import export
     from runner.rundir import read_json
+    from runner.tools import export
 
     (tmp_path / "deep.json").write_text("[" * 200_000 + "]" * 200_000)
     os.mkfifo(tmp_path / "fifo.json")  # reading it would wait for a writer forever

@@ -24,7 +24,7 @@ from experiments.sae.coders import sparse as sparse_module
 from experiments.sae.coders.activations import BatchTopKSAE, ReLUSAE, TopKSAE, auxk_loss, geometric_median
 from experiments.sae.metrics import feature_recovery
 from experiments.sae.sources.files import ActivationFiles, RowData, file_splits
-from experiments.sae.sources.hooked import HookedData
+from experiments.sae.sources.hooked import LiveActivations
 from experiments.sae.sources.synthetic import (
     SyntheticActivations,
     SyntheticData,
@@ -718,8 +718,8 @@ def test_sae_digits_missing_checkpoint(compose_cfg: Callable[..., DictConfig], t
 
 def test_hooked_buffer_smaller_than_two_batches_is_refused(digits_run: Path) -> None:
     with pytest.raises(ConfigError, match="must hold at least two batches"):
-        HookedData(str(digits_run), "net.1", buffer_size=256, samples_per_epoch=1024, batch_size=256)
-    data = HookedData(str(digits_run), "net.1", buffer_size=512, samples_per_epoch=1024, batch_size=256)
+        LiveActivations(str(digits_run), "net.1", buffer_size=256, samples_per_epoch=1024, batch_size=256)
+    data = LiveActivations(str(digits_run), "net.1", buffer_size=512, samples_per_epoch=1024, batch_size=256)
     batches = [b for (b,) in data.train_loader()]
     assert [tuple(b.shape) for b in batches] == [(256, 512)] * 4  # refills as it goes
 

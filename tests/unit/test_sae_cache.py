@@ -1,5 +1,6 @@
-"""source.cache=DIR: a hooked module's activations written once (shards, then a manifest), reused memory-mapped;
-refused when made from something else; an interrupted write is never read; resume on cached data is exact."""
+"""data=activations_lm_cached data.cache=DIR: a hooked module's activations written once (shards, then a manifest),
+reused memory-mapped; refused when made from something else; an interrupted write is never read; resume on cached
+data is exact."""
 
 from __future__ import annotations
 
@@ -53,7 +54,14 @@ def forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _sae(lm_run: Path, acts: Path, *more: str) -> list[str]:
-    return ["+experiment=sae_lm", f"source.checkpoint={lm_run}", f"source.cache={acts}", *CACHED, *more]
+    return [
+        "+experiment=sae_lm",
+        f"source.checkpoint={lm_run}",
+        "data=activations_lm_cached",
+        f"data.cache={acts}",
+        *CACHED,
+        *more,
+    ]
 
 
 def test_the_cache_is_written_once_and_reused_without_the_source_s_forward(
@@ -103,9 +111,9 @@ def test_a_cache_from_another_hook_point_checkpoint_or_dtype_is_refused(
         build(compose_cfg(*_sae(lm_run, acts), "data.cache_rows=3000"))
     assert len(build(compose_cfg(*_sae(lm_run, acts), "data.cache_rows=2000")).train_loader.dataset) == 2000
     (tmp_path / "afile").write_text("")
-    with pytest.raises(ConfigError, match=r"source.cache=.*afile is a file: give a folder"):
+    with pytest.raises(ConfigError, match=r"data.cache=.*afile is a file: give a folder"):
         build(compose_cfg(*_sae(lm_run, tmp_path / "afile")))
-    for key in ("cache_rows", "cache_shard_rows"):  # 0 rows read as "the default" (cache_rows), or a traceback
+    for key in ("cache_rows", "cache_shard_rows"):  # 0 rows: a traceback, or (cache_rows) read as the default
         with pytest.raises(ConfigError, match=rf"data.{key} must be a whole number >= 1, got 0"):
             build(compose_cfg(*_sae(lm_run, acts), f"data.{key}=0"))
 

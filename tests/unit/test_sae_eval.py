@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from experiments.sae.evals.absorption import _absorbed
+from experiments.sae.evals.cli import main
 from experiments.sae.evals.core import core, windows
 from experiments.sae.evals.probes import fit_logistic
 from experiments.sae.evals.probing import char_categories
 from experiments.sae.evals.run import source_of
 from experiments.sae.metrics import loss_recovered
-from runner.sae_eval import main
-from runner.trained import load_trained
+from runner.load import load_trained
 
 
 @torch.no_grad()

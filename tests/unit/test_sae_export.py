@@ -1,5 +1,5 @@
-"""runner.export: SAEs and transcoders in SAELens's and sparsify's folder layouts, on raw activations, reconstructing
-(predicting) as runner does.
+"""runner.tools.export: SAEs and transcoders in SAELens's and sparsify's folder layouts, on raw activations,
+reconstructing (predicting) as runner does.
 
 The targets' inference is written out here from their sources (SAELens 6.54: topk = ReLU of the top k of
 (x - b_dec) W_enc + b_enc, jumprelu = ReLU(pre) where pre > threshold, standard = ReLU(pre), then codes @ W_dec + b_dec;
@@ -24,7 +24,7 @@ from experiments.sae.coders.jumprelu import JumpReLUSAE
 from experiments.sae.coders.matryoshka import MatryoshkaSAE
 from experiments.sae.formats import export
 from runner import ConfigError
-from runner.export import main
+from runner.tools.export import main
 
 D, N = 16, 64
 
@@ -205,8 +205,8 @@ def test_the_command_exports_a_finished_run_and_says_why_not_otherwise(
 def test_an_exported_run_names_its_hook_point_and_model_as_saelens_and_sparsify_read_them(
     sae_lm_run: Path, lm_run: Path, tmp_path: Path
 ) -> None:
-    # runner.export rebuilds the run (load_trained), whose config keeps the source inside its data: the metadata must
-    # still name the hooked module and the source model, so that a user can attach the export to the model
+    # runner.tools.export rebuilds the run (load_trained), whose config keeps the source inside its data: the metadata
+    # must still name the hooked module and the source model, so that a user can attach the export to the model
     assert main([str(sae_lm_run), "--format", "saelens", "--out", str(tmp_path / "one")]) == 0
     metadata = json.loads((tmp_path / "one" / "cfg.json").read_text())["metadata"]
     # the source named by its folder's name, never a local path (tests/unit/test_publish_names.py)

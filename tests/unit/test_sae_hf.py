@@ -94,12 +94,15 @@ def test_a_transformers_sourced_run_resumes_exactly_and_reuses_its_activation_ca
     compose_cfg: Callable, hf: dict, tmp_path: Path
 ) -> None:
     cache = tmp_path / "acts"
-    overrides = [*_sae_hf(hf, "llama"), f"source.cache={cache}", "logger=jsonl", "checkpoint.interval=1000st"]
+    live = ("data.buffer_size", "data.samples_per_epoch")  # the ring's sizes; the cache holds 1024 rows
+    cached = [*(o for o in _sae_hf(hf, "llama") if not o.startswith(live)), "data=activations_lm_cached"]
+    cached += [f"data.cache={cache}", "data.cache_rows=1024"]
+    overrides = [*cached, "logger=jsonl", "checkpoint.interval=1000st"]
     assert_resume_is_exact(compose_cfg, overrides, tmp_path, stop=3)
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["inputs"]["context"] == 16 and manifest["inputs"]["bos"] is not None
     # the same model reading other text is not the cache's source: refused, naming what differs
-    other = [*overrides[:-3], "source.inputs.context=8", f"source.cache={cache}", "logger=none"]
+    other = [*cached, "source.inputs.context=8", "logger=none"]
     with pytest.raises(ConfigError, match="inputs"):
         train(compose_cfg(*other, run_dir=tmp_path / "other"))
 
@@ -207,8 +210,8 @@ def test_feature_pages_of_a_transformers_sourced_sae_show_its_tokenizer_s_text(
 
     from helpers import finished_run
 
-    from runner.features import main
-    from runner.trained import load_trained
+    from runner.load import load_trained
+    from runner.tools.features import main
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -1,4 +1,4 @@
-"""SAE folders of SAELens and sparsify in runner's tools (experiments/sae/imported.py, attach.py): a runner SAE
+"""SAE folders of SAELens and sparsify in runner's tools (experiments/sae/formats/): a runner SAE
 written as a SAELens folder and read back with its source model is evaluated to the same metrics as the run itself
 (reconstruction and splicing), the hook point names the module in runner GPTs and transformers models alike, and a
 corrupt or foreign folder is one clear error (exit 2)."""
@@ -12,15 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from experiments.sae.attach import module_for
-from experiments.sae.formats import export
-from experiments.sae.imported import read_folder
+from experiments.sae.formats import export, module_for, read_folder
 from runner import ConfigError
-from runner.evaluate import evaluate_run
-from runner.evaluate import main as evaluate_main
-from runner.features import main as features_main
-from runner.load import load_model
-from runner.trained import load_trained
+from runner.load import load_model, load_trained
+from runner.tools.evaluate import evaluate_run
+from runner.tools.evaluate import main as evaluate_main
+from runner.tools.features import main as features_main
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TINY_LM, StopAt, assert_resume_is_exact, finished_run
+from omegaconf import OmegaConf
 
 from experiments.sae import metrics as metrics_module
 from experiments.sae.sources.buffer import ActivationBuffer, HookedActivations
@@ -17,8 +18,8 @@ from experiments.sae.sources.source import SourceModel
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt import state as ckpt_state
-from runner.evaluate import evaluate_run
 from runner.loop import fit
+from runner.tools.evaluate import evaluate_run
 from runner.train import train
 
 SAE_LM_SMALL = [
@@ -56,7 +57,7 @@ def test_sae_lm_trains_on_the_residual_stream_and_reports_loss_recovered(compose
 def test_a_recovered_fraction_whose_ablation_barely_moves_the_loss_is_nan_and_said_so(
     compose_cfg: Callable, lm_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    # issue 46's figures: a zero ablation costing 0.03% of the loss gave "1.584 recovered"
+    # a zero ablation costing 0.03% of the loss, which the plain ratio reads as "1.584 recovered"
     value, why = metrics_module.loss_recovered(ablated=6.908, spliced=6.905, clean=6.906)
     assert math.isnan(value) and "moves the loss by 0.002 of 6.906: too little to divide by" in why
     assert metrics_module.loss_recovered(ablated=5.0, spliced=4.5, clean=4.0) == (0.5, None)
@@ -78,8 +79,11 @@ def test_evaluate_reports_the_spliced_loss_the_run_validated_with(lm_run: Path, 
         assert metrics[key] == pytest.approx(run.state.metrics[key], rel=1e-6), key
     # A rebuilt run writes no activation cache where its config says (a run folder may be anybody's)
     config = tmp_path / ".hydra" / "config.yaml"
-    config.write_text(config.read_text().replace("cache: null", f"cache: {tmp_path / 'elsewhere'}", 1))
-    assert "elsewhere" in config.read_text()
+    cfg = OmegaConf.load(config)
+    cfg.data._target_, cfg.data.cache = "experiments.sae.sources.hooked.CachedActivations", str(tmp_path / "elsewhere")
+    for ring in ("buffer_size", "samples_per_epoch", "shard"):
+        cfg.data.pop(ring)
+    OmegaConf.save(cfg, config)
     assert evaluate_run(tmp_path)["metrics"]["val/fve"] == pytest.approx(metrics["val/fve"], rel=1e-12)
     assert not (tmp_path / "elsewhere").exists()
 
@@ -270,10 +274,10 @@ def test_several_hook_points_train_a_family_for_each_module_from_one_forward(
 def test_every_rank_trains_on_its_own_share_of_what_one_process_takes(lm_run: Path) -> None:
     # Each rank's ring is alike (one seed, the source's same inputs): had each served its own micro-batches, both
     # ranks would have trained on the very same rows. Two ranks of 32 take what one process takes in two of 32.
-    from experiments.sae.sources.hooked import HookedData
+    from experiments.sae.sources.hooked import LiveActivations
 
     def loader(rank: int, world_size: int, accumulate: int) -> list[torch.Tensor]:
-        data = HookedData(
+        data = LiveActivations(
             str(lm_run), "blocks.1", skip_positions=1, buffer_size=512, samples_per_epoch=256, batch_size=32, seed=0
         )
         batches = iter(data.train_loader(rank=rank, world_size=world_size, accumulate=accumulate))
@@ -289,10 +293,10 @@ def test_every_rank_trains_on_its_own_share_of_what_one_process_takes(lm_run: Pa
 def test_a_ring_too_small_for_every_rank_s_take_or_a_ragged_epoch_is_refused(lm_run: Path) -> None:
     # every rank takes all ranks' rows at once: a ring of 512 holds two takes of 2 x 128 but not of 4 x 128, and an
     # epoch of 1000 rows would end in a short step whose takes differ between ranks (their rings would drift apart)
-    from experiments.sae.sources.hooked import HookedData
+    from experiments.sae.sources.hooked import LiveActivations
 
-    def data(samples: int) -> HookedData:
-        return HookedData(
+    def data(samples: int) -> LiveActivations:
+        return LiveActivations(
             str(lm_run),
             "blocks.1",
             skip_positions=1,

@@ -15,8 +15,8 @@ from experiments.sae.coders.activations import BatchTopKSAE, TopKSAE
 from experiments.sae.coders.multi import MultiSAE
 from runner import ConfigError
 from runner.build import build
+from runner.load import load_trained
 from runner.train import train
-from runner.trained import load_trained
 
 SMALL = (
     "+experiment=sae",

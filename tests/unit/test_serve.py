@@ -1,5 +1,5 @@
-"""`python -m runner.features RUN_DIR --serve`: the real handler (runner.features.PagesHandler), on an ephemeral port
-in a thread, serves the pages folder's files to localhost and nothing else: no symlink out of the folder (a victim
+"""`python -m runner.features RUN_DIR --serve`: the real handler (runner.tools.features.PagesHandler), on an ephemeral
+port in a thread, serves the pages folder's files to localhost and nothing else: no symlink out of the folder (a victim
 outside it is never read), no `..`, no directory listing, 403 for a foreign Host header (DNS rebinding), 400 and no
 traceback for a NUL byte; and a port in use is one line naming a free one and the pages already written."""
 
@@ -15,7 +15,7 @@ import pytest
 from helpers import finished_run
 
 from experiments.sae.pages.write import STATIC
-from runner import features
+from runner.tools import features
 
 SAE = ["+experiment=sae", "model.n_latents=32", "data.splits.n_train=512", "data.splits.n_val=64"]
 SAE += ["data.splits.d=16", "data.splits.n_features=16", "trainer.max_duration=2st", "logger=none", "checkpoint=none"]

@@ -1,5 +1,5 @@
 """A run folder used as `source.checkpoint` is data, not code: its config's `_target_`s outside trusted_targets are
-refused before anything is instantiated (issue 16 A)."""
+refused before anything is instantiated."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import finished_run
+from helpers import CONF_DIRS, finished_run
 from omegaconf import DictConfig, OmegaConf
 
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt.weights import save_weights
-from runner.trained import load_trained
+from runner.load import load_trained
 
 MARKER = Path("/tmp/runner-source-pwned")
 
@@ -88,7 +88,7 @@ def test_trusted_targets_lets_a_users_own_package_in_for_the_classes_that_opt_in
     package = tmp_path / "pkg" / "users_linear_pkg"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(
-        "from torch import nn\n\nfrom runner.trust import buildable\n\n\n"
+        "from torch import nn\n\nfrom runner.config.trust import buildable\n\n\n"
         "@buildable('model')\nclass Linear(nn.Linear):\n    pass\n\n\nclass Unmarked(Linear):\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(package.parent))
@@ -113,13 +113,13 @@ def test_trusted_targets_lets_a_users_own_package_in_for_the_classes_that_opt_in
 def test_the_launch_folder_s_runner_yaml_trusts_a_package_and_a_run_folder_s_never_does(
     source_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from runner import evaluate
-    from runner.trained import TRUSTED_TARGETS, trusted_here
+    from runner.load import TRUSTED_TARGETS, trusted_here
+    from runner.tools import evaluate
 
     project = tmp_path / "project"  # what runner init makes: the user's package and runner.yaml beside it
     (project / "trusted_project_pkg").mkdir(parents=True)
     (project / "trusted_project_pkg" / "__init__.py").write_text(
-        "from experiments.digits import MLPClassifier\nfrom runner.trust import buildable\n\n\n"
+        "from experiments.digits import MLPClassifier\nfrom runner.config.trust import buildable\n\n\n"
         "@buildable('model')\nclass Model(MLPClassifier):\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(project))
@@ -161,9 +161,9 @@ def test_the_sae_digits_preset_passes_trusted_targets_to_both_readers(
     assert list(cfg.callbacks.sae_splice.trusted_targets) == ["experiments"]
 
 
-# --- Issue 27: trust is decided on what a target is, not how it is spelled ------------------------------------------
+# --- trust is decided on what a target is, not how it is spelled ----------------------------------------------------
 # Hydra resolves `_target_` attribute by attribute, so `runner.data.torch.load` *is* torch.load. Every spelling below
-# was reached through runner.evaluate or source.checkpoint at 1b56e25, and ran code.
+# runs code through runner.tools.evaluate or source.checkpoint wherever trust reads only how a target is spelled.
 EVIL_LOAD = {"_target_": "runner.data.torch.load", "f": "PAYLOAD", "weights_only": False}
 SPELLED = {
     "a module attribute that is torch": ("model", EVIL_LOAD),
@@ -196,7 +196,7 @@ REASONS = (
     "is not a dotted path of public names",
     "is not under the trusted module paths",  # functools.partial
     "is a list, not a dotted path",
-    "takes plain data",  # a component given where the parameter takes data (issue 41)
+    "takes plain data",  # a component given where the parameter takes data
 )
 
 
@@ -227,7 +227,7 @@ def test_the_dangerous_spelling_is_real() -> None:
 def test_runner_evaluate_refuses_every_spelling_with_exit_2_and_runs_nothing(
     attack: str, source_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from runner.evaluate import main
+    from runner.tools.evaluate import main
 
     monkeypatch.setenv("EVIL_TARGET", "runner.data.torch.load")
     key, node = SPELLED[attack]
@@ -272,7 +272,7 @@ def test_a_truncated_target_says_the_config_may_be_truncated(source_run: Path, t
 def test_an_untrusted_callback_is_left_out_and_said_but_the_run_evaluates(
     source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from runner.evaluate import main
+    from runner.tools.evaluate import main
 
     folder = _tampered(source_run, tmp_path, "callbacks", {"mine": {"_target_": "torch.nn.Identity"}})
     assert main([str(folder)]) == 0
@@ -282,12 +282,13 @@ def test_an_untrusted_callback_is_left_out_and_said_but_the_run_evaluates(
 
 
 def test_every_shipped_target_is_trusted_under_its_own_package() -> None:
-    # no false refusal: each `_target_` of runner's configs is a class or function reached through its own modules
-    from runner import trust
+    # no false refusal: each `_target_` of the shipped configs (runner/conf and the task packages' conf folders) is a
+    # class or function reached through its own modules
+    from runner.config import trust
 
-    conf = Path(__file__).parents[2] / "runner" / "conf"
     targets = {
         line.split("_target_:")[1].split("#")[0].strip()
+        for conf in CONF_DIRS
         for path in conf.rglob("*.yaml")
         for line in path.read_text().splitlines()
         if "_target_:" in line and not line.lstrip().startswith("#")
@@ -323,16 +324,16 @@ def test_a_run_folder_cannot_widen_the_trust_of_the_runs_it_names(
     }
     outer = _tampered(source_run, tmp_path, "data", hooked)
     MARKER.unlink(missing_ok=True)
-    from runner.evaluate import main
+    from runner.tools.evaluate import main
 
     assert main([str(outer)]) == 2
     assert "refusing to build the model of" in capsys.readouterr().err
     assert not MARKER.exists()
 
 
-# --- Issue 41: least authority. A run folder builds only what opted in to its slot, with plain data for arguments ---
-# Each attack below wrote, deleted or made files through runner's own functions at 4b34ecc (any public function of a
-# trusted package was accepted, with any arguments). Each has a victim that must come out unchanged.
+# --- least authority: a run folder builds only what opted in to its slot, with plain data for arguments -------------
+# Each attack below writes, deletes or makes files through runner's own functions wherever any public function of a
+# trusted package is accepted, with any arguments. Each has a victim that must come out unchanged.
 def _victim(tmp_path: Path) -> Path:
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -389,8 +390,8 @@ LEAST = {
     ),
     "a data class in the model's slot": (
         "model",
-        {"_target_": "experiments.sae.sources.hooked.HookedData", "checkpoint": "VICTIM", "module": "net.1"},
-        "HookedData opts in as data; here it stands for an nn.Module class",
+        {"_target_": "experiments.sae.sources.hooked.LiveActivations", "checkpoint": "VICTIM", "module": "net.1"},
+        "LiveActivations opts in as data; here it stands for an nn.Module class",
     ),
     "a component where plain data goes": (
         "model",
@@ -420,7 +421,7 @@ def _placed(value: object, tmp_path: Path) -> object:
 
 def _tool(name: str, folder: Path, compose_cfg: Callable[..., DictConfig]) -> int:
     # each way a user reads a run folder, as its command line does: the exit code (2 for a refusal)
-    from runner import evaluate, export, features, generate
+    from runner.tools import evaluate, export, features, generate
 
     if name == "source.checkpoint":
         try:
@@ -437,7 +438,7 @@ def _tool(name: str, folder: Path, compose_cfg: Callable[..., DictConfig]) -> in
 def test_a_run_folder_builds_only_what_opted_in_to_its_slot_and_touches_no_file(
     attack: str, source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from runner.evaluate import main
+    from runner.tools.evaluate import main
 
     key, node, reason = LEAST[attack]
     victim = _victim(tmp_path)
@@ -445,7 +446,7 @@ def test_a_run_folder_builds_only_what_opted_in_to_its_slot_and_touches_no_file(
     assert main([str(folder)]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: refusing to build the") and reason in error, error
-    assert "@runner.trust.buildable" in error
+    assert "@runner.config.trust.buildable" in error
     assert _untouched(victim) and not (tmp_path / "new").exists() and not (tmp_path / "pwned").exists()
 
 
@@ -472,7 +473,7 @@ RESOLVED = {
 def test_every_resolver_of_the_whole_folder_config_is_checked_before_any_resolves(
     attack: str, source_run: Path, tmp_path: Path
 ) -> None:
-    from runner.resolvers import register
+    from runner.config.resolvers import register
 
     register()  # runner_fresh, as in any runner process
 
@@ -510,20 +511,30 @@ def sae_run(source_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def test_positional_arguments_do_not_get_around_the_confined_cache(sae_run: Path, tmp_path: Path) -> None:
-    # the cache folder given by position (its 8th parameter): bound to its name, it is confined like data.cache=
+@pytest.mark.parametrize("target", ["CachedActivations", "HookedData"])
+def test_positional_arguments_do_not_get_around_the_confined_cache(target: str, sae_run: Path, tmp_path: Path) -> None:
+    # the cache folder given by position (CachedActivations' 3rd parameter, an older folder's HookedData's 8th):
+    # bound to its name, it is confined like data.cache=; and the folder's own trust, by position, is the reader's too.
+    # HookedData is read as the option its keyword flags chose: its positions then name another signature's, refused.
     cfg = OmegaConf.to_container(OmegaConf.load(sae_run / ".hydra" / "config.yaml"))
     data = cfg["data"]
-    cache = tmp_path / "cache the folder chose"
-    names = ["checkpoint", "module", "buffer_size", "samples_per_epoch", "d", "trusted_targets", "skip_positions"]
-    data["_args_"] = [*(data.pop(name) for name in names), str(cache)]
-    data.pop("cache")
-    data["trusted_targets"] = data["_args_"][5]  # and the folder's own trust, by position, is the reader's too
-    data["_args_"][5] = ["torch", "experiments", "runner.data"]
-    del data["trusted_targets"]
+    cache, evil = tmp_path / "cache the folder chose", ["torch", "experiments", "runner.data"]
+    where = [data.pop("checkpoint"), data.pop("module")]
+    buffer, d = [data.pop("buffer_size"), data.pop("samples_per_epoch")], data.pop("d")
+    del data["trusted_targets"], data["shard"]
+    data["_target_"] = f"experiments.sae.sources.hooked.{target}"
+    if target == "CachedActivations":
+        data["_args_"] = [*where, str(cache), 1024, "float32", 512, d, evil]
+    else:
+        data["_args_"] = [*where, *buffer, d, evil, data.pop("skip_positions"), str(cache)]
     folder = tmp_path / "evil sae"
     shutil.copytree(sae_run, folder)
     OmegaConf.save(OmegaConf.create(cfg), folder / ".hydra" / "config.yaml")
+    if target == "HookedData":
+        with pytest.raises(ConfigError, match="refusing to build the data of"):
+            load_trained(folder)
+        assert not cache.exists()
+        return
     model, built = load_trained(folder)
     assert built.data.cache is None and list(built.data.trusted_targets) == ["experiments", "runner.data"]
     assert "_args_" not in built.data and not cache.exists()
@@ -532,16 +543,16 @@ def test_positional_arguments_do_not_get_around_the_confined_cache(sae_run: Path
 
 def test_a_run_folder_of_2026_11_21_still_names_a_buildable_data_module() -> None:
     # every shipped option and experiment builds in its slot: tests/unit/test_configs.py checks each composed config
-    # as load_trained would (check_run); run folders written since 2026-11-21 may also name this older target
-    from runner import trust
-    from runner.trained import TRUSTED_TARGETS
+    # as load_trained would (check_run); an older run folder names ActivationFiles where synthetic.py still exports it
+    from runner.config import trust
+    from runner.load import TRUSTED_TARGETS
 
     old = {"_target_": "experiments.sae.sources.synthetic.ActivationFiles", "train_path": "a.npy", "batch_size": 8}
     assert trust.check(old, "data", TRUSTED_TARGETS, "data", "a run folder of 2026-11-21") == old
 
 
 def test_buildable_refuses_a_mark_that_does_not_fit() -> None:
-    from runner.trust import buildable
+    from runner.config.trust import buildable
 
     with pytest.raises(TypeError, match="not an nn.Module class"):
         buildable("model")(print)
@@ -551,7 +562,7 @@ def test_buildable_refuses_a_mark_that_does_not_fit() -> None:
         buildable("writer")
 
 
-# Found by a red-team pass over the above (issue 41): each ran code, called out, or hung before its fix.
+# Ways around the checks above: each, if not refused, runs code, calls out, or hangs.
 PAYLOAD = "{_target_:numpy.savetxt,fname:MARK,X:[],header:pwned,comments:''}"
 ESCAPED = {  # an escaped \${...} reads as text to the resolver check, then instantiate resolved it again
     "model": ("model", "dropout"),
@@ -565,7 +576,7 @@ ESCAPED = {  # an escaped \${...} reads as text to the resolver check, then inst
 def test_a_value_that_would_be_resolved_again_when_built_is_refused(
     slot: str, source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from runner.evaluate import main
+    from runner.tools.evaluate import main
 
     mark = tmp_path / "written by numpy.savetxt"
     value = "\\${oc.create:" + PAYLOAD.replace("MARK", str(mark)) + "}"
@@ -591,7 +602,7 @@ def test_a_hub_model_a_run_folder_names_is_read_from_the_cache_alone(
     # a request for hf:attacker/... would tell the folder's author it was opened (and fetch their model)
     import socket
 
-    from runner.evaluate import main
+    from runner.tools.evaluate import main
 
     pytest.importorskip("transformers")
     calls: list[object] = []
@@ -617,7 +628,7 @@ def test_files_that_never_end_are_refused_before_they_are_read(
 ) -> None:
     import os
 
-    from runner.features import main
+    from runner.tools.features import main
 
     fifo = tmp_path / "fifo run"
     shutil.copytree(source_run, fifo)
@@ -642,7 +653,7 @@ def test_files_that_never_end_are_refused_before_they_are_read(
 
 def test_a_callback_left_out_may_hold_any_text(source_run: Path, tmp_path: Path) -> None:
     # never built, so never resolved again: a run's text_samples prompt with a literal ${ does not refuse the folder
-    from runner.evaluate import main
+    from runner.tools.evaluate import main
 
     mark = tmp_path / "written by numpy.savetxt"
     folder = tmp_path / "run"
@@ -659,7 +670,7 @@ def test_a_rebuilt_run_s_corpus_is_cached_in_a_folder_of_the_process_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     # data.paths may name any readable file: encoded into ~/.cache/runner, a forged folder copied them there
-    from runner.evaluate import main
+    from runner.tools.evaluate import main
 
     secret = tmp_path / "secret"
     secret.mkdir()

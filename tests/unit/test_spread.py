@@ -11,8 +11,8 @@ from omegaconf import DictConfig
 from experiments.sae.coders.spread import placement
 from runner import ConfigError
 from runner.build import build
+from runner.data.samplers import ValidationShard
 from runner.loop import fit
-from runner.samplers import ValidationShard
 
 SMALL = ("+experiment=sae", "data.splits.d=16", "data.splits.n_features=32", "checkpoint=none")
 

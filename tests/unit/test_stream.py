@@ -1,5 +1,5 @@
-"""Streaming data (runner/streaming.py, experiments/lm/stream.py): shards by rank and loader worker, the bytes of every
-pass read once, exact resume from torchdata's StatefulDataLoader state, and a stream's refusals (epochs, too many
+"""Streaming data (runner/data/streaming.py, experiments/lm/stream.py): shards by rank and loader worker, the bytes of
+every pass read once, exact resume from torchdata's StatefulDataLoader state, and a stream's refusals (epochs, too many
 shards, another layout on resume)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from experiments.lm.stream import TextStream, TextStreamShards
 from runner import ConfigError
 from runner.build import build
 from runner.ckpt.files import CheckpointError
-from runner.streaming import ShardedStream, StreamingData
+from runner.data.streaming import ShardedStream, StreamingData
 from runner.train import train
 
 EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email" / "*.py")  # 20 real files, ~360 kB

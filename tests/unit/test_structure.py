@@ -80,8 +80,27 @@ def test_no_import_cycle() -> None:
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
 
 
+def test_the_framework_imports_nothing_of_the_experiments() -> None:
+    # runner/ is a framework that ships without its examples: a task reaches it through the hooks it declares (the
+    # runner.renamed, runner.folders and runner.tools entry point groups), never by being imported from it
+    graph = {module: _imports(module, path) for module, path in MODULES.items()}
+    assert "experiments.sae.coders.base" in graph["experiments.sae.coders.activations"]  # the parser sees the task's
+    upward = {m: sorted(t for t in targets if t.startswith("experiments")) for m, targets in graph.items()}
+    assert {m: t for m, t in upward.items() if m.startswith("runner") and t} == {}
+
+
+def test_the_sae_coders_import_nothing_above_them() -> None:
+    # the coder is the recipe: its tools (export, feature pages, folder loading) bind to it from above
+    graph = {module: _imports(module, path) for module, path in MODULES.items()}
+    coders = [m for m in MODULES if m.startswith("experiments.sae.coders")]
+    below = [*coders, "experiments.sae.objectives", "experiments.sae.metrics"]  # the losses and the metrics' math
+    above = {m: sorted(t for t in graph[m] if t.startswith("experiments") and t not in below) for m in below}
+    assert {m: t for m, t in above.items() if t} == {}
+
+
 def test_run_and_the_leaf_modules_know_nothing_of_the_loop() -> None:
     leaves = ["runner.run", "runner.progress", "runner.meter", "runner.rundir", "runner.precision", "runner.data"]
+    leaves += ["runner.config.trust", "runner.config.resolvers", "runner.config.confine", "runner.data.samplers"]
     leaves += ["runner.validation"]
     leaves += [m for m in MODULES if m.startswith(("runner.callbacks", "runner.ckpt", "runner.log"))]
     for module in leaves:
@@ -186,6 +205,27 @@ def test_every_python_m_tool_gets_the_wait_policy_and_a_library_import_does_not(
         done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
         return done.stdout.strip()
 
-    assert "'why': " in policy("-m")  # python -m runner.generate, runner.features, ...: chosen (by the load)
+    assert "'why': " in policy("-m")  # python -m runner.generate, runner.tools.features, ...: chosen (by the load)
     assert policy("-c") == "{}"  # import runner from a notebook or a script: nothing
     assert "'policy': 'ACTIVE', 'why': 'yours" in policy("-m", OMP_WAIT_POLICY="ACTIVE")  # the user's own wins
+
+
+def _too_large(modules: dict[str, Path], lines: int, function_lines: int) -> tuple[list[str], list[str]]:
+    """(modules over `lines`, functions over `function_lines`), each with its size."""
+    modules_over, functions_over = [], []
+    for module, path in sorted(modules.items()):
+        source = path.read_text(encoding="utf-8")
+        if (n := len(source.splitlines())) > lines:
+            modules_over.append(f"{module} ({n} lines)")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if (n := node.end_lineno - node.lineno + 1) > function_lines:
+                    functions_over.append(f"{module}.{node.name} ({n} lines)")
+    return modules_over, functions_over
+
+
+def test_every_module_and_function_stays_readable_in_one_sitting(tmp_path: Path) -> None:
+    # A module over ~300 lines holds more than one idea, a function over ~60 more than one screen (DESIGN.md)
+    (tmp_path / "big.py").write_text("def f():\n" + "    x = 1\n" * 60 + "\n" * 240)
+    assert _too_large({"big": tmp_path / "big.py"}, 300, 60) == (["big (301 lines)"], ["big.f (61 lines)"])
+    assert _too_large(MODULES, 300, 60) == ([], [])

@@ -10,8 +10,8 @@ from helpers import ROOT
 
 from runner.interfaces import TASK_HOOKS
 
-# How runner/ spells the task where it looks a hook up: the built task, a loaded run's model, the task or its coder
-# (runner.sae_eval, after `getattr(model, "coder", model)`), and the strategy's handle on it.
+# How runner/ spells the task where it looks a hook up: the built task, a loaded run's model, a task's coder, and the
+# strategy's handle on it.
 RECEIVERS = {"task", "model", "coder", "run.task", "self.task", "self.model"}
 REQUIRED = {"training_step"}
 

@@ -1,5 +1,5 @@
-"""Bad input to runner.evaluate and runner init (merge and report: test_run_file_errors.py): exit 2 and one paragraph
-that names the argument or file and what to give instead; never a traceback, never a silent wrong answer."""
+"""Bad input to runner.tools.evaluate and runner init (merge and report: test_run_file_errors.py): exit 2 and one
+paragraph that names the argument or file and what to give instead; never a traceback, never a silent wrong answer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers import finished_run, read_json, refused
 
-from runner import evaluate, init
+from runner.tools import evaluate
+from runner.tools import scaffold as init
 
 DIGITS = ["+experiment=digits", "trainer.max_duration=10st", "logger=none", "callbacks=none"]
 

@@ -1,7 +1,7 @@
-"""A run folder is data: the tools that read one (runner.features, runner.export, runner.evaluate) write only where the
-user said. A forged run folder's symlinks never carry their output elsewhere (each attack has a victim outside the run
-folder that must survive unchanged); a killed export or a full disk leaves nothing in the way of the next run; an output
-that names a file is one line and exit 2. The serving of the pages: test_serve.py."""
+"""A run folder is data: the tools that read one (runner.tools.features, runner.tools.export, runner.tools.evaluate)
+write only where the user said. A forged run folder's symlinks never carry their output elsewhere (each attack has a
+victim outside the run folder that must survive unchanged); a killed export or a full disk leaves nothing in the way
+of the next run; an output that names a file is one line and exit 2. The serving of the pages: test_serve.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import pytest
 from helpers import ROOT, finished_run, python, refused
 
 from experiments.sae.pages.write import STATIC
-from runner import ConfigError, export, features, rundir
-from runner.evaluate import evaluate_run
-from runner.outdir import within
+from runner import ConfigError, rundir
+from runner.rundir.outputs import within
+from runner.tools import export, features
+from runner.tools.evaluate import evaluate_run
 
 SAE = ["+experiment=sae", "model.n_latents=32", "data.splits.n_train=512", "data.splits.n_val=64"]
 SAE += ["data.splits.d=16", "data.splits.n_features=16", "trainer.max_duration=2st", "logger=none", "checkpoint=none"]
@@ -128,8 +129,8 @@ def test_an_output_that_names_a_file_is_one_line_and_exit_2(sae_run: Path, tmp_p
 # ---- a killed export, a full disk ---------------------------------------------------------------------------------
 KILLED = """
 import os, signal, sys
-import experiments.sae.formats as sae_export
-from runner.export import main
+import experiments.sae.formats.common as sae_export
+from runner.tools.export import main
 def dies(path, data, fsync=False):  # the weights half-written, then SIGKILL
     path.write_bytes(bytes(data)[: len(data) // 2])
     os.kill(os.getpid(), signal.SIGKILL)
@@ -165,7 +166,7 @@ def _full_after(writes: int, monkeypatch: pytest.MonkeyPatch) -> None:
         done.append(path)
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(rundir, "open", opener, raising=False)
+    monkeypatch.setattr(rundir.files, "open", opener, raising=False)
 
 
 def test_a_full_disk_during_an_export_says_so_and_leaves_nothing(sae_run: Path, tmp_path: Path, capsys, monkeypatch):
@@ -193,7 +194,7 @@ def test_a_full_disk_during_the_pages_says_so_and_a_rerun_writes_them(
     assert (out / "index.html").read_bytes() == (STATIC / "index.html").read_bytes()
 
 
-# ---- found by a third red-team pass ---------------------------------------------------------------------------------
+# ---- the run folder through a link, and what is planted where report and evaluate write -----------------------------
 def test_the_run_folder_spelled_through_a_link_is_still_the_run_folder(
     forged: Path, victim: Path, tmp_path: Path, capsys
 ) -> None:
@@ -207,7 +208,7 @@ def test_the_run_folder_spelled_through_a_link_is_still_the_run_folder(
 
 def test_report_writes_its_plots_only_inside_the_folder(forged: Path, victim: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
-    from runner import report
+    from runner.tools import report
 
     before = _snapshot(victim)
     (forged / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n{"step": 2, "train/loss": 0.5}\n')
@@ -222,7 +223,7 @@ def test_report_writes_its_plots_only_inside_the_folder(forged: Path, victim: Pa
 
 
 def test_a_folder_planted_at_the_evaluation_file_is_one_line(forged: Path, capsys) -> None:
-    from runner import evaluate
+    from runner.tools import evaluate
 
     (forged / "eval-val.json").mkdir()
     refused(

@@ -15,7 +15,7 @@ from helpers import finished_run, hf_text, tiny_hf_model
 
 from experiments.sae.coders.base import SAE
 from experiments.sae.metrics import loss_recovered
-from experiments.sae.sources.hooked import HookedData
+from experiments.sae.sources.hooked import CachedActivations, LiveActivations
 from experiments.sae.sources.source import SourceModel, Splice
 from runner import ConfigError
 from runner.build import build
@@ -52,7 +52,7 @@ def hand_captured(model: torch.nn.Module, batch: dict, names: list[str]) -> list
 
 def test_hooked_rows_are_the_mlp_input_then_its_output(lm_run: Path) -> None:
     loader = {"batch_size": 64, "seed": 0}
-    data = HookedData(
+    data = LiveActivations(
         str(lm_run), NORM, buffer_size=256, samples_per_epoch=1024, target=MLP, skip_positions=1, **loader
     )
     assert data.model_args == {"d_in": 32, "d_out": 32}
@@ -68,12 +68,12 @@ def test_hooked_rows_are_the_mlp_input_then_its_output(lm_run: Path) -> None:
 
 def test_the_activation_cache_of_a_transcoder_is_not_an_sae_s(lm_run: Path, tmp_path: Path) -> None:
     cache = {"cache": str(tmp_path / "cache"), "cache_rows": 128, "cache_shard_rows": 64, "batch_size": 64}
-    sae = HookedData(str(lm_run), NORM, skip_positions=1, **cache)
+    sae = CachedActivations(str(lm_run), NORM, skip_positions=1, **cache)
     assert sae.splits["train"].__getitems__([0, 1])[0].shape == (2, 32)
-    with pytest.raises(ConfigError, match=r"activation cache .* written from blocks.1.mlp_norm .*another source.cache"):
-        HookedData(str(lm_run), NORM, target=MLP, skip_positions=1, **cache)
+    with pytest.raises(ConfigError, match=r"activation cache .* written from blocks.1.mlp_norm .*another data.cache"):
+        CachedActivations(str(lm_run), NORM, target=MLP, skip_positions=1, **cache)
     again = dict(cache, cache=str(tmp_path / "transcoder"))
-    rows = HookedData(str(lm_run), NORM, target=MLP, skip_positions=1, **again).splits["train"]
+    rows = CachedActivations(str(lm_run), NORM, target=MLP, skip_positions=1, **again).splits["train"]
     assert rows.__getitems__([0, 1])[0].shape == (2, 64)
 
 

@@ -1,8 +1,8 @@
 """No writer removes or writes through a link it did not make: for each tool that writes into a run folder (the feature
-pages and their Neuronpedia batches, an export in each format, sae_eval's evals/, runner.evaluate's file), a run
-folder from elsewhere plants links to a victim folder outside it, and the victim must survive byte for byte. A link at
-a name the tool writes is replaced by the tool's own file or folder (never followed: runner.outdir); one that would
-carry the output folder itself out of the run folder is refused with one paragraph and exit 2."""
+pages and their Neuronpedia batches, an export in each format, sae_eval's evals/, runner.tools.evaluate's file), a run
+folder from elsewhere plants links to a victim folder outside it, and the victim must survive byte for byte. A link at a
+name the tool writes is replaced by the tool's own file or folder (never followed: runner.rundir.outputs); one that
+would carry the output folder itself out of the run folder is refused with one paragraph and exit 2."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from helpers import SAE_LM, finished_run, refused
 
-from runner import evaluate, export, features, sae_eval
-from runner.trained import load_trained
+from experiments.sae.evals import cli as sae_eval
+from runner.load import load_trained
+from runner.tools import evaluate, export, features
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def _batches(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("batch-*.json"))]
 
 
-# ---- runner.features: the pages and Neuronpedia's batches ------------------------------------------------------------
+# ---- runner.tools.features: the pages and Neuronpedia's batches ----------------------------------------------------
 @pytest.mark.parametrize("neuronpedia", [False, True])
 def test_the_pages_never_clear_batches_through_a_neuronpedia_link(
     forged: Path, victim: Path, neuronpedia: bool, capsys
@@ -101,7 +102,7 @@ def test_a_family_s_pages_never_write_through_a_link_at_an_sae_s_folder(
     capsys.readouterr()
 
 
-# ---- runner.export: every format, its default folder and out= --------------------------------------------------------
+# ---- runner.tools.export: every format, its default folder and out= ------------------------------------------------
 @pytest.mark.parametrize("fmt", ["saelens", "sparsify", "hf"])
 def test_an_export_never_writes_through_a_link_in_the_run_folder(
     forged: Path, victim: Path, fmt: str, tmp_path: Path, capsys
@@ -143,7 +144,7 @@ def test_the_evaluation_folder_never_leads_out_and_links_in_it_are_replaced(forg
     capsys.readouterr()
 
 
-# ---- runner.evaluate: eval-SPLIT.json ------------------------------------------------------------------------------
+# ---- runner.tools.evaluate: eval-SPLIT.json ------------------------------------------------------------------------
 def test_the_evaluation_file_replaces_a_link_and_a_split_never_names_a_path(forged: Path, victim: Path, capsys) -> None:
     before = _snapshot(victim)
     (forged / "eval-val.json").symlink_to(victim / "eval.json")

@@ -1,9 +1,9 @@
-"""What the writers quote of a config is plain data (runner.published): a forged run folder whose config reads an
+"""What the writers quote of a config is plain data (runner.tools.published): a forged run folder whose config reads an
 environment variable (a token an uploader holds) in every field they quote gets its outputs written with the config's
-own text there, never the variable's value: the model card and SAELens/sparsify cfg.json of runner.export, the pages
-and Neuronpedia batches of runner.features, sae_eval's eval.json and index.html; a value the run's config resolves from
-its own keys (`${source.module}`) still shows. Markdown and HTML from the config stay text in the card, and the pages
-(HTML) escape what they show."""
+own text there, never the variable's value: the model card and SAELens/sparsify cfg.json of runner.tools.export, the
+pages and Neuronpedia batches of runner.tools.features, sae_eval's eval.json and index.html; a value the run's config
+resolves from its own keys (`${source.module}`) still shows. Markdown and HTML from the config stay text in the card,
+and the pages (HTML) escape what they show."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ import pytest
 from helpers import finished_run, hf_text, refused, tiny_hf_model
 from omegaconf import OmegaConf
 
+from experiments.sae.evals import cli as sae_eval
 from experiments.sae.evals.run import page
 from experiments.sae.formats import hub_card
 from experiments.sae.pages.write import STATIC, family_index
-from runner import ConfigError, export, features, sae_eval
-from runner.published import plain
+from runner import ConfigError
+from runner.tools import export, features
+from runner.tools.published import plain
 
 SECRET = "hf_SeCrEtToKeN0123456789abcdef"  # what an uploader's HF_TOKEN looks like
 HOSTILE = "<img src=x onerror=alert(1)>|\n# injected"
@@ -93,7 +95,8 @@ def test_plain_resolves_the_config_s_own_references_and_quotes_every_other_resol
     with pytest.raises(ConfigError, match="in a cycle"):
         plain(OmegaConf.create({"a": {"b": "${c}"}, "c": {"d": "${a}"}}))
     doubling = {"l0": {"x": 1}, **{f"l{i}": {"a": f"${{l{i - 1}}}", "b": f"${{l{i - 1}}}"} for i in range(1, 30)}}
-    monkeypatch.setattr("runner.published.MAX_VALUES", 1000)  # the bound is the test, not its size (10,000 take ~3 s)
+    # the bound is the test, not its size (10,000 take ~3 s)
+    monkeypatch.setattr("runner.tools.published.MAX_VALUES", 1000)
     with pytest.raises(ConfigError, match="over 1,000 times"):  # 2**29 values from 60 lines
         plain(OmegaConf.create(doubling))
 

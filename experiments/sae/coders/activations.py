@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from experiments.sae.coders.base import SAE, geometric_median  # noqa: F401 (geometric_median: re-exported)
 from experiments.sae.coders.sparse import Pre, bag, pick, pick_columns, pick_flat, plain, top_indices
 from runner import ConfigError
+from runner.config.trust import buildable
 from runner.progress import parse_duration
-from runner.trust import buildable
 
 
 def auxk_loss(
@@ -52,7 +52,7 @@ def auxk_loss(
 class TopKSAE(SAE):
     """Keeps the k largest pre-activations (ReLU'd) per sample; AuxK trains dead latents on the residual."""
 
-    inference = "topk"  # what its inference is in SAELens's names (experiments/sae/formats.py)
+    inference = "topk"  # what its inference is in SAELens's names (experiments/sae/formats/common.py)
 
     def __init__(
         self,

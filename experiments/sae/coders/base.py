@@ -24,51 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.sae.coders.dead import DeadLatents, dead_clock
+from experiments.sae.coders.init import check_settings, every_rank, fit_encoder_scale, geometric_median, unit_scale
 from experiments.sae.coders.kernels import check_choice
 from experiments.sae.coders.sparse import Pre, SparsePre, bag
 from experiments.sae.objectives import batch_errors, split_statistics, unexplained
-from runner import ConfigError, check_whole
-from runner.progress import parse_duration
+from runner import ConfigError
 
 
-def geometric_median(points: torch.Tensor, iterations: int = 100, tol: float = 1e-6) -> torch.Tensor:
-    """Weiszfeld's algorithm: the point minimising the sum of Euclidean distances to `points` [N, d]."""
-    median = points.mean(0)
-    for _ in range(iterations):
-        weights = 1.0 / torch.linalg.vector_norm(points - median, dim=1).clamp_min(1e-8)
-        new = (weights[:, None] * points).sum(0) / weights.sum()
-        if torch.linalg.vector_norm(new - median) <= tol * torch.linalg.vector_norm(median).clamp_min(1e-8):
-            return new
-        median = new
-    return median
-
-
-def ranks_share(sae: nn.Module) -> bool:
-    """Whether other ranks train copies of `sae` on other rows of each batch (DDP, FSDP), not this rank alone on
-    every rank's rows (distributed=spread: `sees_global_batch`)."""
-    return (
-        not getattr(sae, "sees_global_batch", False)
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    )
-
-
-def every_rank(rows: torch.Tensor, sae: nn.Module) -> torch.Tensor:
-    """Every rank's `rows` in rank order (the global batch, as one process would see it) where ranks share `sae`."""
-    if not ranks_share(sae):
-        return rows
-    # once per run (a data-dependent init): the ranks' first batches, whatever their sizes, through pickling
-    samples: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(samples, rows.detach().cpu())
-    return torch.cat(samples).to(rows.device)
-
-
-def _unit_scale(x: torch.Tensor) -> torch.Tensor:
-    # the factor that makes E||x|| = sqrt(width)
-    return x.shape[1] ** 0.5 / torch.linalg.vector_norm(x, dim=1).mean().clamp_min(1e-8)
-
-
-class SAE(nn.Module):
+class SAE(DeadLatents, nn.Module):
     """Base class: encoder, decoder, recipe and dead-latent tracking. Subclasses choose the activation and the loss."""
 
     def __init__(
@@ -89,34 +53,12 @@ class SAE(nn.Module):
     ) -> None:
         super().__init__()
         self.kernels = check_choice(kernels)  # the sparse products' Triton kernels on CUDA (coders/kernels.py)
-        if isinstance(d_in, bool) or not isinstance(d_in, int) or d_in < 1:
-            raise ConfigError(
-                f"model.d_in={d_in}: the SAE's input width is unknown (its data gives none). Several hooked modules "
-                "(source.module=[...]) need model=sae_multi, which makes an SAE for each"
-            )
-        check_whole(n_latents, "model.n_latents")
-        if d_out is not None:
-            check_whole(d_out, "model.d_out")
-        if skip not in (True, False) or (skip and d_out is None):
-            raise ConfigError(
-                f"model.skip={skip!r}: a skip connection maps a transcoder's input to its target; it needs a target "
-                "(source.target=<module>, or data with d_out), and true or false"
-            )
-        if not abs(b_enc_init) <= torch.finfo(torch.float32).max:  # a float32 parameter (a NaN fails too)
-            raise ConfigError(f"model.b_enc_init must be a finite number, got {b_enc_init}: e.g. model.b_enc_init=0.0")
-        norm = encoder_init if isinstance(encoder_init, (int, float)) and not isinstance(encoder_init, bool) else None
-        if encoder_init not in ("unit", "fit") and not (norm is not None and 0 < norm < float("inf")):
-            raise ConfigError(
-                f"model.encoder_init={encoder_init!r}: give unit, fit or the encoder columns' starting norm (e.g. 0.5)"
-            )
+        norm = check_settings(d_in, n_latents, d_out, skip, b_enc_init, encoder_init)
         self.d_in, self.n_latents, self.encoder_init = d_in, n_latents, encoder_init
         self.transcoder, self.d_out, self.skip = d_out is not None, d_out or d_in, bool(skip)
         self.normalize_input, self.unit_norm_decoder = normalize_input, unit_norm_decoder
         self.geometric_median_init, self.sparse_decode = geometric_median_init, sparse_decode
-        window = parse_duration(dead_window)
-        if window.unit not in ("st", "sa", "tok"):
-            raise ConfigError(f"model.dead_window={dead_window}: give it in optimizer steps (st) or samples (sa)")
-        self.dead_unit, self.dead_window = ("st" if window.unit == "st" else "sa"), window.value
+        self.dead_unit, self.dead_window = dead_clock(dead_window)
         W_dec = F.normalize(torch.randn(n_latents, self.d_out), dim=1)
         self.W_dec = nn.Parameter(W_dec)
         # a transcoder's decoder lives in the target's space, not its encoder's: no tied start for it
@@ -134,11 +76,7 @@ class SAE(nn.Module):
         if self.skip:
             self.W_skip = nn.Parameter(torch.zeros(d_in, self.d_out))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
-        # Per latent: steps (or samples) since it last fired, and the running counters that measure it.
-        self.register_buffer("since_fired", torch.zeros(n_latents))
-        self.register_buffer("fired", torch.zeros(n_latents, dtype=torch.bool))  # within the current step
-        # Dead latents as of the last optimizer step, kept on the device: AuxK reads them with no host read.
-        self.register_buffer("dead", torch.zeros(n_latents, dtype=torch.bool), persistent=False)
+        self._register_clock(n_latents)  # since_fired, fired, dead (coders/dead.py)
         self._init_checked = False  # the host's copy of `initialized` once read: it never turns false again
         self.auxk_active = False  # CUDA: whether AuxK runs, from the last log row (logged)
         self.sparse_backward = False  # TopK-style subclasses may turn it on: their codes pick from pre-activations
@@ -160,14 +98,14 @@ class SAE(nn.Module):
         see it)."""
         x, y = (part.float() for part in self.split(every_rank(rows, self)))
         if self.normalize_input:
-            self.input_scale.fill_(_unit_scale(x))
+            self.input_scale.fill_(unit_scale(x))
             if self.transcoder:
-                self.target_scale.fill_(_unit_scale(y))
+                self.target_scale.fill_(unit_scale(y))
         xn, yn = x * self.input_scale, y * self.out_scale
         if self.geometric_median_init:
             self.b_dec.copy_(geometric_median(yn))
         if self.encoder_init == "fit":
-            self._fit_encoder_scale(xn, yn)
+            fit_encoder_scale(self, xn, yn)
         if self.transcoder and self.geometric_median_init:
             # A transcoder's encoder reads its input uncentred (b_dec is the target's), and an MLP input's mean is
             # large (norm ~0.4 of its spread on the lm preset's): every pre-activation starts with the mean's
@@ -178,28 +116,11 @@ class SAE(nn.Module):
         self.initialized.fill_(True)
 
     @torch.no_grad()
-    def _fit_encoder_scale(self, xn: torch.Tensor, yn: torch.Tensor) -> None:
-        # Unit-norm encoder columns start the codes, hence the reconstruction, several times too large: on a GPT's
-        # residual stream (128 -> 2048, k 32) Adam then spends the run shrinking them (held-out FVE 0.946; sparsify's
-        # nn.Linear init, columns of norm ~0.58, gave 0.970). Scaled by the least-squares factor that best
-        # reconstructs the first batch instead: 0.974, for any width and k. With b_enc = 0, top-k codes pick the same
-        # latents at any scale and scale with it, so the reconstruction is linear in the factor.
-        kept = {name: buffer.clone() for name, buffer in self.named_buffers()}  # BatchTopK's threshold: untouched
-        recon = self.decode(*self.activate(self.pre_activations(xn))) - self.b_dec
-        fit = (recon * (yn - self.b_dec)).sum() / recon.pow(2).sum().clamp_min(1e-12)
-        self.W_enc.mul_(torch.where(fit > 0, fit, 1.0))
-        for name, buffer in self.named_buffers():
-            buffer.copy_(kept[name])
-
-    @torch.no_grad()
     def after_optimizer_step(self) -> None:
         """Renormalise decoder rows and advance the dead-latent clock (called by the loop after each step)."""
         if self.unit_norm_decoder:
             self.W_dec.div_(torch.linalg.vector_norm(self.W_dec, dim=1, keepdim=True).clamp_min(1e-8))
-        if self.dead_unit == "st":
-            self.since_fired.add_(1).masked_fill_(self.fired, 0)
-            self.fired.zero_()
-        self.dead.copy_(self.dead_mask())
+        self._tick()
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Load weights and buffers, then the dead latents they imply (the next AuxK step uses them)."""
@@ -208,84 +129,6 @@ class SAE(nn.Module):
             self.dead.copy_(self.dead_mask())
         self._init_checked = False  # a checkpoint saved before the first step holds initialized=False
         return result
-
-    def logged(self, metrics: dict[str, float], prefix: str = "") -> None:
-        """Told the run's last logged row (runner's loop does, after each row): on CUDA AuxK runs while that row saw
-        dead latents, and no step reads the device to decide it (on the CPU each step counts them: no wait there).
-        `prefix`: this SAE's metric prefix in a family (model=sae_multi)."""
-        self.auxk_active = metrics.get(f"train/{prefix}silent_fraction", 0.0) > 0
-
-    @property
-    def n_dead(self) -> int:
-        """How many latents AuxK treats as dead this step (a host read: for tests and reports, not the step)."""
-        return int(self.dead.sum())
-
-    def _track(self, codes_fired: torch.Tensor, batch: int) -> None:
-        # codes_fired: [n_latents] bool, latents that fired anywhere in this micro-batch
-        rows: int | torch.Tensor = batch
-        if ranks_share(self):
-            # Every rank's rows: a latent fired if it fired on any rank, and the window counts all ranks' rows (one
-            # small all-reduce queued on the device). Otherwise DDP, which broadcasts buffers from rank 0 at each
-            # forward, would leave rank 0's data alone deciding which latents are dead.
-            both = torch.cat([codes_fired.float(), codes_fired.new_full((1,), batch, dtype=torch.float32)])
-            torch.distributed.all_reduce(both)
-            codes_fired, rows = both[:-1] > 0, both[-1]
-        if self.dead_unit == "st":
-            self.fired |= codes_fired
-        else:
-            self.since_fired.add_(rows).masked_fill_(codes_fired, 0)
-
-    def track(self, values: torch.Tensor, indices: torch.Tensor | None) -> None:
-        """Count which latents fired in a training micro-batch's codes (as `activate` gives them)."""
-        fired = values.detach() > 0
-        if indices is None:
-            self._track(fired.any(0), values.shape[0])
-        else:  # no host sync: scatter the per-row hits into a per-latent count
-            hits = torch.zeros(self.n_latents, device=values.device).index_add_(
-                0, indices.flatten(), fired.flatten().float()
-            )
-            self._track(hits > 0, values.shape[0])
-
-    def dead_mask(self) -> torch.Tensor:
-        """Latents that have not fired within dead_window."""
-        return self.since_fired >= self.dead_window
-
-    @classmethod
-    def load_from_disk(cls, path: Any, **options: Any) -> SAE:
-        """The SAE of a runner run, or of a SAELens or sparsify folder, as those tools spell it (runner.api.load_sae:
-        `name=` one of a family, `hook=` one of a sparsify run's); refused if it is not a `cls`."""
-        from runner.api import load_sae
-
-        sae = load_sae(path, **options)
-        if not isinstance(sae, cls):
-            raise ConfigError(f"{path} holds a {type(sae).__name__}, not a {cls.__name__}: load it with SAE")
-        return sae
-
-    def export(self, fmt: str, out: Any, cfg: Any, module: str | None = None, summary: dict | None = None) -> list[Any]:
-        """Write this SAE in another tool's folder layout (experiments/sae/formats.py) for runner.export; `cfg` is
-        the run's config: its data's source (the hooked module, a transcoder's target, the source model) names the
-        export's metadata; `module`, the one this SAE reads where the source hooks several; `summary`, the run's
-        summary.json (a repository's model card quotes its metrics). The folders written."""
-        from experiments.sae.formats import export, hub_card, sae_id
-        from runner.outdir import within
-
-        # the run as trained has `source`; as load_trained rebuilds it, its data holds what `source` gave it
-        source = cfg.get("source") or cfg.get("data") or {}
-        names = {key: value if isinstance(value := source.get(key), str) else None for key in ("module", "target")}
-        model, hook = source.get("checkpoint"), module or names["module"]
-        args = (hook, str(model) if model else None, names["target"])
-        if fmt == "hf":  # a repository: the SAELens folder named by its hook point, and the model card
-            folder = export(self, "saelens", within(out, sae_id(hook)), *args)
-            hub_card(out, {folder: ""}, cfg, summary)
-            return [out]
-        return [export(self, fmt, out, *args)]
-
-    def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
-        """Write this SAE's feature pages to `out` for runner.features (experiments/sae/pages/dashboard.py);
-        the pages."""
-        from experiments.sae.pages.dashboard import write
-
-        return write([("", self)], cfg, run_dir, out, **options)
 
     def latent_slices(self, latents: torch.Tensor) -> dict[nn.Parameter, tuple[Any, ...]]:
         """Where `latents` live in the parameters: what resampling re-initialises, with its optimizer state."""

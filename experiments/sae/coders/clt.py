@@ -26,11 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.coders.base import SAE, _unit_scale, every_rank, geometric_median
+from experiments.sae.coders.base import SAE
+from experiments.sae.coders.init import every_rank, geometric_median, unit_scale
 from experiments.sae.coders.sparse import SparsePre
 from experiments.sae.objectives import batch_errors, split_statistics, unexplained
 from runner import ConfigError, check_whole
-from runner.trust import buildable
+from runner.config.trust import buildable
 
 
 @buildable("model", coder="model")
@@ -97,7 +98,7 @@ class CrossLayerTranscoder(nn.Module):
         inputs, targets = self.split(every_rank(rows, self).float())
         for layer, (x, y) in enumerate(zip(inputs, targets, strict=True)):
             if self.normalize_input:
-                self.input_scale[layer], self.target_scale[layer] = _unit_scale(x), _unit_scale(y)
+                self.input_scale[layer], self.target_scale[layer] = unit_scale(x), unit_scale(y)
             if self.geometric_median_init:  # the layer's own block of its coder's bias; the others start at 0
                 self.coders[layer].b_dec[: self.d_out] = geometric_median(y * self.target_scale[layer])
                 coder = self.coders[layer]  # its encoder's start centred on its input, as a transcoder's (base.py)
@@ -125,7 +126,7 @@ class CrossLayerTranscoder(nn.Module):
         return [y / self.target_scale[m] for m, y in enumerate(self._writes(decoded))]
 
     def splice_writes(self, reads: list[str], writes: list[str]) -> dict[str, Callable[[dict], torch.Tensor]]:
-        """For a Splice (experiments/sae/sources/source.py): each layer's MLP output (`writes`, raw rows) from the
+        """For a Splice (experiments/sae/sources/replacements.py): each layer's MLP output (`writes`, raw rows) from the
         captured raw rows of the MLP inputs (`reads`) that ran before it; a layer's codes are computed once per
         forward."""
         decoded: dict[int, torch.Tensor] = {}
@@ -143,26 +144,6 @@ class CrossLayerTranscoder(nn.Module):
             return fn
 
         return {name: write(m) for m, name in enumerate(writes)}
-
-    def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
-        """Each layer's feature pages (its latents' contexts on its MLP input; the logit lens of what they write to
-        their own layer) in a folder per layer under `out`, and a page linking them
-        (experiments/sae/pages/dashboard.py)."""
-        from experiments.sae.pages.dashboard import write
-
-        def rows_of(rows: torch.Tensor, name: str) -> torch.Tensor:
-            layer = int(name.removeprefix("layer"))
-            return self.split(rows)[0][layer].float() * self.input_scale[layer]  # a coder works in normalised units
-
-        family = [(f"layer{layer}/", coder) for layer, coder in enumerate(self.coders)]
-        return write(family, cfg, run_dir, out, rows_of=rows_of, **options)
-
-    def export(self, fmt: str, out: Any, cfg: Any, summary: dict | None = None) -> list[Any]:
-        """Refused: neither SAELens nor sparsify has a cross-layer transcoder format to write."""
-        raise ConfigError(
-            f"--format {fmt}: neither SAELens nor sparsify loads cross-layer transcoders; the run's model.safetensors "
-            "holds every layer's coder (coders.<layer>.W_enc, W_dec [latents, later layers x d_out], ...)"
-        )
 
     def training_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """The sum over layers of each layer's SSE / SST, each coder's auxiliary terms, and per-layer metrics."""

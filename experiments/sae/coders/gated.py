@@ -28,15 +28,15 @@ import torch.nn.functional as F
 from experiments.sae.coders.base import SAE
 from experiments.sae.objectives import batch_errors
 from runner import ConfigError
+from runner.config.trust import buildable
 from runner.progress import parse_duration
-from runner.trust import buildable
 
 
 @buildable("model")
 class GatedSAE(SAE):
     """Gated codes: a gate (b_enc as b_gate) picks the latents, a rescaled magnitude path (r_mag, b_mag) sets them."""
 
-    inference = "gated"  # SAELens's architecture name (experiments/sae/formats.py)
+    inference = "gated"  # SAELens's architecture name (experiments/sae/formats/common.py)
 
     def __init__(self, l1_coeff: float = 0.3, l1_warmup: str = "100st", **kwargs) -> None:
         super().__init__(**kwargs)

@@ -20,8 +20,8 @@ import torch
 
 from experiments.sae.coders.base import SAE
 from runner import ConfigError
+from runner.config.trust import buildable
 from runner.progress import parse_duration
-from runner.trust import buildable
 
 
 def _window(pre: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:

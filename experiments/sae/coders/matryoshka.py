@@ -18,7 +18,7 @@ import torch
 from experiments.sae.coders.activations import BatchTopKSAE, TopKSAE
 from experiments.sae.coders.sparse import Pre
 from runner import ConfigError
-from runner.trust import buildable
+from runner.config.trust import buildable
 
 
 def prefix_ends(group_sizes: Sequence[float], n_latents: int) -> tuple[int, ...]:

@@ -20,8 +20,7 @@ from torch import nn
 from experiments.sae.coders.base import SAE
 from experiments.sae.coders.spread import Spread, placement
 from runner import ConfigError
-from runner.outdir import within
-from runner.trust import buildable
+from runner.config.trust import buildable
 
 
 def family(
@@ -146,31 +145,6 @@ class MultiSAE(nn.Module):
         """Each SAE's constraint and dead-latent clock (this rank's)."""
         for name in self.mine:
             self.saes[name].after_optimizer_step()
-
-    def export(self, fmt: str, out: Any, cfg: Any, summary: dict | None = None) -> list[Any]:
-        """Each SAE in its own folder under `out` (SAE.export), named as its weights file is; as a repository (hf),
-        each SAELens folder named by its hook point (and its name, where several read one), under one model card."""
-        if fmt != "hf":
-            return [
-                folder
-                for name, sae in self.saes.items()
-                for folder in sae.export(fmt, within(out, name), cfg, self.hook_of.get(name))
-            ]
-        from experiments.sae.formats import hub_card, sae_id
-
-        hooks = [self.hook_of.get(name) for name in self.saes]
-        folders = {}
-        for name, sae, hook in zip(self.saes, self.saes.values(), hooks, strict=True):
-            folder = sae_id(hook, name) if hooks.count(hook) == 1 and hook else f"{sae_id(hook, name)}.{name}"
-            folders |= dict.fromkeys(sae.export("saelens", within(out, folder), cfg, hook), f"{name}/")
-        hub_card(out, folders, cfg, summary)
-        return [out]
-
-    def features(self, cfg: Any, run_dir: Any, out: Any, **options: Any) -> list[Any]:
-        """Every SAE's feature pages in the folder of its name under `out` (SAE.features), and a page linking them."""
-        from experiments.sae.pages.dashboard import write
-
-        return write(members(self), cfg, run_dir, out, rows_of=self.rows_of, **options)
 
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each SAE the last logged row, under its own prefix (SAE.logged)."""

@@ -148,41 +148,56 @@ def absorption(sae: nn.Module, source: SourceModel, working: Any = None) -> dict
     x = _activations(source, prompts, pad)
     codes = sae.encode(x.to(sae.W_dec.device)).float().cpu()
     letters = torch.tensor([LETTERS.index(t.strip()[0].lower()) for _, t in words])
-    train, test = slice(0, cut), slice(cut, None)
     W_dec = sae.W_dec.detach().float().cpu() / sae.out_scale.float().cpu()  # raw units: what one unit of code adds
-    per_letter, notes = {}, []
+    per_letter = {}
     for index, letter in enumerate(LETTERS):
-        y = letters == index
-        if y[train].sum() < 2 or y[test].sum() < 1:
+        found = _letter(x, codes, letters == index, W_dec, cut)
+        if found is None:
             continue
-        w, b = fit_logistic(x[train], y[train].long(), balanced=True)
-        found = (x[test].double() @ w + b > 0).cpu()
-        f1 = _f1(found, y[test])
-        if f1 <= MIN_F1:
-            continue
-        main = _main_latents(codes[train], y[train], codes[test], y[test])
-        direction = (w / w.norm()).float()
-        cos = torch.nn.functional.normalize(W_dec, dim=1) @ direction
-        hits = (found & y[test]).nonzero().squeeze(1)
-        results = [
-            _absorbed(
-                float(x[test][i] @ direction),
-                codes[test][i] * (W_dec @ direction),
-                cos,
-                codes[test][i],
-                main,
-            )
-            for i in hits.tolist()
-        ]
-        per_letter[letter] = {
-            "probe_f1": f1,
-            "main_latents": main,
-            "words": len(results),
-            "absorption_fraction": sum(r[0] for r in results) / max(len(results), 1),
-            "full_absorption_rate": sum(r[1] for r in results) / max(len(results), 1),
-        }
+        per_letter[letter] = found
         if working is not None:
             working(index + 1, len(LETTERS))
+    read = {"words": len(words), "positions": sum(len(ids) for ids, _ in prompts)}
+    return _report(per_letter, read, started)
+
+
+def _letter(x: torch.Tensor, codes: torch.Tensor, y: torch.Tensor, W_dec: torch.Tensor, cut: int) -> dict | None:
+    # one letter's probe (words [:cut] train it, the rest test it), its main latents, and the absorption of the test
+    # words the probe finds; None where the letter has too few words or its probe reaches no F1 > MIN_F1
+    train, test = slice(0, cut), slice(cut, None)
+    if y[train].sum() < 2 or y[test].sum() < 1:
+        return None
+    w, b = fit_logistic(x[train], y[train].long(), balanced=True)
+    found = (x[test].double() @ w + b > 0).cpu()
+    f1 = _f1(found, y[test])
+    if f1 <= MIN_F1:
+        return None
+    main = _main_latents(codes[train], y[train], codes[test], y[test])
+    direction = (w / w.norm()).float()
+    cos = torch.nn.functional.normalize(W_dec, dim=1) @ direction
+    hits = (found & y[test]).nonzero().squeeze(1)
+    results = [
+        _absorbed(
+            float(x[test][i] @ direction),
+            codes[test][i] * (W_dec @ direction),
+            cos,
+            codes[test][i],
+            main,
+        )
+        for i in hits.tolist()
+    ]
+    return {
+        "probe_f1": f1,
+        "main_latents": main,
+        "words": len(results),
+        "absorption_fraction": sum(r[0] for r in results) / max(len(results), 1),
+        "full_absorption_rate": sum(r[1] for r in results) / max(len(results), 1),
+    }
+
+
+def _report(per_letter: dict[str, dict], read: dict[str, int], started: float) -> dict[str, Any]:
+    # the means over the letters whose probe passed, each letter's figures, and what the task read
+    notes = []
     if len(per_letter) < MIN_LETTERS:
         notes.append(f"{len(per_letter)} letters' probes reach F1 > {MIN_F1} (SAEBench wants {MIN_LETTERS}): few")
 
@@ -198,10 +213,6 @@ def absorption(sae: nn.Module, source: SourceModel, working: Any = None) -> dict
         },
         "tasks": {letter: {k: v for k, v in r.items() if k != "main_latents"} for letter, r in per_letter.items()},
         "main_latents": {letter: r["main_latents"] for letter, r in per_letter.items()},
-        "read": {
-            "words": len(words),
-            "positions": sum(len(ids) for ids, _ in prompts),
-            "seconds": round(time.perf_counter() - started, 2),
-        },
+        "read": {**read, "seconds": round(time.perf_counter() - started, 2)},
         "notes": notes,
     }

@@ -1,5 +1,5 @@
 """Every evaluation of one SAE (or transcoder) on its source model, written as `eval.json` and `index.html` in one
-folder (runner.sae_eval): the coder and its source come as runner's tools get them (runner.trained.load_model: a run,
+folder (runner.sae_eval): the coder and its source come as runner's tools get them (runner.load.load_model: a run,
 or an SAE folder of SAELens or sparsify attached to its model)."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from experiments.sae.sources.hooked import hooks_a_model
 from experiments.sae.sources.source import SourceModel, hooked_source
 from runner import ConfigError
-from runner.published import plain
 from runner.rundir import write_atomic, write_json
+from runner.tools.published import plain
 
 EVALS = ("core", "probing", "absorption")
 
@@ -26,7 +27,7 @@ EVALS = ("core", "probing", "absorption")
 def source_of(cfg: DictConfig, device: torch.device) -> SourceModel:
     """The source model a coder of run config `cfg` reads (its data's hooked modules), on `device`."""
     data = cfg.data
-    if not str(data.get("_target_", "")).endswith("HookedData"):
+    if not hooks_a_model(data):
         raise ConfigError(
             "the SAE's run read activations from a file or a generator, not a model: the evaluations splice it into "
             "its source model and read that model's text (an SAE of +experiment=sae_lm or sae_hf, or an imported "
@@ -48,8 +49,8 @@ def evaluate(
     quoted: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run `evals` on `sae` of config `cfg`, write out/eval.json and out/index.html; the results. What they say of
-    the coder's source comes from `quoted`, the run's config as plain data (runner.published.quoted_config; default:
-    `cfg`'s), never a resolver's value."""
+    the coder's source comes from `quoted`, the run's config as plain data (runner.tools.published.quoted_config;
+    default: `cfg`'s), never a resolver's value."""
     started = time.perf_counter()
     source = source_of(cfg, torch.device(device))
     sae.to(device)

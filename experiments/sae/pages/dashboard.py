@@ -26,11 +26,12 @@ from experiments.sae.pages.stats import (
     nearest,
 )
 from experiments.sae.pages.write import family_index, write_pages
+from experiments.sae.sources.hooked import hooks_a_model
 from experiments.sae.sources.source import hooked_source
 from runner import ConfigError
-from runner.outdir import within
-from runner.published import publish_names
 from runner.rundir import SUMMARY, read_json
+from runner.rundir.outputs import within
+from runner.tools.published import publish_names
 
 BEFORE, AFTER = 24, 6  # tokens of text shown before and after a firing one
 
@@ -165,31 +166,19 @@ def write(
     latents are looked at where they read: its input's contexts; the logit lens reads what they write. `working`
     (what, batches done, batches in all) hears of the pass's progress (runner's console: a bar, or a line now and
     then); `neuronpedia`: the pages' data as Neuronpedia's upload batches too (pages/neuronpedia.py), under the names
-    `publish` ({model_name, sae_set}: runner.published; default: the source's hub name or its folder's name, and the
-    run folder's name)."""
+    `publish` ({model_name, sae_set}: runner.tools.published; default: the source's hub name or its folder's name,
+    and the run folder's name)."""
     started, device_ = time.perf_counter(), torch.device(device)
-    hooked = str(cfg.data.get("_target_", "")).endswith("HookedData")
+    hooked = hooks_a_model(cfg.data)
     if neuronpedia and not hooked:  # said before the pass, not after it
         raise ConfigError("neuronpedia=true: Neuronpedia's features are shown on text; this run's rows have none")
     inputs: _Text | _Rows = _Text(cfg, device_, tokens) if hooked else _Rows(cfg, tokens)
     for _, sae in family:
         sae.to(device_)
     stats = {prefix: LatentStats(sae.n_latents, top=top) for prefix, sae in family}
-    first, batches = 0, None
-    with torch.no_grad():
-        for done, acts in enumerate(inputs.batches(), 1):
-            batches = batches or -(-tokens // len(acts))  # the pass's length, from its first batch's rows
-            for chunk in acts.to(device_).split(batch_rows):
-                for prefix, sae in family:
-                    x = rows_of(chunk, prefix.rstrip("/")) if rows_of else sae.split(chunk)[0]
-                    stats[prefix].add(*sae.codes(x), first)
-                first += len(chunk)
-            if working is not None:
-                working("feature pages", done, max(batches, done))
+    first = _look(family, inputs, stats, tokens, device_, batch_rows, rows_of, working)
     seconds = time.perf_counter() - started
-    summary, written = read_json(run_dir / SUMMARY), []
-    summary = summary.get("metrics") if isinstance(summary, dict) else None  # a summary.json is data: any shape
-    summary = summary if isinstance(summary, dict) else {}
+    summary, written = _final_metrics(run_dir), []
     if publish is None:
         publish = publish_names({"data": {"checkpoint": cfg.data.get("checkpoint")}}, run_dir)[0]
     for prefix, sae in family:
@@ -213,6 +202,38 @@ def write(
         family_index(out, [p.rstrip("/") for p, _ in family])
         written.insert(0, out / "index.html")
     return written
+
+
+def _final_metrics(run_dir: Path) -> dict[str, Any]:
+    # the metrics of the run's summary.json ({} where it has none)
+    summary = read_json(run_dir / SUMMARY)
+    summary = summary.get("metrics") if isinstance(summary, dict) else None  # a summary.json is data: any shape
+    return summary if isinstance(summary, dict) else {}
+
+
+@torch.no_grad()
+def _look(
+    family: list[tuple[str, nn.Module]],
+    inputs: _Text | _Rows,
+    stats: dict[str, LatentStats],
+    tokens: int,
+    device: torch.device,
+    batch_rows: int,
+    rows_of: Callable[[torch.Tensor, str], torch.Tensor] | None,
+    working: Callable[[str, int, int | None], None] | None,
+) -> int:
+    # the pass: every SAE of the family encodes each batch of the inputs into its `stats`; returns the rows seen
+    first, batches = 0, None
+    for done, acts in enumerate(inputs.batches(), 1):
+        batches = batches or -(-tokens // len(acts))  # the pass's length, from its first batch's rows
+        for chunk in acts.to(device).split(batch_rows):
+            for prefix, sae in family:
+                x = rows_of(chunk, prefix.rstrip("/")) if rows_of else sae.split(chunk)[0]
+                stats[prefix].add(*sae.codes(x), first)
+            first += len(chunk)
+        if working is not None:
+            working("feature pages", done, max(batches, done))
+    return first
 
 
 def _weights_views(sae: nn.Module, inputs: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The feature pages' data in the shape Neuronpedia's uploads take (`python -m runner.features RUN neuronpedia=true`):
 `neuronpedia/batch-N.json`, each {model_id, layer, sae_set, features: [...]} of a chunk of the pages' latents (256;
-model_id and sae_set are publishing names, never a local path: runner.published), each feature as
+model_id and sae_set are publishing names, never a local path: runner.tools.published), each feature as
 SAEDashboard's NeuronpediaDashboardFeature writes it: its logit lens (pos_str / pos_values, neg_str / neg_values),
 firing fraction, activation histogram, nearest latents by decoder cosine, its largest decoder dimensions, and its
 contexts (`activations`: the strongest first with bin_min -1, then each fifth with its range and share 0.2).
@@ -22,8 +22,8 @@ from torch import nn
 
 from experiments.sae.pages.stats import QUANTILES, bin_edges
 from runner import ConfigError
-from runner.outdir import make_dir
 from runner.rundir import write_atomic
+from runner.rundir.outputs import make_dir
 
 
 def write_batch(
@@ -32,7 +32,7 @@ def write_batch(
 ) -> Path:  # fmt: skip
     """Write one batch file `path` of the pages' `latents` (write.py `_latent`, by index), from the statistics `r`,
     the `inputs` (a text source's: its vocab names the tokens) and the index's `head` (its hook, and the model and
-    SAE set's publishing names: runner.published)."""
+    SAE set's publishing names: runner.tools.published)."""
     if not inputs.texts:
         raise ConfigError("neuronpedia=true: Neuronpedia's features are shown on text; this run's rows have none")
     layer = re.search(r"(?:^|\.)(\d+)(?:\.|$)", str(head.get("hook") or ""))

@@ -1,4 +1,5 @@
-"""What each latent of a trained SAE learned, in one streaming pass (`python -m runner.features`, runner/features.py).
+"""What each latent of a trained SAE learned, in one streaming pass
+(`python -m runner.features`, runner/tools/features.py).
 
 The pass encodes held-out rows chunk by chunk and keeps, per latent, only fixed-size state: how often it fires, the
 sum and max of its activations, a histogram of their log10 (HIST_BINS bins from 1e-3), its `top` strongest rows, and

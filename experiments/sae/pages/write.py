@@ -17,8 +17,8 @@ from torch import nn
 
 from experiments.sae.pages.neuronpedia import write_batch
 from experiments.sae.pages.stats import HIST_BINS, HIST_LOW, HIST_PER_DECADE, QUANTILES
-from runner.outdir import clear_temporaries, make_dir
 from runner.rundir import write_atomic
+from runner.rundir.outputs import clear_temporaries, make_dir
 
 STATIC = Path(__file__).resolve().parent / "static"
 CHUNK = 256  # latents per data file

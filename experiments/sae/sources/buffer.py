@@ -18,7 +18,7 @@ from runner.data import to_device
 def source_inputs(loader: Any, epoch: int = 0, consumed: int = 0) -> Iterator[tuple[int, int, Any]]:
     """A source model's training inputs in its loader's order, epoch after epoch from (`epoch`, `consumed` batches)
     on, each with the place after it: (epoch, consumed, batch). A stream's loader (a source trained on
-    data=text_stream, runner.streaming) is endless and keeps its place itself: its count goes on."""
+    data=text_stream, runner.data.streaming) is endless and keeps its place itself: its count goes on."""
     sampler = getattr(loader, "batch_sampler", None)
     while True:
         if sampler is not None:
@@ -42,7 +42,7 @@ class ActivationBuffer:
         self.device = torch.device("cpu")  # where the ring lives: the source's device (to)
         self.generator = torch.Generator().manual_seed(seed)
         self.loader = source.data.train_loader()
-        self._stream = getattr(self.loader, "batch_sampler", None) is None  # runner.streaming.StreamLoader
+        self._stream = getattr(self.loader, "batch_sampler", None) is None  # runner.data.streaming.StreamLoader
         self.epoch = self.consumed = 0  # where the source's inputs are: the epoch, and its batches used so far
         self.inputs = self._inputs()
         self.ring: torch.Tensor | None = None
@@ -130,7 +130,7 @@ class HookedActivations(Dataset):
 
     def __init__(self, buffer: ActivationBuffer, size: int, history: int = 4) -> None:
         self.buffer, self.size = buffer, size
-        self.rank, self.world_size = 0, 1  # set by the training loader (HookedData.train_loader)
+        self.rank, self.world_size = 0, 1  # set by the training loader (LiveActivations.train_loader)
         self.taken = 0  # batches served since the run began (the progress counter's micro_batch, once trained on)
         self.history = deque([(0, buffer.state_dict())], maxlen=history)
 

@@ -1,5 +1,6 @@
-"""source.cache=DIR: a hooked module's activations written to disk once (.npy shards, then a manifest naming what
-they were made from), read back memory-mapped by every later run that hooks the same module of the same weights.
+"""data.cache=DIR (data=activations_cached): a hooked module's activations written to disk once (.npy shards, then a
+manifest naming what they were made from), read back memory-mapped by every later run that hooks the same module of
+the same weights.
 
 A cache is complete when its manifest.json exists: shards are written under temporary names and renamed when whole,
 the manifest last (atomically), so an interrupted write leaves no manifest; the next run continues it from its last
@@ -12,8 +13,6 @@ say)."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -28,9 +27,9 @@ from torch.utils.data import Dataset
 
 from experiments.sae.sources.buffer import source_inputs
 from runner import ConfigError
-from runner.rundir import MODEL, fsync_dir, read_json, write_atomic
+from runner.rundir import MODEL, fsync_dir, locked, read_json, write_atomic
 
-MANIFEST, LOCK, HEARTBEAT, PARTIAL = "manifest.json", ".lock", ".writing", ".partial.json"
+MANIFEST, HEARTBEAT, PARTIAL = "manifest.json", ".writing", ".partial.json"  # the writer's DIR/.lock: runner.rundir
 SHARD_ROWS = 65536
 WAIT_S = 600.0  # a waiting rank gives up when the writer shows no progress for this long
 DTYPES = ("float32", "float16")
@@ -102,12 +101,12 @@ def read(directory: Path, key: dict[str, Any], rows: int) -> Shards | None:
         raise ConfigError(
             f"the activation cache in {directory} was written from {manifest.get('module')} of run "
             f"{manifest.get('source')} ({was}); this run has {now} (source {key['source']}): use another "
-            "source.cache dir, or delete that one"
+            "data.cache dir, or delete that one"
         )
     if manifest["rows"] < rows:
         raise ConfigError(
             f"the activation cache in {directory} holds {manifest['rows']} rows; this run asks for {rows} "
-            f"(data.cache_rows): set data.cache_rows<={manifest['rows']}, or use another source.cache dir"
+            f"(data.cache_rows): set data.cache_rows<={manifest['rows']}, or use another data.cache dir"
         )
     if sum(shard["rows"] for shard in manifest["shards"]) != manifest["rows"]:
         return None
@@ -160,7 +159,7 @@ def write(directory: Path, key: dict[str, Any], source: Any, rows: int, shard_ro
         if stale.name not in kept:
             stale.unlink()
     if done:
-        print(f"source.cache: continuing an interrupted write after {len(shards)} shard(s)", flush=True)
+        print(f"data.cache: continuing an interrupted write after {len(shards)} shard(s)", flush=True)
     # the last input batch of the written shards may have rows left over for the next shard: it is run again
     stream = _activations(source, skip=consumed - (1 if leftover else 0))
     pending = [next(stream)[-leftover:]] if leftover else []
@@ -191,14 +190,6 @@ def write(directory: Path, key: dict[str, Any], source: Any, rows: int, shard_ro
     (directory / PARTIAL).unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
-        yield
-
-
 def _rank() -> int:
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
     return torch.distributed.get_rank() if initialized else 0
@@ -209,16 +200,16 @@ def cached(directory: str | Path, source: Any, key: dict[str, Any], rows: int, s
     there (by rank 0; the other ranks wait for its manifest)."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"source.cache={directory} is a file: give a folder (made if it does not exist)")
+        raise ConfigError(f"data.cache={directory} is a file: give a folder (made if it does not exist)")
     found = read(directory, key, rows)
     if found is not None:
         return found
     if _rank() != 0:
         return _wait(directory, key, rows)
-    with _locked(directory):
+    with locked(directory):  # released at the block's end, also when the process dies
         found = read(directory, key, rows)  # another run may have written it while this one waited for the lock
         if found is None:
-            print(f"source.cache: writing {rows} activations of {key['module']} to {directory}", flush=True)
+            print(f"data.cache: writing {rows} activations of {key['module']} to {directory}", flush=True)
             write(directory, key, source, rows, shard_rows)
             found = read(directory, key, rows)
     if found is None:
@@ -234,7 +225,7 @@ def _wait(directory: Path, key: dict[str, Any], rows: int) -> Shards:
         if time.time() - last > WAIT_S:
             raise ConfigError(
                 f"rank {_rank()} waited {WAIT_S:.0f} s for rank 0 to write the activation cache in {directory} and "
-                "saw no progress: source.cache must be a folder that every rank sees (a shared filesystem)"
+                "saw no progress: data.cache must be a folder that every rank sees (a shared filesystem)"
             )
         time.sleep(1.0)
     return found

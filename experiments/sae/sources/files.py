@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import Dataset
 
 from runner import ConfigError
+from runner.config.trust import buildable
 from runner.data import DataModule, load_npy
-from runner.trust import buildable
 
 
 class RowData(Dataset):
@@ -47,8 +47,8 @@ def load_matrix(path: str | Path, key: str | None = None, d: int | None = None) 
         raise ConfigError(f"activation file {path} does not exist")
     if path.is_dir():
         raise ConfigError(
-            f"activation file {path} is a folder: give a file (.npy, .pt, .safetensors); a source.cache folder is "
-            "read by the run that hooks its source (+experiment=sae_lm source.cache=DIR)"
+            f"activation file {path} is a folder: give a file (.npy, .pt, .safetensors); a data.cache folder is "
+            "read by the run that hooks its source (+experiment=sae_lm data=activations_lm_cached data.cache=DIR)"
         )
     suffix = path.suffix.lower()
     try:

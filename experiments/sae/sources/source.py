@@ -1,63 +1,37 @@
-"""A frozen model, read through forward hooks on named modules (SourceModel): its activations for an input batch, and
-its validation loss with a module's output replaced (what splicing an SAE in costs). The model is one trained by
-runner (a run folder: its own data) or a transformers causal LM (experiments.sae.sources.pretrained: text it is
-given)."""
+"""A frozen model read through forward hooks on named modules (SourceModel): its activations for an input batch, and
+its validation loss with a module's output replaced (what splicing an SAE in costs). Beside it in this package: the
+frozen model and its loss (frozen.py), the names it hooks (hook_points.py), what may replace a module's output
+(replacements.py) and what that costs over the validation split (costs.py)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from experiments.sae.sources import pretrained
+from experiments.sae.sources import costs
+from experiments.sae.sources.frozen import FrozenModel
+from experiments.sae.sources.hook_points import check_order, hook_points, targets_of
+from experiments.sae.sources.replacements import (
+    Replacement,
+    Rows,
+    Splice,  # noqa: F401 - where callers import it from
+    as_splice,
+)
 from experiments.sae.sources.sharded import batch_slice, every_slice, sharded
 from runner import ConfigError
-from runner.build import build_data
-from runner.data import DataModule, batch_size_of, to_device
-from runner.trained import TRUSTED_TARGETS, load_trained
-
-Rows = Callable[[torch.Tensor], torch.Tensor]  # kept rows [n, d] of a module's output -> their replacement
-
-
-@dataclass(frozen=True)
-class Splice:
-    """What compare() puts in the model for one run: each module of `writes` outputs, at the kept positions, the rows
-    [n, d] its function gives from `captured`, the kept rows of the `reads` modules that have run so far in this
-    forward, in the forward's order (a transcoder reads an MLP's input and writes its output; a cross-layer one reads
-    every layer's, each captured when it runs, so from the stream the earlier writes already changed). A function
-    must not call a module the Splice hooks: its hook would run again inside (use a copy)."""
-
-    reads: Sequence[str]
-    writes: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]]
-
-
-# What compare() puts in a module's place: nothing (the clean model), a function of the first hooked module's output,
-# (module name, function of its output), or a Splice.
-Replacement = Rows | tuple[str, Rows] | Splice | None
+from runner.data import batch_size_of, to_device
+from runner.load import TRUSTED_TARGETS
 
 
 class _Captured(Exception):
     """Raised by the capturing hook: what follows the hooked module is not needed."""
 
 
-def hook_points(module: str | Sequence[str] | None) -> list[str]:
-    """The hooked modules' names: one (`source.module=blocks.2`) or several (`source.module=[blocks.1,blocks.3]`)."""
-    if module is None:
-        raise ConfigError(
-            "source.module is not set: name the module whose output the SAE reads, e.g. source.module=transformer.h.8 "
-            "(GPT-2), model.layers.6 (Llama, Gemma, Qwen), gpt_neox.layers.3 (Pythia), blocks.2 (runner's GPT)"
-        )
-    names = [module] if isinstance(module, str) else [str(name) for name in module]
-    if not names or len(set(names)) != len(names):
-        raise ConfigError(f"source.module={names}: name one module, or several different ones")
-    return names
-
-
-class SourceModel:
-    """A frozen model, the data it reads, and forward hooks on one or several of its modules.
+class SourceModel(FrozenModel):
+    """A frozen model (FrozenModel: the data it reads, its loss) and forward hooks on one or several of its modules.
 
     A module whose output is a sequence [B, T, d] (a transformer block: the residual stream after it) gives one
     activation per position from `skip_positions` on: the first position's stream (the first token, attended to by
@@ -84,26 +58,10 @@ class SourceModel:
                 f"source.skip_positions={skip_positions!r}: give how many first positions to leave out, >= 0"
             )
         hook_points(module)  # before the model loads (minutes for a large one): a module not given is said at once
-        self.pretrained: pretrained.Pretrained | None = None
-        self.checkpoint, self.read = str(checkpoint), (None, None)
-        if pretrained.is_pretrained(checkpoint):
-            self.pretrained = pretrained.load(str(checkpoint), inputs)
-            self.model, self.data = self.pretrained.model, self.pretrained.data
-        elif inputs:
-            raise ConfigError(
-                f"source.inputs is the text a transformers model reads; {checkpoint} is a runner run, which reads its "
-                "own data: leave source.inputs out"
-            )
-        else:
-            self.model, cfg = load_trained(checkpoint, trusted_targets)
-            self.data: DataModule = build_data(cfg)
-            # what that run read, when it read another model's activations: the way out if it is no source (_no_loss)
-            self.read = cfg.data.get("checkpoint"), cfg.data.get("module")
-        self.device = torch.device(device)
-        self.model.to(self.device)
+        super().__init__(checkpoint, device, trusted_targets, inputs)
         modules = dict(self.model.named_modules())
         self.names, self.target = hook_points(module), target
-        self.targets = [] if target is None else self._check_target(target)
+        self.targets = [] if target is None else targets_of(target, self.names)
         self.names += self.targets
         for name in self.names:
             if name not in modules:
@@ -116,43 +74,6 @@ class SourceModel:
         self.name = self.names[0]  # the module that splicing replaces unless told another
         self.widths: dict[str, int] = {}  # each module's width, known from the first activations
         self.ranks = sharded(self, shard)  # (rank, world size) when the model is sharded over the ranks
-
-    def _check_target(self, target: str | Sequence[str]) -> list[str]:
-        # the target modules: one (a transcoder's), or one per source.module (a cross-layer transcoder's)
-        if not isinstance(target, str):
-            targets = hook_points(target)
-            if len(targets) == 1 == len(self.names):
-                raise ConfigError(
-                    f"source.target={targets}: lists are a cross-layer transcoder's, of two or more layers; one "
-                    f"layer's transcoder names one module: source.module={self.names[0]} source.target={targets[0]} "
-                    "(+experiment=transcoder_lm)"
-                )
-            if both := [name for name in targets if name in self.names]:
-                raise ConfigError(
-                    f"{', '.join(both)}: in both source.module and source.target; a layer's input (source.module) "
-                    "and its output (source.target) are different modules, e.g. blocks.2.mlp_norm and blocks.2.mlp"
-                )
-            if len(targets) != len(self.names):
-                raise ConfigError(
-                    f"source.module={self.names} with source.target={targets}: a cross-layer transcoder reads each "
-                    "layer's MLP input and writes its output: give as many targets as modules, each layer's input "
-                    "in source.module and its output in source.target, in the order the model runs them"
-                )
-            return targets
-        if not target:
-            raise ConfigError(f"source.target={target}: name one module, whose output the transcoder predicts")
-        if len(self.names) > 1:
-            raise ConfigError(
-                f"source.module={self.names} with source.target={target}: a transcoder reads one module for now; "
-                "give one source.module (or leave source.target out for a family of SAEs, model=sae_multi)"
-            )
-        if target == self.names[0]:
-            raise ConfigError(
-                f"source.target={target} is source.module itself: a transcoder predicts another module's output "
-                f"(e.g. source.module=blocks.2.mlp_norm source.target=blocks.2.mlp); an SAE has no source.target "
-                "(source.target=null)"
-            )
-        return [target]
 
     def _option(self, name: str) -> str:
         # the override that names a hooked module, for the messages that refuse it
@@ -285,7 +206,7 @@ class SourceModel:
                         f"and its output, e.g. source.module=blocks.2.mlp_norm source.target=blocks.2.mlp)"
                     )
                 captured[name] = self._kept(out.detach(), mask, rows, name).flatten(0, -2)
-                self._check_order(list(captured))
+                check_order(self.names, self.targets, list(captured))
                 if len(captured) == len(self.names):
                     raise _Captured
 
@@ -308,21 +229,6 @@ class SourceModel:
         self.widths = {name: captured[name].shape[-1] for name in self.names}
         return captured[self.name] if len(self.names) == 1 else torch.cat([captured[n] for n in self.names], dim=-1)
 
-    def _check_order(self, ran: list[str]) -> None:
-        # A transcoder's input must run before its target, and a cross-layer one's layers in the model's order: the
-        # splice writes each target from inputs captured earlier in the same forward.
-        if not self.targets:
-            return
-        inputs = self.names[: len(self.targets)]
-        expected = [name for pair in zip(inputs, self.targets, strict=True) for name in pair]
-        if ran != expected[: len(ran)]:
-            raise ConfigError(
-                f"source.module={inputs} and source.target={self.targets}: the model runs them as {ran}, not as "
-                f"{expected[: len(ran)]}: name each layer's input (source.module) and output (source.target) in the "
-                "order the model runs them, each input before its output and the layers first to last"
-            )
-
-    @torch.no_grad()
     def compare(
         self, replacements: dict[str, Replacement], working: Callable[[int, int | None], None] | None = None
     ) -> dict[str, dict]:
@@ -331,23 +237,7 @@ class SourceModel:
         writes, from those it reads): the model's mean validation loss ("ce") and, when the model's output is logits,
         the KL divergence of its next-token distribution from the clean model's ("kl", nats per token, over the same
         tokens as the loss). `working(done, total)` hears after each batch how far the pass has got."""
-        sums = {name: torch.zeros(2, dtype=torch.float64) for name in replacements}
-        count, has_logits = 0, True
-        loader = self.data.val_loader()
-        for done, batch in enumerate(loader, 1):
-            batch = to_device(batch, self.device)
-            size = batch_size_of(batch)
-            clean = self.run(batch, None)
-            for name, replace in replacements.items():
-                loss, logits = clean if replace is None else self.run(batch, replace)
-                has_logits = has_logits and logits is not None
-                kl = _kl(clean[1], logits) if has_logits else torch.zeros((), dtype=torch.float64)
-                sums[name] += torch.stack([loss.double().cpu(), kl.cpu()]) * size
-            count += size
-            if working is not None:
-                working(done, len(loader))
-        means = {name: (total / count).tolist() for name, total in sums.items()}
-        return {name: {"ce": ce, **({"kl": kl} if has_logits else {})} for name, (ce, kl) in means.items()}
+        return costs.compare(self.run, self.data.val_loader(), self.device, replacements, working)
 
     def run(self, batch: Any, replace: Replacement) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The loss of one batch with the replacement's modules' outputs replaced, and the model's logits (None: not a
@@ -386,59 +276,10 @@ class SourceModel:
             self.loss({"tokens": torch.cat([tokens, tokens[:, -1:]], dim=1).to(self.device)})  # it reads [:, :-1]
         return captured[name]
 
-    def loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model's validation loss of a batch, and its output (logits) when that is a tensor."""
-        # for a runner task, the root module's forward hook sees what validation_step computed its loss from
-        if self.pretrained is not None:
-            return self.pretrained.loss(batch)
-        outputs: list[Any] = []
-        root = self.model.register_forward_hook(lambda _m, _i, out: outputs.append(out))
-        try:
-            out = self.model.validation_step(batch)
-        finally:
-            root.remove()
-        if "loss" not in out:
-            raise ConfigError(self._no_loss(out))
-        loss = out["loss"]
-        logits = outputs[-1] if outputs and torch.is_tensor(outputs[-1]) and outputs[-1].is_floating_point() else None
-        return loss, logits
-
-    def _read_instead(self) -> str:
-        # An SAE's run given as a source (an SAE on an SAE: a KeyError inside the source's forward before): the model
-        # that run read its activations from is the one to give
-        inner, module = self.read
-        if inner is None:
-            return ""
-        preset = " with +experiment=sae_hf" if pretrained.is_pretrained(inner) else ""
-        return f"; an SAE's run? give the model it read: source.checkpoint={inner} source.module={module}{preset}"
-
-    def _no_loss(self, out: dict[str, Any]) -> str:
-        # an SAE's validation gives reconstruction statistics, and calls no module (its weights hang off the root)
-        return (
-            f"source.checkpoint={self.checkpoint}: the validation_step of its {type(self.model).__name__} gives no "
-            f"loss (only {', '.join(out)}), and an SAE's source is a model whose loss it is spliced into"
-            + (self._read_instead() or ": give the run of a model whose validation gives its loss (+experiment=lm)")
-        )
-
-
-def as_splice(replace: Replacement, name: str) -> Splice | None:
-    """A replacement as a Splice: a function alone replaces module `name`'s output by a function of it."""
-    if replace is None or isinstance(replace, Splice):
-        return replace
-    at, fn = replace if isinstance(replace, tuple) else (name, replace)
-    return Splice([at], {at: lambda captured: fn(captured[at])})
-
-
-def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """KL(clean || other) of the distributions given by logits [..., vocab], averaged over positions, in float64."""
-    p = clean.double().log_softmax(-1)
-    q = other.double().log_softmax(-1)
-    return (p.exp() * (p - q)).sum(-1).mean()
-
 
 def hooked_source(data: Any, device: torch.device) -> SourceModel:
-    """The source model that a hooked run's `data` config (HookedData's keys) reads, on `device`; a transcoder's
-    rows hold its target's columns too."""
+    """The source model that a hooked run's `data` config (the keys of experiments.sae.sources.hooked's data options)
+    reads, on `device`; a transcoder's rows hold its target's columns too."""
     trusted = list(data.get("trusted_targets") or TRUSTED_TARGETS)
     skip, inputs = int(data.get("skip_positions", 0)), data.get("inputs")
     return SourceModel(data.checkpoint, data.module, device, trusted, skip, inputs, data.get("target"))

@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from runner import ConfigError, check_whole
+from runner.config.trust import buildable
 from runner.data import DataModule, TensorData
-from runner.trust import buildable
 
 
 def _generator(seed: int, stream: str, position: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
@@ -56,7 +56,7 @@ class SyntheticFeatures:
         linear: float = 0.0,
         noise: float = 0.0,
     ) -> None:
-        # synthetic_splits hands these on as **features, which runner.checks cannot type: checked here
+        # synthetic_splits hands these on as **features, which runner.config.checks cannot type: checked here
         for name, value in (("d", d), ("n_features", n_features), ("group_size", group_size)):
             check_whole(value, f"data.splits.{name}")
         if not _number(mean_active) or not 0 < mean_active <= n_features:

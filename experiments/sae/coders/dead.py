@@ -1,0 +1,78 @@
+"""The dead-latent clock every SAE keeps: per latent, the optimizer steps (or samples) since it last fired, counted
+over every rank's rows where ranks share the SAE. A latent silent for `dead_window` is dead: AuxK trains it, and
+`silent_fraction` counts it."""
+
+from __future__ import annotations
+
+import torch
+
+from experiments.sae.coders.init import ranks_share
+from runner import ConfigError
+from runner.progress import parse_duration
+
+
+def dead_clock(dead_window: str) -> tuple[str, float]:
+    """(unit, length) of a `dead_window`: optimizer steps ("st") or samples ("sa"; tokens count as samples)."""
+    window = parse_duration(dead_window)
+    if window.unit not in ("st", "sa", "tok"):
+        raise ConfigError(f"model.dead_window={dead_window}: give it in optimizer steps (st) or samples (sa)")
+    return ("st" if window.unit == "st" else "sa"), window.value
+
+
+class DeadLatents:
+    """The clock's buffers and counting, mixed into SAE (an nn.Module with `n_latents`, `dead_unit`, `dead_window`)."""
+
+    def _register_clock(self, n_latents: int) -> None:
+        # Per latent: steps (or samples) since it last fired, and the running counters that measure it.
+        self.register_buffer("since_fired", torch.zeros(n_latents))
+        self.register_buffer("fired", torch.zeros(n_latents, dtype=torch.bool))  # within the current step
+        # Dead latents as of the last optimizer step, kept on the device: AuxK reads them with no host read.
+        self.register_buffer("dead", torch.zeros(n_latents, dtype=torch.bool), persistent=False)
+
+    def _tick(self) -> None:
+        # after an optimizer step: a step's firing counted, and the dead latents the next steps' AuxK reads
+        if self.dead_unit == "st":
+            self.since_fired.add_(1).masked_fill_(self.fired, 0)
+            self.fired.zero_()
+        self.dead.copy_(self.dead_mask())
+
+    def logged(self, metrics: dict[str, float], prefix: str = "") -> None:
+        """Told the run's last logged row (runner's loop does, after each row): on CUDA AuxK runs while that row saw
+        dead latents, and no step reads the device to decide it (on the CPU each step counts them: no wait there).
+        `prefix`: this SAE's metric prefix in a family (model=sae_multi)."""
+        self.auxk_active = metrics.get(f"train/{prefix}silent_fraction", 0.0) > 0
+
+    @property
+    def n_dead(self) -> int:
+        """How many latents AuxK treats as dead this step (a host read: for tests and reports, not the step)."""
+        return int(self.dead.sum())
+
+    def _track(self, codes_fired: torch.Tensor, batch: int) -> None:
+        # codes_fired: [n_latents] bool, latents that fired anywhere in this micro-batch
+        rows: int | torch.Tensor = batch
+        if ranks_share(self):
+            # Every rank's rows: a latent fired if it fired on any rank, and the window counts all ranks' rows (one
+            # small all-reduce queued on the device). Otherwise DDP, which broadcasts buffers from rank 0 at each
+            # forward, would leave rank 0's data alone deciding which latents are dead.
+            both = torch.cat([codes_fired.float(), codes_fired.new_full((1,), batch, dtype=torch.float32)])
+            torch.distributed.all_reduce(both)
+            codes_fired, rows = both[:-1] > 0, both[-1]
+        if self.dead_unit == "st":
+            self.fired |= codes_fired
+        else:
+            self.since_fired.add_(rows).masked_fill_(codes_fired, 0)
+
+    def track(self, values: torch.Tensor, indices: torch.Tensor | None) -> None:
+        """Count which latents fired in a training micro-batch's codes (as `activate` gives them)."""
+        fired = values.detach() > 0
+        if indices is None:
+            self._track(fired.any(0), values.shape[0])
+        else:  # no host sync: scatter the per-row hits into a per-latent count
+            hits = torch.zeros(self.n_latents, device=values.device).index_add_(
+                0, indices.flatten(), fired.flatten().float()
+            )
+            self._track(hits > 0, values.shape[0])
+
+    def dead_mask(self) -> torch.Tensor:
+        """Latents that have not fired within dead_window."""
+        return self.since_fired >= self.dead_window

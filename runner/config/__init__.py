@@ -1,0 +1,1 @@
+"""Pre-flight checks of a composed config, its resolvers, and what a run folder may build (trust)."""

@@ -1,0 +1,85 @@
+"""The run folder, one idea a module: the names of its files (names), writing them (files: write_atomic, the one
+staged-folder writer, DiskFull), reading what runs wrote (readers), the old names of moved classes (old_names), and
+the one folder lock (locks); the tools' output folders (outputs) and a refused launch's folder (refused). The names
+below are re-exported, so `from runner.rundir import X` reads the same whichever module X lives in."""
+
+from runner.rundir.files import (
+    DiskFull,
+    disk_full,
+    fsync_dir,
+    is_disk_full,
+    set_aside,
+    staged_folder,
+    staged_in,
+    write_atomic,
+    write_json,
+)
+from runner.rundir.locks import FolderInUse, claim, lock, locked, unlock
+from runner.rundir.names import (
+    CHECKPOINTS,
+    CLASH,
+    CONFIG,
+    LOCK,
+    LOG,
+    METRICS,
+    MODEL,
+    MODEL_PART,
+    OUTPUTS,
+    OVERRIDES,
+    RANK_LOG,
+    RUN_INFO,
+    SET_ASIDE,
+    SUMMARY,
+)
+from runner.rundir.old_names import RENAMED, moved, moved_target, renamed
+from runner.rundir.readers import (
+    MAX_CONFIG_BYTES,
+    MAX_JSON_BYTES,
+    jsonl_lines,
+    read_json,
+    read_jsonl,
+    read_run_config,
+    read_yaml,
+)
+
+__all__ = [
+    "CHECKPOINTS",
+    "CLASH",
+    "CONFIG",
+    "LOCK",
+    "LOG",
+    "MAX_CONFIG_BYTES",
+    "MAX_JSON_BYTES",
+    "METRICS",
+    "MODEL",
+    "MODEL_PART",
+    "OUTPUTS",
+    "OVERRIDES",
+    "RANK_LOG",
+    "RENAMED",
+    "RUN_INFO",
+    "SET_ASIDE",
+    "SUMMARY",
+    "DiskFull",
+    "FolderInUse",
+    "claim",
+    "disk_full",
+    "fsync_dir",
+    "is_disk_full",
+    "jsonl_lines",
+    "lock",
+    "locked",
+    "moved",
+    "moved_target",
+    "read_json",
+    "read_jsonl",
+    "read_run_config",
+    "read_yaml",
+    "renamed",
+    "set_aside",
+    "staged_folder",
+    "staged_in",
+    "unlock",
+    "write_atomic",
+    "write_json",
+]
