@@ -715,9 +715,10 @@ def hf_text(folder: Path, copies: int = 6) -> list[str]:
 
 
 def peer_python(peer: str) -> str:
-    """The python of the virtualenv of `peer` (saelens or sparsify; benchmarks/peers/install.sh makes them at the
-    repository root, RUNNER_SAELENS_PYTHON / RUNNER_SPARSIFY_PYTHON name others); the test is skipped without it."""
-    variable = f"RUNNER_{peer.upper()}_PYTHON"
+    """The python of the virtualenv of `peer` (saelens, sparsify or circuit-tracer; benchmarks/peers/install.sh makes
+    them at the repository root, RUNNER_SAELENS_PYTHON, RUNNER_SPARSIFY_PYTHON or RUNNER_CIRCUIT_TRACER_PYTHON name
+    others); the test is skipped without it."""
+    variable = f"RUNNER_{peer.upper().replace('-', '_')}_PYTHON"
     path = os.environ.get(variable) or str(ROOT / f".venv-{peer}" / "bin" / "python")
     if not Path(path).exists():
         pytest.skip(f"no {peer} virtualenv ({path}): benchmarks/peers/install.sh makes it, or set {variable}")

@@ -1,7 +1,8 @@
 #!/bin/sh
 # The peers of benchmarks/sae_peers.py, each in a virtualenv of its own at the repository root (their dependencies
-# would otherwise pin ours): .venv-sparsify (EleutherAI sparsify) and .venv-saelens (SAELens). torch comes first, as
-# for runner, so that pip takes the local CPU wheel rather than a CUDA build. The versions are the ones measured.
+# would otherwise pin ours): .venv-sparsify (EleutherAI sparsify), .venv-saelens (SAELens) and .venv-circuit-tracer
+# (circuit-tracer, whose loaders tests/e2e/test_circuit_tracer_load.py runs on runner's exported folders). torch
+# comes first, as for runner, so that pip takes the local CPU wheel rather than a CUDA build. The versions are the ones measured.
 #
 # Quiet: one line per peer; pip's output goes to .venv-PEER/install.log (its tail is printed if pip fails), with no
 # progress bar (on a busy machine pip's bar thread failed: "can't start new thread"). Resumable: a peer whose
@@ -12,7 +13,7 @@ set -e
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 dir=${PEERS_DIR:-.}
-for pair in sparsify:eai-sparsify==1.3.3 saelens:sae-lens==6.54.12; do
+for pair in sparsify:eai-sparsify==1.3.3 saelens:sae-lens==6.54.12 circuit-tracer:circuit-tracer==0.5.0; do
     name=${pair%%:*} spec="torch==2.13.0 ${pair#*:}"
     venv="$dir/.venv-$name"
     if [ "$(cat "$venv/installed" 2>/dev/null)" = "$spec" ]; then
@@ -30,4 +31,4 @@ for pair in sparsify:eai-sparsify==1.3.3 saelens:sae-lens==6.54.12; do
     fi
     echo "$spec" >"$venv/installed"
 done
-echo "made .venv-sparsify and .venv-saelens"
+echo "made .venv-sparsify, .venv-saelens and .venv-circuit-tracer"

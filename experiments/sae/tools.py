@@ -48,7 +48,29 @@ def export_sae(
         folder = export(sae, "saelens", within(out, sae_id(hook)), *args)
         hub_card(out, {folder: ""}, cfg, summary)
         return [out]
-    return [export(sae, fmt, out, *args)]
+    rows = held_out_rows(cfg) if fmt == "circuit_tracer" and getattr(sae, "inference", None) == "topk" else None
+    return [export(sae, fmt, out, *args, rows=rows)]
+
+
+def held_out_rows(cfg: Any, rows: int = 4096) -> torch.Tensor:
+    """Up to `rows` raw rows of the run's validation split (its quoted data config, built as runner.build does),
+    what a TopK coder's circuit-tracer threshold is calibrated on (experiments/sae/formats/circuit_tracer_clt.py)."""
+    from omegaconf import OmegaConf
+
+    from runner.build import build_data
+
+    data = build_data(OmegaConf.create({"data": cfg.get("data") or {}}))
+    loader = data.split_loader("val") if hasattr(data, "split_loader") else None
+    if loader is None:
+        raise ConfigError("format=circuit_tracer: a TopK coder is calibrated on the run's validation rows; it has none")
+    got, seen = [], 0
+    for batch in loader:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        got.append(x.float())
+        seen += len(x)
+        if seen >= rows:
+            break
+    return torch.cat(got)[:rows]
 
 
 def export_family(family: MultiSAE, fmt: str, out: Any, cfg: Any, summary: dict | None = None) -> list[Any]:
@@ -72,10 +94,25 @@ def export_family(family: MultiSAE, fmt: str, out: Any, cfg: Any, summary: dict 
 
 
 def export_clt(clt: CrossLayerTranscoder, fmt: str, out: Any, cfg: Any, summary: dict | None = None) -> list[Any]:
-    """Refused: neither SAELens nor sparsify has a cross-layer transcoder format to write."""
+    """circuit-tracer's CLT folder (experiments/sae/formats/circuit_tracer_clt.py; a TopK CLT converted to JumpReLU on
+    the run's validation rows); SAELens and sparsify have no cross-layer transcoder format: refused."""
+    if fmt == "circuit_tracer":
+        from pathlib import Path
+
+        from experiments.sae.formats.circuit_tracer_clt import write_clt
+
+        source = cfg.get("source") or cfg.get("data") or {}
+        names = {key: [m for m in source.get(key) or [] if isinstance(m, str)] for key in ("module", "target")}
+        topk = any(getattr(coder, "inference", None) == "topk" for coder in clt.coders)
+        model = source.get("checkpoint")
+        Path(out).mkdir(parents=True, exist_ok=True)
+        rows = held_out_rows(cfg) if topk else None
+        write_clt(clt, Path(out), names["module"], str(model) if model else None, names["target"], rows)
+        return [out]
     raise ConfigError(
-        f"--format {fmt}: neither SAELens nor sparsify loads cross-layer transcoders; the run's model.safetensors "
-        "holds every layer's coder (coders.<layer>.W_enc, W_dec [latents, later layers x d_out], ...)"
+        f"--format {fmt}: neither SAELens nor sparsify loads cross-layer transcoders: give format=circuit_tracer "
+        "(the run's model.safetensors holds every layer's coder: coders.<layer>.W_enc, W_dec [latents, later layers "
+        "x d_out])"
     )
 
 

@@ -48,5 +48,6 @@ def test_the_peers_install_is_quiet_and_goes_on_where_it_stopped(tmp_path: Path)
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines()[0] == "sparsify: already installed (torch==2.13.0 eai-sparsify==1.3.3)"
     calls = (tmp_path / "pip.log").read_text().splitlines()
-    assert len(calls) == 2 and all("sparsify" not in call for call in calls)  # the finished peer is left alone
+    # the finished peer is left alone: saelens and circuit-tracer, torch first for each
+    assert len(calls) == 4 and all("sparsify" not in call for call in calls)
     assert (tmp_path / ".venv-saelens" / "installed").read_text().strip() == "torch==2.13.0 sae-lens==6.54.12"

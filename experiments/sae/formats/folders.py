@@ -14,12 +14,16 @@ from typing import Any
 
 from torch import nn
 
+import experiments.sae.formats.circuit_tracer as circuit_tracer
+import experiments.sae.formats.circuit_tracer_clt as circuit_tracer_clt
 import experiments.sae.formats.saelens as saelens
 import experiments.sae.formats.sparsify as sparsify
 from experiments.sae.formats.common import CFG, architecture, read_cfg, read_tensors, refuse
 from runner import ConfigError
 
-FORMATS = ("saelens", "sparsify", "hf")  # hf: a Hugging Face repository folder of SAELens folders and a model card
+# hf: a Hugging Face repository folder of SAELens folders and a model card; circuit_tracer: a transcoder set's or
+# a cross-layer transcoder's folder (circuit_tracer.py; a CLT is written by CrossLayerTranscoder.export)
+FORMATS = ("saelens", "sparsify", "hf", "circuit_tracer")
 LAYOUTS = {"saelens": saelens, "sparsify": sparsify}  # each: its WEIGHTS file, write and read
 
 
@@ -30,19 +34,29 @@ def export(
     hook: str | None = None,
     model: str | None = None,
     target: str | None = None,
+    rows: Any = None,
 ) -> Path:
     """Write `sae` in format `fmt` to the folder `out` (made here; refused if it holds files); returns `out`. `hook`
-    names the module it reads, `target` a transcoder's target module, `model` the source model (SAELens metadata)."""
+    names the module it reads, `target` a transcoder's target module, `model` the source model (SAELens metadata);
+    `rows`, held-out raw rows a TopK transcoder's circuit-tracer threshold is calibrated on."""
+    if fmt == "circuit_tracer":
+        circuit_tracer.write_transcoder(sae, _empty(out), hook, model, target, rows)
+        return out
     if fmt not in LAYOUTS:  # a repository (hf) is SAELens folders and a card: SAE.export writes one
         raise ConfigError(f"--format {fmt}: give one of {', '.join(FORMATS)}")
     kind = architecture(sae)
     refuse(sae, fmt, kind)
+    LAYOUTS[fmt].write(sae, kind, _empty(out), hook, model, target)
+    return out
+
+
+def _empty(out: Path) -> Path:
+    # the folder to write, made here; refused if it is a file or holds files
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder: give an empty or new folder (nothing was written)")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} already holds files: give an empty or new folder (nothing was written)")
     out.mkdir(parents=True, exist_ok=True)
-    LAYOUTS[fmt].write(sae, kind, out, hook, model, target)
     return out
 
 
@@ -60,6 +74,9 @@ def read_folder(path: str | Path, hook: str | None = None) -> tuple[nn.Module, d
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path} is no folder: give an SAE folder of SAELens or sparsify (cfg.json and its weights)")
+    if (path / circuit_tracer.CONFIG).exists() and not (path / CFG).is_file():  # circuit-tracer's: config.yaml
+        coder, facts = circuit_tracer_clt.read(path, hook)
+        return coder.eval().requires_grad_(False), facts
     single = (path / CFG).is_file()
     if not single:
         hooks = _hook_folders(path)
@@ -89,9 +106,13 @@ def read_folder(path: str | Path, hook: str | None = None) -> tuple[nn.Module, d
 
 
 def recognizes(path: Path) -> bool:
-    """Whether `path` (no runner run: runner.load has asked) is an SAE folder of either format (cfg.json), or a
-    sparsify run's folders of them."""
-    return (path / CFG).is_file() or any((p / CFG).is_file() for p in path.iterdir() if p.is_dir())
+    """Whether `path` (no runner run: runner.load has asked) is an SAE folder of either format (cfg.json), a
+    sparsify run's folders of them, or circuit-tracer's folder (config.yaml)."""
+    return (
+        (path / CFG).is_file()
+        or (path / circuit_tracer.CONFIG).exists()
+        or any((p / CFG).is_file() for p in path.iterdir() if p.is_dir())
+    )
 
 
 def solo(path: str | Path, hook: str | None = None) -> nn.Module:

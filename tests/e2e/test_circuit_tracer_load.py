@@ -1,0 +1,102 @@
+"""runner's circuit-tracer folders (experiments/sae/formats/circuit_tracer.py) loaded by circuit-tracer 0.5.0's own
+loaders in its virtualenv (utils/caching.py load_transcoders_from_cache's calls: load_transcoder_set on the
+layer_{i}.safetensors files, load_clt on the folder, with config.yaml's hooks): its forward on the same raw rows is
+runner's. Skipped where .venv-circuit-tracer is absent (benchmarks/peers/install.sh makes it;
+RUNNER_CIRCUIT_TRACER_PYTHON names another)."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import peer_python
+
+from experiments.sae.coders.activations import ReLUSAE, TopKSAE
+from experiments.sae.coders.clt import CrossLayerTranscoder
+from experiments.sae.coders.jumprelu import JumpReLUSAE
+from experiments.sae.formats import export, read_folder
+from experiments.sae.formats.circuit_tracer_clt import write_clt
+
+pytestmark = pytest.mark.slow
+D = 8
+LOAD = """
+import sys, yaml, numpy as np, torch
+from pathlib import Path
+from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
+from circuit_tracer.transcoder.cross_layer_transcoder import load_clt
+folder, x = Path(sys.argv[1]), torch.from_numpy(np.load(sys.argv[2]))
+cfg = yaml.safe_load((folder / "config.yaml").read_text())
+hooks = dict(feature_input_hook=cfg["feature_input_hook"], feature_output_hook=cfg["feature_output_hook"])
+cpu = torch.device("cpu")
+if cfg["model_kind"] == "transcoder_set":
+    paths = {int(f.stem.split("_")[1]): str(f) for f in sorted(folder.glob("layer_*.safetensors"))}
+    tc = load_transcoder_set(paths, scan="runner", device=cpu, dtype=torch.float32, **hooks)
+    out = tc[0](x)
+else:
+    tc = load_clt(str(folder), device=cpu, dtype=torch.float32, lazy_decoder=False, **hooks)
+    out = tc.decode(tc.encode(x).to_sparse())
+np.save(sys.argv[3], out.detach().float().numpy())
+"""
+
+
+def _theirs(folder: Path, x: torch.Tensor, tmp_path: Path) -> torch.Tensor:
+    interpreter = peer_python("circuit-tracer")
+    np.save(tmp_path / "x.npy", x.numpy())
+    done = subprocess.run(
+        [interpreter, "-c", LOAD, str(folder), str(tmp_path / "x.npy"), str(tmp_path / "out.npy")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.from_numpy(np.load(tmp_path / "out.npy"))
+
+
+@pytest.mark.parametrize(("cls", "skip"), [(ReLUSAE, True), (JumpReLUSAE, False), (TopKSAE, False)])
+def test_circuit_tracer_reads_our_transcoder_and_predicts_what_ours_does(tmp_path: Path, cls, skip) -> None:
+    torch.manual_seed(0)
+    sae = cls(d_in=D, n_latents=32, d_out=D, skip=skip, **({"k": 3} if cls is TopKSAE else {}))
+    rows = torch.cat([torch.randn(256, D) * 3 + 1, torch.randn(256, D) * 0.2], dim=1)
+    sae.initialize_from(rows)
+    with torch.no_grad():
+        if skip:
+            sae.W_skip.normal_(std=0.1)
+        if cls is JumpReLUSAE:
+            sae.threshold.uniform_(0.0, 0.5)
+    sae.eval()
+    export(sae, "circuit_tracer", tmp_path / "ct", "blocks.0.mlp_norm", None, "blocks.0.mlp", rows=rows)
+    x = rows[:, :D]
+    theirs = _theirs(tmp_path / "ct", x, tmp_path)
+    # a TopK's folder: circuit-tracer reads the calibrated JumpReLU; runner's reader reads the TopK back
+    want = sae(x) if cls is not TopKSAE else _jumprelu_view(tmp_path / "ct", x)
+    assert (theirs - want).abs().max() <= 1e-5 * want.abs().max().clamp_min(1)
+    assert (read_folder(tmp_path / "ct")[0](x) - sae(x)).abs().max() <= 1e-5 * sae(x).abs().max()
+
+
+def _jumprelu_view(folder: Path, x: torch.Tensor) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    t = load_file(folder / "layer_0.safetensors")
+    pre = x @ t["W_enc"].t() + t["b_enc"]
+    return (pre * (pre > t["activation_function.threshold"])) @ t["W_dec"] + t["b_dec"]
+
+
+@pytest.mark.parametrize("cls", [ReLUSAE, TopKSAE])
+def test_circuit_tracer_reads_our_clt_and_reconstructs_what_ours_does(tmp_path: Path, cls) -> None:
+    torch.manual_seed(0)
+    clt = CrossLayerTranscoder(functools.partial(cls, n_latents=16, **({"k": 2} if cls is TopKSAE else {})), 3, D, D)
+    rows = torch.cat([torch.randn(256, 3 * D) * 2 + 0.5, torch.randn(256, 3 * D) * 0.3], dim=1)
+    clt.initialize_from(rows)
+    with torch.no_grad():
+        for coder in clt.coders:
+            coder.W_dec.normal_(std=0.3)
+    clt.eval()
+    write_clt(clt, tmp_path / "ct", [], None, [], rows)
+    inputs, _ = clt.split(rows)
+    ours = torch.stack(read_folder(tmp_path / "ct")[0](inputs))  # a TopK CLT: the JumpReLU written
+    theirs = _theirs(tmp_path / "ct", torch.stack(inputs), tmp_path)
+    assert (theirs - ours).abs().max() <= 1e-5 * ours.abs().max().clamp_min(1)
