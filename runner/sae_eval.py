@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import sys
 
-from runner import ConfigError
-from runner.tools.cli import task_tool
+from runner.tools.cli import run_task_tool
 
 
 def main(argv: list[str] | None = None) -> int:
     """The registered tool's command; exit 2 with one line if no installed package registers it."""
-    try:
-        tool = task_tool("sae_eval")
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return tool(argv)
+    return run_task_tool("sae_eval", argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Helpers shared by the unit and e2e tests (test files never import each other: what two of them need lives here).
 
 Sections: paths and shared command lines; a run's files; in-process runs (compose_job, make_run, callbacks);
-subprocesses (the CLI, torchrun, a script); the e2e tier's runs in the background; wandb's offline files.
+subprocesses (the CLI, torchrun, a script, a peer's python, headless Chromium); the e2e tier's runs in the background;
+wandb's offline files; transformers sources; coders and attribution graphs (experiments.sae).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -23,7 +25,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -38,6 +40,10 @@ from runner.precision import FP32
 from runner.progress import TrainingProgress
 from runner.run import Callback, Run, Settings, State
 from runner.schedulers import constant
+
+if TYPE_CHECKING:  # the SAE workbench's classes, imported by the helpers that use them
+    from experiments.lm.model import GPT
+    from experiments.sae.coders.activations import ReLUSAE
 
 # ---- paths --------------------------------------------------------------------------------------------------------
 TESTS = Path(__file__).resolve().parent
@@ -723,6 +729,140 @@ def peer_python(peer: str) -> str:
     if not Path(path).exists():
         pytest.skip(f"no {peer} virtualenv ({path}): benchmarks/peers/install.sh makes it, or set {variable}")
     return path
+
+
+def peer_forward(
+    peer: str, script: str, folder: Path, x: torch.Tensor, tmp_path: Path, timeout: float
+) -> tuple[torch.Tensor, str]:
+    """`script` run by `peer`'s python (peer_python) on `folder`, x.npy and out.npy in `tmp_path`: (out, its stdout)."""
+    import numpy as np
+
+    interpreter = peer_python(peer)
+    np.save(tmp_path / "x.npy", x.numpy())
+    done = subprocess.run(
+        [interpreter, "-c", script, str(folder), str(tmp_path / "x.npy"), str(tmp_path / "out.npy")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.from_numpy(np.load(tmp_path / "out.npy")), done.stdout
+
+
+# ---- headless Chromium (the pages' browser tests; skipped where Debian's `chromium` is missing) -----------------
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def headless_chromium(url: str, *args: str) -> tuple[str, list[str]]:
+    """The DOM after `url`'s scripts ran in CHROMIUM (or what `args` ask instead), and the console lines it logged."""
+    done = subprocess.run(
+        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0"]
+        + ["--virtual-time-budget=5000", *(args or ["--dump-dom"]), url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout, [line for line in done.stderr.splitlines() if "CONSOLE" in line]
+
+
+# ---- coders and attribution graphs (experiments.sae; imported in the helpers, not with this module) --------------
+def random_transcoder(
+    cls: type, d: int, n_latents: int, skip: bool = False, **kwargs: Any
+) -> tuple[nn.Module, torch.Tensor]:
+    """A `cls` transcoder (d -> d, seeded) initialized from random raw rows, in eval mode: (it, the rows)."""
+    from experiments.sae.coders.jumprelu import JumpReLUSAE
+
+    torch.manual_seed(0)
+    sae = cls(d_in=d, n_latents=n_latents, d_out=d, skip=skip, **kwargs)
+    rows = torch.cat([torch.randn(256, d) * 3 + 1, torch.randn(256, d) * 0.2], dim=1)
+    sae.initialize_from(rows)
+    with torch.no_grad():
+        if skip:
+            sae.W_skip.normal_(std=0.1)
+        if cls is JumpReLUSAE:
+            sae.threshold.uniform_(0.0, 0.5)
+    return sae.eval(), rows
+
+
+class ReluMlp(nn.Module):
+    """down(relu(up(x))): an MLP a ReLU transcoder reproduces exactly."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden, bias=False), nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def relu_mlp_gpt(layers: int, d: int, hidden: int) -> GPT:
+    """A random GPT (seeded, float64, eval) of `layers` blocks whose MLPs are ReluMlps of `hidden` units."""
+    from experiments.lm.model import GPT
+
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=256, seq_len=16, n_layer=layers, n_head=2, d_model=d, init_std=0.3)
+    for block in gpt.blocks:
+        block.mlp = ReluMlp(d, hidden)
+    return gpt.double().eval()
+
+
+def exact_coder(coder: nn.Module, mlp: ReluMlp, scale: float) -> None:
+    """Make `coder`'s features `mlp`'s hidden units: W_enc = up^T (on inputs scaled by `scale`), W_dec = down^T."""
+    d = mlp.down.out_features
+    with torch.no_grad():
+        coder.input_scale.fill_(scale) if coder.input_scale.ndim == 0 else None
+        coder.W_enc.copy_(mlp.up.weight.t() / scale)
+        coder.b_enc.zero_()
+        coder.W_dec[:, :d] = mlp.down.weight.t()
+        coder.b_dec.zero_()
+
+
+def exact_transcoders(gpt: GPT) -> list[ReLUSAE]:
+    """A float64 ReLU transcoder per block of a relu_mlp_gpt, exact_coder of its MLP on inputs scaled by 2."""
+    from experiments.sae.coders.activations import ReLUSAE
+
+    coders = []
+    for block in gpt.blocks:
+        d, hidden = block.mlp.up.in_features, block.mlp.up.out_features
+        coder = ReLUSAE(d_in=d, n_latents=hidden, d_out=d).double()
+        exact_coder(coder, block.mlp, 2.0)
+        coders.append(coder)
+    return coders
+
+
+def clt_graph(prompt: str, coder: list[str]) -> dict[str, Any]:
+    """The pruned graph of a random 2-block GPT and its CLT on `prompt`, as `python -m runner.attribute` writes it."""
+    from functools import partial
+
+    from experiments.lm.model import GPT
+    from experiments.sae.circuits.attribute import attribute
+    from experiments.sae.circuits.coders import CoderSet
+    from experiments.sae.circuits.frozen import FrozenGPT
+    from experiments.sae.circuits.output import graph_data
+    from experiments.sae.circuits.prune import prune, scores
+    from experiments.sae.coders.activations import ReLUSAE
+    from experiments.sae.coders.clt import CrossLayerTranscoder
+
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=16, init_std=0.3).eval()
+    clt = CrossLayerTranscoder(partial(ReLUSAE, n_latents=24), layers=2, d_in=16, d_out=16)
+    with torch.no_grad():
+        for layer in clt.coders:
+            layer.W_dec.normal_(0, 0.3)
+            layer.b_enc.fill_(0.1)
+    graph = attribute(FrozenGPT(gpt, torch.tensor(list(prompt.encode()))), CoderSet.of_clt(clt))
+    return graph_data(graph, prune(graph), scores(graph), {"coder": coder, "model": "lm", "prompt": prompt})
+
+
+def finished_clt_run(directory: Path, lm_run: Path) -> Path:
+    """A finished CLT of 32 latents per block on lm_run's two MLPs (SAE_LM's data and budget), in `directory`."""
+    settings = [o for o in SAE_LM if not o.startswith(("source.", "model."))]
+    layers = ["source.module=[blocks.0.mlp_norm,blocks.1.mlp_norm]", "source.target=[blocks.0.mlp,blocks.1.mlp]"]
+    finished_run(
+        directory, "+experiment=clt_lm", f"source.checkpoint={lm_run}", *layers, "model.coder.n_latents=32", *settings
+    )
+    return directory
 
 
 @contextlib.contextmanager

@@ -105,7 +105,6 @@ def export_clt(clt: CrossLayerTranscoder, fmt: str, out: Any, cfg: Any, summary:
         names = {key: [m for m in source.get(key) or [] if isinstance(m, str)] for key in ("module", "target")}
         topk = any(getattr(coder, "inference", None) == "topk" for coder in clt.coders)
         model = source.get("checkpoint")
-        Path(out).mkdir(parents=True, exist_ok=True)
         rows = held_out_rows(cfg) if topk else None
         write_clt(clt, Path(out), names["module"], str(model) if model else None, names["target"], rows)
         return [out]

@@ -5,6 +5,7 @@ dash in a key reads as an underscore: `--max-new-tokens 50` is `max_new_tokens=5
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Collection
 
 from runner import ConfigError
@@ -74,3 +75,13 @@ def task_tool(name: str) -> Callable[[list[str] | None], int]:
         f"python -m runner.{name} is a task package's tool, and no installed package registers it: install the "
         "project (pip install -e .) so that its entry points are known"
     )
+
+
+def run_task_tool(name: str, argv: list[str] | None = None) -> int:
+    """Run the registered tool `name` on `argv`; exit 2 with one line if no installed package registers it."""
+    try:
+        tool = task_tool(name)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return tool(argv)

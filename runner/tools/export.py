@@ -1,11 +1,12 @@
-"""`python -m runner.export RUN_DIR format=saelens|sparsify|hf [out=DIR] [model_name=NAME] [sae_set=NAME]`: a finished
-run's model in another tool's folder layout, where the model knows how to write one (`export(fmt, out, cfg, summary=)`:
-runner's SAEs write SAELens's and sparsify's, and `hf`, a Hugging Face repository folder of SAELens folders with a
-model card quoting the run's summary.json; experiments/sae/formats.py). DIR defaults to RUN_DIR/export-FORMAT and must
-be empty or new; it is written beside it and renamed into place once whole, and a symlink in the run folder never leads
-it elsewhere (runner.rundir.outputs). What it quotes of the run's config is plain data, never a resolver's value, and
-the source model is named by its publishing name (model_name=, default its hub name or its folder's name; sae_set=,
-the card's name of the set: runner.tools.published).
+"""`python -m runner.export RUN_DIR format=saelens|sparsify|hf|circuit_tracer [out=DIR] [model_name=NAME]
+[sae_set=NAME]`: a finished run's model in another tool's folder layout, where the model knows how to write one
+(`export(fmt, out, cfg, summary=)`: runner's SAEs write SAELens's and sparsify's; `hf`, a Hugging Face repository
+folder of SAELens folders with a model card quoting the run's summary.json; `circuit_tracer`, the folder circuit-tracer
+loads a transcoder or a cross-layer transcoder from; experiments/sae/formats/). DIR defaults to RUN_DIR/export-FORMAT
+and must be empty or new; it is written beside it and renamed into place once whole, and a symlink in the run folder
+never leads it elsewhere (runner.rundir.outputs). What it quotes of the run's config is plain data, never a resolver's
+value, and the source model is named by its publishing name (model_name=, default its hub name or its folder's name;
+sae_set=, the card's name of the set: runner.tools.published).
 The model is built from the run's own config under the same trust rules as evaluation (runner.load.load_trained).
 Exit codes: 0, or 2 with a one-line message (a wrong folder, format, model, name or output)."""
 
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     """Export, print the folders written, exit 0; or print why not and exit 2."""
     parser = argparse.ArgumentParser(prog="python -m runner.export", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a finished run folder (or its model.safetensors)")
-    parser.add_argument("--format", required=True, help="saelens, sparsify or hf (a Hugging Face repository folder)")
+    parser.add_argument(
+        "--format", required=True, help="saelens, sparsify, hf (a Hugging Face repository folder) or circuit_tracer"
+    )
     parser.add_argument("--out", type=Path, help="the folder to write (default: RUN_DIR/export-FORMAT)")
     parser.add_argument("--model-name", help="the source model's name in cfg.json and the card (default: its hub name)")
     parser.add_argument("--sae-set", help="the SAEs' name as a set, in the card (default: the run folder's name)")
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(model, "export"):
             raise ConfigError(f"{run_dir}'s model ({type(model).__name__}) has no export (runner's SAEs have)")
         if not args.format.isidentifier():  # it names the default folder
-            raise ConfigError(f"--format {args.format}: give saelens, sparsify or hf")
+            raise ConfigError(f"--format {args.format}: give saelens, sparsify, hf or circuit_tracer")
         quoted, said = _quoted(run_dir, cfg, args.format, args.model_name, args.sae_set)
         out = output_folder(run_dir, args.out, f"export-{args.format}", "--out ")
         if out.is_dir():

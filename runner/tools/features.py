@@ -81,8 +81,14 @@ LOCAL_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IGNOR
 
 class PagesHandler(http.server.SimpleHTTPRequestHandler):
     """The files of one pages folder, to this machine's browser only: nothing whose real path leaves the folder (a
-    symlink in it is the run folder's data), a folder's index.html but never a listing, 403 for a Host header that is
-    not a localhost name (DNS rebinding), 400 for a malformed path (a NUL byte, `..`), and never a traceback."""
+    symlink in it is the run folder's data) or, where `only` names some of its subfolders, those; a folder's
+    index.html but never a listing, 403 for a Host header that is not a localhost name (DNS rebinding), 400 for a
+    malformed path (a NUL byte, `..`), and never a traceback."""
+
+    def __init__(self, *args: Any, only: tuple[str, ...] = (), **kwargs: Any) -> None:
+        root = Path(kwargs["directory"]).resolve()
+        self.folders = [(root / name).resolve() for name in only] or [root]
+        super().__init__(*args, **kwargs)
 
     def parse_request(self) -> bool:
         if not super().parse_request():
@@ -110,7 +116,7 @@ class PagesHandler(http.server.SimpleHTTPRequestHandler):
             real = Path(self.translate_path(self.path)).resolve()
         except (OSError, RuntimeError):  # too long, a loop of links
             real = None
-        if real is None or not real.is_relative_to(Path(self.directory).resolve()):
+        if real is None or not any(real.is_relative_to(folder) for folder in self.folders):
             self.send_error(404)
             return None
         return super().send_head()
@@ -125,16 +131,28 @@ class PagesHandler(http.server.SimpleHTTPRequestHandler):
             pass  # a browser that went away mid-answer
 
 
-def pages_server(out: Path, port: int) -> http.server.ThreadingHTTPServer:
-    """A server (not yet serving) of the pages folder `out` on 127.0.0.1:`port` (0: any free one), by PagesHandler."""
-    handler = functools.partial(PagesHandler, directory=str(out.resolve()))
+def pages_server(out: Path, port: int, only: tuple[str, ...] = ()) -> http.server.ThreadingHTTPServer:
+    """A server (not yet serving) of the pages folder `out` (of its subfolders `only`, if any) on 127.0.0.1:`port`
+    (0: any free one), by PagesHandler."""
+    handler = functools.partial(PagesHandler, directory=str(out.resolve()), only=only)
     return http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
 
 
-def _serve(out: Path, port: int, index: Path) -> int:
-    # serve until Ctrl-C; a port that cannot be had is a one-line error naming a free one (the pages are written)
+def _address(root: Path, index: Path) -> str:
+    # the page's path under the served folder, a folder's index.html as the folder (no listing: the root's own URL
+    # answers 404 when the page is deeper); "" when the page is the root's index or lies elsewhere
+    root, index = root.resolve(), index.resolve()
+    path = index.parent if index.name == "index.html" else index
+    if path == root or not path.is_relative_to(root):
+        return ""
+    return path.relative_to(root).as_posix() + ("/" if path.is_dir() else "")
+
+
+def serve(out: Path, port: int, index: Path, only: tuple[str, ...] = ()) -> int:
+    """Serve the pages folder `out` (its subfolders `only`, if any) until Ctrl-C, exit 0; a port that cannot be had
+    is a one-line error naming a free one, exit 2 (the pages are written all the same)."""
     try:
-        server = pages_server(out, port)
+        server = pages_server(out, port, only)
     except OSError as error:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -147,7 +165,7 @@ def _serve(out: Path, port: int, index: Path) -> int:
         )
         return 2
     with server:
-        print(f"serving {out} at http://127.0.0.1:{port}/ (Ctrl-C stops)", file=sys.stderr)
+        print(f"serving {out} at http://127.0.0.1:{port}/{_address(out, index)} (Ctrl-C stops)", file=sys.stderr)
         try:
             server.serve_forever()
         except KeyboardInterrupt:
@@ -161,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if help_asked(argv, __doc__):
         return 0
     try:
-        path, options, serve = _options(argv)
+        path, options, served = _options(argv)
         device = checked_device(options["device"])
         model, cfg = load_model(path, trusted_here(), Attach.of(options))
         if not hasattr(model, "features"):
@@ -197,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if said and options["neuronpedia"]:
         print(said, file=sys.stderr)
     print(f"{time.perf_counter() - started:.1f} s; open {pages[0]} in a browser (no server needed)", file=sys.stderr)
-    return _serve(out, options["port"], pages[0]) if serve else 0
+    return serve(out, options["port"], pages[0]) if served else 0
 
 
 if __name__ == "__main__":

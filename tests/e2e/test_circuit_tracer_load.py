@@ -7,13 +7,11 @@ RUNNER_CIRCUIT_TRACER_PYTHON names another)."""
 from __future__ import annotations
 
 import functools
-import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from helpers import peer_python
+from helpers import peer_forward, random_transcoder
 
 from experiments.sae.coders.activations import ReLUSAE, TopKSAE
 from experiments.sae.coders.clt import CrossLayerTranscoder
@@ -44,30 +42,12 @@ np.save(sys.argv[3], out.detach().float().numpy())
 
 
 def _theirs(folder: Path, x: torch.Tensor, tmp_path: Path) -> torch.Tensor:
-    interpreter = peer_python("circuit-tracer")
-    np.save(tmp_path / "x.npy", x.numpy())
-    done = subprocess.run(
-        [interpreter, "-c", LOAD, str(folder), str(tmp_path / "x.npy"), str(tmp_path / "out.npy")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.from_numpy(np.load(tmp_path / "out.npy"))
+    return peer_forward("circuit-tracer", LOAD, folder, x, tmp_path, timeout=600)[0]
 
 
 @pytest.mark.parametrize(("cls", "skip"), [(ReLUSAE, True), (JumpReLUSAE, False), (TopKSAE, False)])
 def test_circuit_tracer_reads_our_transcoder_and_predicts_what_ours_does(tmp_path: Path, cls, skip) -> None:
-    torch.manual_seed(0)
-    sae = cls(d_in=D, n_latents=32, d_out=D, skip=skip, **({"k": 3} if cls is TopKSAE else {}))
-    rows = torch.cat([torch.randn(256, D) * 3 + 1, torch.randn(256, D) * 0.2], dim=1)
-    sae.initialize_from(rows)
-    with torch.no_grad():
-        if skip:
-            sae.W_skip.normal_(std=0.1)
-        if cls is JumpReLUSAE:
-            sae.threshold.uniform_(0.0, 0.5)
-    sae.eval()
+    sae, rows = random_transcoder(cls, D, 32, skip, **({"k": 3} if cls is TopKSAE else {}))
     export(sae, "circuit_tracer", tmp_path / "ct", "blocks.0.mlp_norm", None, "blocks.0.mlp", rows=rows)
     x = rows[:, :D]
     theirs = _theirs(tmp_path / "ct", x, tmp_path)

@@ -7,35 +7,19 @@ from __future__ import annotations
 import html
 import json
 import re
-import shutil
 import signal
 import socket
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import finished_run, popen
+from helpers import CHROMIUM, finished_run, headless_chromium, popen
 
 from runner.tools.features import main
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 browser = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
 HOSTILE = '<script>alert("owned")</script> </div><img src=x onerror=alert(1)> '
-
-
-def _browser(url: str, *args: str) -> tuple[str, list[str]]:
-    # the DOM after the page's scripts ran (or what `args` ask instead), and the console lines Chromium logged
-    done = subprocess.run(
-        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0"]
-        + ["--virtual-time-budget=5000", *(args or ["--dump-dom"]), url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout, [line for line in done.stderr.splitlines() if "CONSOLE" in line]
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +67,14 @@ def pages(sae_run: Path) -> Path:
 
 @browser
 def test_the_index_and_a_latent_render_from_disk_with_no_console_error(pages: Path, tmp_path: Path) -> None:
-    index, console = _browser((pages / "index.html").as_uri())
+    index, console = headless_chromium((pages / "index.html").as_uri())
     assert console == [], console
     assert len(re.findall(r'class="latent-row"', index)) == 64  # one page of the table: all 64 latents
     shot = tmp_path / "index.png"
-    _browser((pages / "index.html").as_uri(), f"--screenshot={shot}", "--window-size=1200,900")
+    headless_chromium((pages / "index.html").as_uri(), f"--screenshot={shot}", "--window-size=1200,900")
     assert shot.stat().st_size > 10_000
     latent = re.search(r'href="#latent=(\d+)"', index).group(1)  # the densest latent (the table's first row)
-    view, console = _browser(f"{(pages / 'index.html').as_uri()}#latent={latent}")
+    view, console = headless_chromium(f"{(pages / 'index.html').as_uri()}#latent={latent}")
     assert console == [], console
     assert f"latent {latent}</h2>" in view and len(re.findall(r'class="ctx"', view)) >= 16
     assert 'class="tok fire"' in view
@@ -99,9 +83,9 @@ def test_the_index_and_a_latent_render_from_disk_with_no_console_error(pages: Pa
 @browser
 def test_markup_in_the_corpus_is_shown_as_text(pages: Path) -> None:
     shown = ""
-    index, _ = _browser((pages / "index.html").as_uri())
+    index, _ = headless_chromium((pages / "index.html").as_uri())
     for latent in re.findall(r'href="#latent=(\d+)"', index)[:8]:  # the densest latents: contexts of all kinds
-        view, console = _browser(f"{(pages / 'index.html').as_uri()}#latent={latent}")
+        view, console = headless_chromium(f"{(pages / 'index.html').as_uri()}#latent={latent}")
         assert console == [], console
         assert "<img" not in view and "alert(" not in "".join(re.findall(r"<script[^>]*>[^<]*", view))
         shown += html.unescape(re.sub(r"<[^>]+>", "", view))  # the page's text, as a reader sees it
@@ -126,7 +110,7 @@ def test_every_latent_shows_five_fifths_or_says_why_and_no_blank_token_cell(page
         intervals = latent["intervals"]
         assert len(intervals) == 5 or latent["note"].startswith(f"{5 - len(intervals)} of the 5 fifths"), number
     assert sum(len(latent["intervals"]) == 5 for latent in latents.values()) >= 16  # most that fire often
-    index, _ = _browser((pages / "index.html").as_uri())
+    index, _ = headless_chromium((pages / "index.html").as_uri())
     assert cells(index) and all(text.strip() for text in cells(index)), cells(index)
     assert "\u2423" in "".join(cells(index))  # this corpus's space tokens, drawn
     assert re.search(r'class="axis"><span>[\d,]+</span><span>latents</span><span>0</span>', index)
@@ -134,7 +118,7 @@ def test_every_latent_shows_five_fifths_or_says_why_and_no_blank_token_cell(page
     fired = [latent for latent, density in densities if density != "0"]
     # the densest latent and the rarest one that fired, rendered: five fifths, or a note saying why not
     for latent in (fired[0], fired[-1]):
-        view, console = _browser(f"{(pages / 'index.html').as_uri()}#latent={latent}")
+        view, console = headless_chromium(f"{(pages / 'index.html').as_uri()}#latent={latent}")
         assert console == [], console
         fifths = re.findall(r'<h3 class="quantile">examples from the (\d+)-(\d+)% quantile', view)
         note = re.search(r'class="muted note">(\d) of the 5 fifths have no examples: it fired on', view)

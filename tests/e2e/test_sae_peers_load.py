@@ -6,14 +6,12 @@ RUNNER_SPARSIFY_PYTHON name others)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from helpers import ok, peer_python, python
+from helpers import ok, peer_forward, peer_python, python
 from hydra.utils import instantiate
 
 from experiments.sae.coders.activations import TopKSAE
@@ -42,17 +40,8 @@ SMALL = ["trainer.max_duration=60st", "data.batch_size=256", "logger=none", "che
 
 def _peer_output(peer: str, folder: Path, x: torch.Tensor, tmp_path: Path) -> tuple[torch.Tensor, dict]:
     # the peer's forward on x, and what it printed about the coder it loaded
-    interpreter = peer_python(peer)
-    np.save(tmp_path / "x.npy", x.numpy())
-    script = LOAD.format(load=PEERS[peer])
-    done = subprocess.run(
-        [interpreter, "-c", script, str(folder), str(tmp_path / "x.npy"), str(tmp_path / "out.npy")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.from_numpy(np.load(tmp_path / "out.npy")), json.loads(done.stdout.strip().splitlines()[-1])
+    out, stdout = peer_forward(peer, LOAD.format(load=PEERS[peer]), folder, x, tmp_path, timeout=300)
+    return out, json.loads(stdout.strip().splitlines()[-1])
 
 
 def _trained_and_exported(tmp_path: Path, peer: str, *overrides: str) -> tuple[torch.nn.Module, Any, Path]:

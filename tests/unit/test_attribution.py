@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SAE_LM, finished_run
+from helpers import exact_coder, exact_transcoders, finished_clt_run, relu_mlp_gpt
 from omegaconf import OmegaConf
-from torch import nn
 
 from experiments.lm.model import GPT
 from experiments.sae.circuits.attribute import Graph, attribute
@@ -30,42 +29,13 @@ from runner import ConfigError
 D, HIDDEN, LAYERS = 16, 24, 2
 
 
-class ReluMlp(nn.Module):
-    """down(relu(up(x))): an MLP a ReLU transcoder reproduces exactly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(D, HIDDEN, bias=False), nn.Linear(HIDDEN, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
-
-
 def _gpt() -> GPT:
-    torch.manual_seed(0)
-    gpt = GPT(vocab_size=256, seq_len=16, n_layer=LAYERS, n_head=2, d_model=D, init_std=0.3)
-    for block in gpt.blocks:
-        block.mlp = ReluMlp()
-    return gpt.double().eval()
-
-
-def _exact(coder: nn.Module, mlp: ReluMlp, scale: float) -> None:
-    # the coder's features are the MLP's hidden units: W_enc = up^T (on inputs scaled by `scale`), W_dec = down^T
-    with torch.no_grad():
-        coder.input_scale.fill_(scale) if coder.input_scale.ndim == 0 else None
-        coder.W_enc.copy_(mlp.up.weight.t() / scale)
-        coder.b_enc.zero_()
-        coder.W_dec[:, :D] = mlp.down.weight.t()
-        coder.b_dec.zero_()
+    # a GPT whose MLPs are ReLU MLPs (helpers.ReluMlp) that ReLU transcoders reproduce exactly
+    return relu_mlp_gpt(LAYERS, D, HIDDEN)
 
 
 def _transcoders(gpt: GPT) -> CoderSet:
-    coders = []
-    for block in gpt.blocks:
-        coder = ReLUSAE(d_in=D, n_latents=HIDDEN, d_out=D).double()
-        _exact(coder, block.mlp, 2.0)
-        coders.append(coder)
-    return CoderSet.of_transcoders(coders)
+    return CoderSet.of_transcoders(exact_transcoders(gpt))
 
 
 def _clt(gpt: GPT) -> CoderSet:
@@ -75,7 +45,7 @@ def _clt(gpt: GPT) -> CoderSet:
         clt.input_scale.fill_(2.0)
         clt.target_scale.copy_(torch.tensor([0.5, 3.0]))
         for coder, block in zip(clt.coders, gpt.blocks, strict=True):
-            _exact(coder, block.mlp, 1.0)
+            exact_coder(coder, block.mlp, 1.0)
             coder.W_enc.div_(2.0)
             coder.W_dec[:, :D].mul_(0.5)  # written in units of layer 0's target_scale
         clt.coders[0].W_dec[:, D:] = 0.1 * torch.randn(HIDDEN, D)  # layer 0 writes to layer 1 too: errors there
@@ -230,13 +200,7 @@ def test_hooks_that_are_no_mlp_pairs_are_refused() -> None:
 
 @pytest.fixture(scope="module")
 def clt_run(lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("clt")
-    settings = [o for o in SAE_LM if not o.startswith(("source.", "model."))]
-    layers = ["source.module=[blocks.0.mlp_norm,blocks.1.mlp_norm]", "source.target=[blocks.0.mlp,blocks.1.mlp]"]
-    finished_run(
-        run, "+experiment=clt_lm", f"source.checkpoint={lm_run}", *layers, "model.coder.n_latents=32", *settings
-    )
-    return run
+    return finished_clt_run(tmp_path_factory.mktemp("clt"), lm_run)
 
 
 def test_the_command_writes_the_graph_of_a_clt_run(clt_run: Path, tmp_path: Path, capsys) -> None:
@@ -248,7 +212,9 @@ def test_the_command_writes_the_graph_of_a_clt_run(clt_run: Path, tmp_path: Path
     kinds = {node["kind"] for node in data["nodes"]}
     assert {"token", "logit", "feature"} <= kinds and data["edges"]
     assert 0 < data["scores"]["replacement"] <= 1 and 0 < data["scores"]["completeness"] <= 1
-    assert "wrote" in capsys.readouterr().out
+    page = (tmp_path / "index.html").read_text()
+    assert "import json" in page and "<script src" not in page  # the page, whole and offline
+    assert capsys.readouterr().out.count("wrote") == 2
 
 
 @pytest.mark.parametrize(
@@ -258,6 +224,8 @@ def test_the_command_writes_the_graph_of_a_clt_run(clt_run: Path, tmp_path: Path
         (["prompt=" + "x" * 33], "longer than the model's window"),
         (["prompt=a", "node_threshold=2"], "fraction"),
         (["prompt=a", "batch_size=0"], "whole number"),
+        (["prompt=a", "--serve", "port=0"], "give a port from 1 to 65535"),
+        (["prompt=a", "--serv"], "--serve"),
         ([], "prompt= is empty"),
     ],
 )

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import random_transcoder
 from safetensors.torch import load_file, save_file
 
 from experiments.sae.coders.activations import BatchTopKSAE, ReLUSAE, TopKSAE
@@ -34,16 +35,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def transcoder(cls: type, skip: bool = False, **kwargs) -> tuple[torch.nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    sae = cls(d_in=D, n_latents=N, d_out=D, skip=skip, **kwargs)
-    rows = torch.cat([torch.randn(256, D) * 3 + 1, torch.randn(256, D) * 0.2], dim=1)
-    sae.initialize_from(rows)
-    with torch.no_grad():
-        if skip:
-            sae.W_skip.normal_(std=0.1)
-        if cls is JumpReLUSAE:
-            sae.threshold.uniform_(0.0, 0.5)
-    return sae.eval(), rows
+    return random_transcoder(cls, D, N, skip, **kwargs)
 
 
 def clt(cls: type, **kwargs) -> tuple[CrossLayerTranscoder, torch.Tensor]:
@@ -74,7 +66,7 @@ def test_a_transcoder_written_and_read_back_reconstructs_the_same(tmp_path: Path
     assert {name: list(t.shape) for name, t in tensors.items()} == want
     cfg = yaml.safe_load((tmp_path / "ct" / "config.yaml").read_text())
     assert cfg["model_kind"] == "transcoder_set" and cfg["model_name"] == "gpt2"
-    assert (cfg["feature_input_hook"], cfg["feature_output_hook"]) == ("ln2.hook_normalized", "hook_mlp_out")
+    assert (cfg["feature_input_hook"], cfg["feature_output_hook"]) == ("mlp.hook_in", "hook_mlp_out")
     if cls is TopKSAE:
         assert cfg["runner"]["k"] == 3 and cfg["runner"]["conversion"]["l0_jumprelu"][0] == pytest.approx(3, abs=0.1)
 

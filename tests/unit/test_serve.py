@@ -109,3 +109,21 @@ def test_a_port_in_use_says_so_and_where_the_pages_are(site: dict[str, Path], po
     assert re.fullmatch(f"error: port {port} is in use: give another, e.g. port=\\d+ .*", last), err
     assert "Traceback" not in err
     assert f"open {out / 'index.html'} from disk" in last and (out / "index.html").is_file()
+
+
+def test_only_the_named_subfolders_of_a_served_folder_are_served(site: dict[str, Path]) -> None:
+    # an attribution graph's page links the run's feature pages: the run folder is served, its pages folders alone
+    root = site["pages"].parent
+    assert (site["run"] / "model.safetensors").is_file() and (root / "secret.txt").is_file()
+    server = features.pages_server(root, 0, only=("pages",))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        assert _get(port, "/pages/") == (200, (STATIC / "index.html").read_bytes())
+        for path in ("/secret.txt", "/run/model.safetensors", "/run/config.yaml", "/", "/pages/leak/secret.txt"):
+            status, body = _get(port, path)
+            assert status == 404 and b"secret" not in body, path
+    finally:
+        server.shutdown()
+        server.server_close()

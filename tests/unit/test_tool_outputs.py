@@ -123,7 +123,7 @@ def test_an_output_that_names_a_file_is_one_line_and_exit_2(sae_run: Path, tmp_p
     refused(export.main, [str(sae_run), "--format", "saelens", "--out", str(file)], capsys, "is a file, not a folder")
     assert file.read_text() == "mine\n"
     refused(features.main, [str(sae_run), "port=99999"], capsys, "port=99999: give a port from 1 to 65535")
-    refused(export.main, [str(sae_run), "--format", "../x"], capsys, "give saelens, sparsify or hf")
+    refused(export.main, [str(sae_run), "--format", "../x"], capsys, "give saelens, sparsify, hf or circuit_tracer")
 
 
 # ---- a killed export, a full disk ---------------------------------------------------------------------------------

@@ -1,43 +1,89 @@
 """What `python -m runner.attribute` reads: a cross-layer transcoder's run (+experiment=clt_lm), or one transcoder's run
-per layer (+experiment=transcoder_lm), hooked at every block's MLP input and output of one runner GPT."""
+per layer (+experiment=transcoder_lm), hooked at every block's MLP input and output of one model: runner's GPT
+(blocks.N.mlp_norm, blocks.N.mlp) or a transformers GPT-2 (transformer.h.N.ln_2, transformer.h.N.mlp); or
+circuit-tracer's folders (experiments/sae/formats, read by read_folder: a transcoder set's layer_N files, each layer
+N's, or a CLT's), on `source` or the model their config.yaml's model_name names.
+
+A transformers model is read as pretrained.py reads a source (a save_pretrained folder, no code of its own), with its
+tokenizer and without text. Its coders skip position 0 at least: the BOS a prompt starts with, whose MLP outputs
+circuit-tracer's graphs hold constant (frozen_hf.py)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from experiments.sae.circuits.coders import CoderSet
+from experiments.sae.circuits.frozen_hf import check_gpt2
 from experiments.sae.coders.clt import CrossLayerTranscoder
+from experiments.sae.formats import circuit_tracer as ct
+from experiments.sae.formats import read_folder
 from experiments.sae.sources import pretrained
-from runner import ConfigError
+from experiments.sae.sources.hf_code import hub_offline, model_weights, refuse_own_code
+from runner import ConfigError, require
+from runner.config.confine import HUB, HUB_CACHED
 from runner.load import load_model, load_trained
+from runner.rundir import CONFIG
 
-READS, WRITES = re.compile(r"blocks\.(\d+)\.mlp_norm"), re.compile(r"blocks\.(\d+)\.mlp")
+# each model's MLP input and output modules, as runner's sources name them: runner's GPT, transformers' GPT-2
+PAIRS = [
+    (re.compile(r"blocks\.(\d+)\.mlp_norm"), re.compile(r"blocks\.(\d+)\.mlp")),
+    (re.compile(r"transformer\.h\.(\d+)\.ln_2"), re.compile(r"transformer\.h\.(\d+)\.mlp")),
+]
 ONE_PER_LAYER = "give a clt_lm run, or one transcoder_lm run per block (RUN0 RUN1 ...)"
+
+
+class Loaded(NamedTuple):
+    """The source model, its coders, what the graph says it came from, and a transformers model's tokenizer."""
+
+    model: nn.Module
+    coders: CoderSet
+    meta: dict[str, Any]
+    tokenizer: Any  # None for runner's GPT (its prompt is bytes)
+
+
+@dataclass
+class _Part:
+    # one coder as read: the layers it replaces, the model it was trained on (None: not said), positions it skips
+    coder: nn.Module
+    layers: list[int]
+    source: str | None
+    skip: int
 
 
 def _names(value: Any) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
+def _block(read: str, write: str) -> int | None:
+    # the block whose MLP input `read` and output `write` are, of one model's names; None if they are no such pair
+    for reads, writes in PAIRS:
+        a, b = reads.fullmatch(read), writes.fullmatch(write)
+        if a and b and a[1] == b[1]:
+            return int(a[1])
+    return None
+
+
 def _layers(path: Path, cfg: Any) -> list[int]:
     # the block each hooked (MLP input, MLP output) pair belongs to, or why the hooks are no such pairs
     reads, writes = _names(cfg.data.get("module")), _names(cfg.data.get("target"))
-    pairs = [(READS.fullmatch(read), WRITES.fullmatch(write)) for read, write in zip(reads, writes, strict=False)]
-    if not reads or len(reads) != len(writes) or not all(a and b and a[1] == b[1] for a, b in pairs):
+    layers = [_block(read, write) for read, write in zip(reads, writes, strict=False)]
+    if not reads or len(reads) != len(writes) or None in layers:
         raise ConfigError(
             f"{path} reads {reads} and writes {writes}: a family of mixed hooks, where the replacement model needs "
-            f"each block's MLP input (blocks.N.mlp_norm) and output (blocks.N.mlp) in pairs; {ONE_PER_LAYER}"
+            "each block's MLP input (blocks.N.mlp_norm, GPT-2's transformer.h.N.ln_2) and output (blocks.N.mlp, "
+            f"transformer.h.N.mlp) in pairs; {ONE_PER_LAYER}"
         )
-    layers = [int(a[1]) for a, _ in pairs]
-    return layers
+    return layers  # type: ignore[return-value]
 
 
-def _one(path: Path, trusted: Sequence[str]) -> tuple[nn.Module, Any, list[int]]:
+def _run(path: Path, trusted: Sequence[str]) -> _Part:
+    # a runner run's coder
     model, cfg = load_model(path, trusted)
     model = getattr(model, "coder", model)  # an end-to-end run's coder (experiments/sae/end_to_end.py)
     if hasattr(model, "saes"):
@@ -51,48 +97,99 @@ def _one(path: Path, trusted: Sequence[str]) -> tuple[nn.Module, Any, list[int]]
         )
     if cfg.get("data", {}).get("checkpoint") is None:
         raise ConfigError(f"{path} is no run on a model's activations: it reads no source model")
-    return model, cfg, _layers(path, cfg)
+    skip = int(cfg.data.get("skip_positions") or 0)
+    return _Part(model, _layers(path, cfg), str(cfg.data.checkpoint), skip)
 
 
-def load_coders(
-    paths: Sequence[Path], trusted: Sequence[str], device: str = "cpu"
-) -> tuple[nn.Module, CoderSet, dict[str, Any]]:
-    """(the source GPT, its coders, what the graph says it came from) of the run folders `paths`, on `device`."""
-    loaded = [_one(Path(p), trusted) for p in paths]
-    sources = {str(cfg.data.checkpoint) for _, cfg, _ in loaded}
-    skips = {int(cfg.data.get("skip_positions") or 0) for _, cfg, _ in loaded}
-    if len(sources) > 1:
+def _folder(path: Path, source: str | None) -> list[_Part]:
+    # circuit-tracer's folder: each layer_N file of a transcoder set (layer N), or a CLT (every layer)
+    cfg = ct.read_config(path)
+    hooks = (cfg.get("feature_input_hook"), cfg.get("feature_output_hook"))
+    if hooks != (ct.INPUT_HOOK, ct.OUTPUT_HOOK):
         raise ConfigError(
-            f"the runs read different models ({', '.join(sorted(sources))}): {ONE_PER_LAYER} of one model"
+            f"{path}'s coders read {hooks[0]} and write {hooks[1]}: the replacement model needs each block's MLP "
+            f"input ({ct.INPUT_HOOK}; ln2.hook_normalized is TransformerLens's stream before ln2's gain and bias) and "
+            f"output ({ct.OUTPUT_HOOK})"
         )
-    source = sources.pop()
-    if pretrained.is_pretrained(source):
+    named = source or cfg.get("model_name")
+    if not named or not (pretrained.is_pretrained(named) or (Path(named) / CONFIG).is_file()):
         raise ConfigError(
-            f"{source}: attribution graphs read runner's GPT (+experiment=lm) for now, no transformers model"
+            f"{path} is circuit-tracer's folder on the model {named!r}, which is no transformers folder nor runner "
+            "run here: give source=FOLDER (a save_pretrained folder or a runner run)"
         )
-    gpt, _ = load_trained(source, trusted)
-    n_layer = len(getattr(gpt, "blocks", []))
-    layers = [layer for _, _, own in loaded for layer in own]
+    if cfg["model_kind"] == ct.KINDS[1]:
+        clt, _ = read_folder(path)
+        return [_Part(clt, list(range(clt.layers)), str(named), 0)]
+    layers = ct.numbered(path, ct.LAYER_FILE)
+    return [_Part(read_folder(path, f"layer_{i}")[0], [i], str(named), 0) for i in layers]
+
+
+def _parts(path: Path, trusted: Sequence[str], source: str | None) -> list[_Part]:
+    if (path / ct.CONFIG).exists() and not (path / CONFIG).is_file():  # circuit-tracer's config.yaml, no run's
+        return _folder(path, source)
+    return [_run(path, trusted)]
+
+
+def transformers_model(checkpoint: str) -> tuple[nn.Module, Any]:
+    """The transformers GPT-2 `checkpoint` names (a save_pretrained folder, or hf:NAME), frozen in float32, and its
+    tokenizer, checked and loaded as pretrained.load loads a source (no text)."""
+    require("transformers", "hf", f"the source model {checkpoint} (a transformers model)")
+    cached = checkpoint.startswith(HUB_CACHED)
+    hub = cached or checkpoint.startswith(HUB)
+    name, what = (checkpoint.split(":", 1)[1] if hub else checkpoint), f"the source model {checkpoint}"
+    with hub_offline(not hub or cached):
+        folder, revision = refuse_own_code(name, hub, what, offline=cached)
+        if not hub:
+            model_weights(folder, folder, what)  # its weight files lie in it
+        where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
+        model, tokenizer, _ = pretrained._load(name, where, {**pretrained.INPUTS, "torch_dtype": "float32"}, what)
+    check_gpt2(model, what)
+    return model, tokenizer
+
+
+def _coders(parts: list[_Part], n_layer: int, skip: int, paths: Sequence[Path]) -> CoderSet:
+    # the coders of every block, each once, or why not
+    layers = [layer for part in parts for layer in part.layers]
     if sorted(layers) != list(range(n_layer)):
         raise ConfigError(
             f"the runs replace the MLPs of blocks {layers}; the replacement model replaces every one of the model's "
             f"{n_layer} blocks, each once: {ONE_PER_LAYER}"
         )
-    clts = [model for model, _, _ in loaded if isinstance(model, CrossLayerTranscoder)]
-    if clts and len(loaded) > 1:
+    clts = [part.coder for part in parts if isinstance(part.coder, CrossLayerTranscoder)]
+    if clts and len(parts) > 1:
         raise ConfigError(f"a cross-layer transcoder replaces every MLP alone; give its run only, or {ONE_PER_LAYER}")
     if clts and layers != list(range(n_layer)):
         raise ConfigError(
             f"{paths[0]} hooks blocks {layers}: a CLT's layers go first to last (blocks 0 .. {n_layer - 1})"
         )
-    skip = max(skips)
-    gpt.to(device).eval()
-    for model, _, _ in loaded:
-        model.to(device).eval()
     if clts:
-        coders = CoderSet.of_clt(clts[0], skip)
+        return CoderSet.of_clt(clts[0], skip)
+    by_layer = {part.layers[0]: part.coder for part in parts}
+    return CoderSet.of_transcoders([by_layer[i] for i in range(n_layer)], skip)
+
+
+def load_coders(
+    paths: Sequence[Path], trusted: Sequence[str], device: str = "cpu", source: str | None = None
+) -> Loaded:
+    """The source model, its coders, what the graph says it came from and a transformers model's tokenizer, of the
+    run folders or circuit-tracer folders `paths` (`source`: a circuit-tracer folder's model), on `device`."""
+    parts = [part for p in paths for part in _parts(Path(p), trusted, source)]
+    sources = {part.source for part in parts}
+    if len(sources) > 1:
+        raise ConfigError(
+            f"the runs read different models ({', '.join(sorted(map(str, sources)))}): {ONE_PER_LAYER} of one model"
+        )
+    model_name = str(sources.pop())
+    skip = max(part.skip for part in parts)
+    if pretrained.is_pretrained(model_name):
+        model, tokenizer = transformers_model(model_name)
+        n_layer, skip = len(model.transformer.h), max(skip, 1)
     else:
-        by_layer = {own[0]: model for model, _, own in loaded}
-        coders = CoderSet.of_transcoders([by_layer[i] for i in range(n_layer)], skip)
-    meta = {"coder": [str(p) for p in paths], "model": source, "skip_positions": skip}
-    return gpt, coders, meta
+        (model, _), tokenizer = load_trained(model_name, trusted), None
+        n_layer = len(getattr(model, "blocks", []))
+    model.to(device).eval()
+    for part in parts:  # before the CoderSet, which keeps their scales and skip maps as they are
+        part.coder.to(device).eval()
+    coders = _coders(parts, n_layer, skip, paths)
+    meta = {"coder": [str(p) for p in paths], "model": model_name, "skip_positions": skip}
+    return Loaded(model, coders, meta, tokenizer)

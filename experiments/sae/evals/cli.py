@@ -1,11 +1,15 @@
-"""`python -m runner.sae_eval SAE [evals=[core,probing,absorption]] [tokens=1e6] [splice_tokens=2e5]
-[probe_tokens=3e5] [out=DIR] [device=cpu] [--limit] [source=MODEL hook=NAME module=MODULE target=MODULE
-skip_positions=N]`: the field's evaluations of an SAE (or transcoder), runner's run or an SAE folder of SAELens or
-sparsify attached to the model it reads (runner.load.load_model): core metrics as SAELens's run_evals defines
-them, sparse probing and feature absorption as SAEBench's (experiments/sae/evals/). Writes DIR/eval.json and
-DIR/index.html (default: SAE/evals). `tokens` positions are read for the core metrics (the source model's losses on
-the first `splice_tokens`), `probe_tokens` of held-out Python source for probing; `--limit` reads 20,000 (a quick
-look, not a figure to quote). Exit codes: 0, or 2 with a one-line message."""
+"""`python -m runner.sae_eval SAE [RUN ...] [evals=[core,probing,absorption,replacement]] [tokens=1e6]
+[splice_tokens=2e5] [probe_tokens=3e5] [prompts=16] [prompt_tokens=32] [out=DIR] [device=cpu] [--limit]
+[source=MODEL hook=NAME module=MODULE target=MODULE skip_positions=N]`: the field's evaluations of an SAE (or
+transcoder), runner's run or an SAE folder of SAELens or sparsify attached to the model it reads
+(runner.load.load_model): core metrics as SAELens's run_evals defines them, sparse probing and feature absorption as
+SAEBench's (experiments/sae/evals/). `replacement` (not among the defaults) reads a coder set as runner.attribute
+does: a cross-layer transcoder's run, or one transcoder's run per block given one after another (RUN0 RUN1 ...;
+several runs: replacement alone, the default then); it gives the mean and spread of circuit-tracer's replacement and
+completeness scores of `prompts` held-out prompts of `prompt_tokens` tokens. Writes DIR/eval.json and DIR/index.html
+(default: SAE/evals, the first run's). `tokens` positions are read for the core metrics (the source model's losses on
+the first `splice_tokens`), `probe_tokens` of held-out Python source for probing; `--limit` reads 20,000 and 4
+prompts (a quick look, not a figure to quote). Exit codes: 0, or 2 with a one-line message."""
 
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from experiments.sae.evals.run import EVALS, dumps, evaluate
+from experiments.sae.coders.clt import CrossLayerTranscoder
+from experiments.sae.evals.replacement import load_circuits
+from experiments.sae.evals.run import EVALS, SINGLE, dumps, evaluate
 from runner import ConfigError
 from runner.load import Attach, load_model, trusted_here
 from runner.log.console import ConsoleLogger
@@ -24,33 +30,48 @@ from runner.tools.evaluate import checked_device, read_options
 from runner.tools.published import quoted_config
 
 DEFAULTS: dict[str, Any] = {
-    "evals": ["core", "probing", "absorption"],
+    "evals": None,  # core, probing and absorption of one run; replacement of several (a transcoder set)
     "tokens": 1_000_000,
     "splice_tokens": 200_000,
     "probe_tokens": 300_000,
+    "prompts": 16,
+    "prompt_tokens": 32,
     "out": None,
     "device": "cpu",
     **dict.fromkeys(Attach.keys()),
 }
-LIMIT = {"tokens": 20_000, "splice_tokens": 10_000, "probe_tokens": 50_000}
+LIMIT = {"tokens": 20_000, "splice_tokens": 10_000, "probe_tokens": 50_000, "prompts": 4}
 USAGE = (
-    "usage: python -m runner.sae_eval SAE [evals=[core,probing,absorption]] [tokens=1e6] [splice_tokens=2e5] "
-    "[probe_tokens=3e5] [out=DIR] [device=cpu] [--limit] [source=MODEL hook=NAME module=MODULE target=MODULE]"
+    "usage: python -m runner.sae_eval SAE [RUN ...] [evals=[core,probing,absorption,replacement]] [tokens=1e6] "
+    "[splice_tokens=2e5] [probe_tokens=3e5] [prompts=16] [prompt_tokens=32] [out=DIR] [device=cpu] [--limit] "
+    "[source=MODEL hook=NAME module=MODULE target=MODULE]"
 )
 
 
-def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
+def _options(argv: list[str]) -> tuple[list[Path], dict[str, Any]]:
     argv = key_values(argv, DEFAULTS, ("--limit",))
     limit = "--limit" in argv
     argv = [a for a in argv if a != "--limit"]
     if not argv or "=" in argv[0] or argv[0].startswith("-"):
         raise ConfigError(USAGE)
-    options = read_options(argv[1:], DEFAULTS, ("out", "device", *Attach.TEXT), ", --limit")
-    evals = [options["evals"]] if isinstance(options["evals"], str) else options["evals"]
+    paths = [Path(a) for a in argv if "=" not in a and not a.startswith("-")]
+    options = read_options(
+        [a for a in argv if "=" in a or a.startswith("-")], DEFAULTS, ("out", "device", *Attach.TEXT), ", --limit"
+    )
+    evals = options["evals"]
+    if evals is None:
+        evals = ["replacement"] if len(paths) > 1 else list(SINGLE)
+    evals = [evals] if isinstance(evals, str) else evals
     if not isinstance(evals, list) or not evals or any(e not in EVALS for e in evals):
         raise ConfigError(f"evals={options['evals']!r}: give some of {', '.join(EVALS)}, e.g. evals=[core,probing]")
     options["evals"] = tuple(dict.fromkeys(evals))
-    for key in ("tokens", "splice_tokens", "probe_tokens"):
+    single = [e for e in options["evals"] if e in SINGLE]
+    if len(paths) > 1 and single:
+        raise ConfigError(
+            f"{len(paths)} runs name a coder set (one transcoder per block), which evals=[replacement] alone reads; "
+            f"{', '.join(single)} evaluate one SAE or transcoder: give its run alone, or evals=[replacement]"
+        )
+    for key in ("tokens", "splice_tokens", "probe_tokens", "prompts", "prompt_tokens"):
         value = options[key]
         if isinstance(value, float) and value.is_integer():
             value = options[key] = int(value)
@@ -58,7 +79,27 @@ def _options(argv: list[str]) -> tuple[Path, dict[str, Any]]:
             raise ConfigError(f"{key}={value!r}: give a whole number >= 1, e.g. {key}=1e6")
     if limit:
         options.update({k: min(options[k], v) for k, v in LIMIT.items()})
-    return Path(argv[0]), options
+    return paths, options
+
+
+def _coders(paths: list[Path], options: dict[str, Any], device: str) -> tuple[Any, Any, Any]:
+    # (the one coder the single-coder evaluations read or None, the first run's config, the replacement's coder set
+    # or None); the coder set is read first, so that a run it refuses is said before any evaluation runs
+    trusted, evals = trusted_here(), options["evals"]
+    circuits = None
+    if "replacement" in evals:
+        circuits = load_circuits(paths, trusted, device, options["prompts"], options["prompt_tokens"])
+    model, cfg = load_model(paths[0], trusted, Attach.of(options))
+    coder = getattr(model, "coder", model)  # an end-to-end run's coder (experiments/sae/end_to_end.py)
+    if not any(e in SINGLE for e in evals):
+        return None, cfg, circuits
+    if not hasattr(coder, "reconstruct"):
+        clt = isinstance(coder, CrossLayerTranscoder)
+        raise ConfigError(
+            f"{paths[0]}'s model ({type(coder if clt else model).__name__}) is no single SAE or transcoder to "
+            "evaluate" + (": a cross-layer transcoder's replacement model is evals=[replacement]'s" if clt else "")
+        )
+    return coder, cfg, circuits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,14 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     if help_asked(argv, __doc__):
         return 0
     try:
-        path, options = _options(argv)
+        paths, options = _options(argv)
         device = checked_device(options["device"])
-        model, cfg = load_model(path, trusted_here(), Attach.of(options))
-        coder = getattr(model, "coder", model)  # an end-to-end run's coder (experiments/sae/end_to_end.py)
-        if not hasattr(coder, "reconstruct"):
-            raise ConfigError(f"{path}'s model ({type(model).__name__}) is no single SAE or transcoder to evaluate")
-
-        run_dir = path if path.is_dir() else path.parent
+        coder, cfg, circuits = _coders(paths, options, device)
+        run_dir = paths[0] if paths[0].is_dir() else paths[0].parent
         quoted = quoted_config(run_dir, cfg)  # what eval.json says of the source: plain data (runner.tools.published)
         out = output_folder(run_dir, options["out"] or None, "evals", "out=")
         console = ConsoleLogger()
@@ -90,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 device,
                 console.working,
                 quoted,
+                circuits,
             )
         except (OSError, DiskFull) as error:
             raise write_failed(error, f"writing the evaluation to {out}", "run the same command again") from None

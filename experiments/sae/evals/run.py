@@ -1,6 +1,7 @@
 """Every evaluation of one SAE (or transcoder) on its source model, written as `eval.json` and `index.html` in one
 folder (runner.sae_eval): the coder and its source come as runner's tools get them (runner.load.load_model: a run,
-or an SAE folder of SAELens or sparsify attached to its model)."""
+or an SAE folder of SAELens or sparsify attached to its model). The replacement evaluation reads a coder set instead
+(a CLT, or a transcoder per block: replacement.py's Circuits)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from runner import ConfigError
 from runner.rundir import write_atomic, write_json
 from runner.tools.published import plain
 
-EVALS = ("core", "probing", "absorption")
+EVALS = ("core", "probing", "absorption", "replacement")
+SINGLE = EVALS[:3]  # the evaluations of one coder; replacement reads a set
 
 
 def source_of(cfg: DictConfig, device: torch.device) -> SourceModel:
@@ -37,7 +39,7 @@ def source_of(cfg: DictConfig, device: torch.device) -> SourceModel:
 
 
 def evaluate(
-    sae: nn.Module,
+    sae: nn.Module | None,
     cfg: DictConfig,
     out: Path,
     evals: tuple[str, ...] = EVALS,
@@ -47,14 +49,17 @@ def evaluate(
     device: str = "cpu",
     working: Any = None,
     quoted: dict[str, Any] | None = None,
+    circuits: Any = None,
 ) -> dict[str, Any]:
-    """Run `evals` on `sae` of config `cfg`, write out/eval.json and out/index.html; the results. What they say of
-    the coder's source comes from `quoted`, the run's config as plain data (runner.tools.published.quoted_config;
-    default: `cfg`'s), never a resolver's value."""
+    """Run `evals` on `sae` of config `cfg` (None: replacement alone, on `circuits`), write out/eval.json and
+    out/index.html; the results. What they say of the coder's source comes from `quoted`, the run's config as plain
+    data (runner.tools.published.quoted_config; default: `cfg`'s), never a resolver's value."""
     started = time.perf_counter()
     source = source_of(cfg, torch.device(device))
-    sae.to(device)
-    result: dict[str, Any] = {"coder": _describe(sae, plain(cfg) if quoted is None else quoted), "evals": {}}
+    if sae is not None:
+        sae.to(device)
+    coder = circuits.describe() if sae is None else _describe(sae, plain(cfg) if quoted is None else quoted)
+    result: dict[str, Any] = {"coder": coder, "evals": {}}
     for name in evals:
         progress = (lambda done, total, name=name: working(name, done, total)) if working else None
         if name == "core":
@@ -69,6 +74,10 @@ def evaluate(
             from experiments.sae.evals.absorption import absorption  # noqa: PLC0415
 
             result["evals"]["absorption"] = absorption(sae, source, progress)
+        elif name == "replacement":
+            from experiments.sae.evals.replacement import replacement  # noqa: PLC0415
+
+            result["evals"]["replacement"] = replacement(circuits, source, progress)
     result["seconds"] = round(time.perf_counter() - started, 2)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "eval.json", _finite(result))

@@ -57,14 +57,16 @@ CLT = {
 }
 CODES = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk"}  # runner's inference -> config's runner.code
 # runner's modules -> circuit-tracer's hook in a block (TransformerLens names): the MLP's input and output
-INPUT_HOOK, OUTPUT_HOOK = "ln2.hook_normalized", "hook_mlp_out"
+# mlp.hook_in: the MLP's input as circuit-tracer hooks it (its ReplacementMLP's), the norm's output; not
+# ln2.hook_normalized, TransformerLens's stream before ln2's gain and bias
+INPUT_HOOK, OUTPUT_HOOK = "mlp.hook_in", "hook_mlp_out"
 HOOKS = {INPUT_HOOK: ("mlp_norm", "ln_2", "ln2", "post_attention_layernorm"), OUTPUT_HOOK: ("mlp", "feed_forward")}
 MAX_LAYERS = 1024
 
 
 def block_hook(module: str | None, default: str) -> tuple[int | None, str]:
     """(block index, circuit-tracer's hook in the block) of a runner module name, e.g. blocks.2.mlp_norm -> (2,
-    ln2.hook_normalized); a TransformerLens name keeps its own; else (None, `default`)."""
+    mlp.hook_in); a TransformerLens name keeps its own; else (None, `default`)."""
     found = re.search(r"\.(\d+)\.(.+)$", module or "")
     if not found:
         return None, default

@@ -38,6 +38,7 @@ from experiments.sae.formats.circuit_tracer import (
     width,
     write_config,
 )
+from experiments.sae.formats.common import empty_folder
 from runner import ConfigError
 from runner.rundir import write_atomic
 
@@ -87,6 +88,7 @@ def write_clt(clt: nn.Module, out: Path, modules: list, model: str | None, targe
     """`clt` as circuit-tracer's CLT folder `out`, reading `modules` and writing `targets` (one per layer)."""
     codes = {checked_coder(coder, f"the CLT's layer {i} coder", clt.d_out) for i, coder in enumerate(clt.coders)}
     layers = fold(clt)
+    empty_folder(out)
     ours: dict[str, Any] = {"code": "jumprelu" if codes & {"topk", "jumprelu"} else "relu"}
     if "topk" in codes:
         ours["converted_from"], ours["conversion"] = "topk", calibrate_clt(clt, layers, rows)

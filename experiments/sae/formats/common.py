@@ -35,6 +35,16 @@ Table = dict[str, tuple[str, tuple[str, ...], bool]]
 
 
 # ---- out ----------------------------------------------------------------------------------------------------------
+def empty_folder(out: Path) -> Path:
+    """`out`, made here if new; refused if it is a file or already holds files (an export never mixes folders)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder: give an empty or new folder (nothing was written)")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} already holds files: give an empty or new folder (nothing was written)")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def architecture(sae: nn.Module) -> str:
     """What the SAE's inference is, in SAELens's names (its class's `inference`): topk, jumprelu, standard or gated."""
     kind = getattr(sae, "inference", None)

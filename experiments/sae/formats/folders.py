@@ -18,7 +18,7 @@ import experiments.sae.formats.circuit_tracer as circuit_tracer
 import experiments.sae.formats.circuit_tracer_clt as circuit_tracer_clt
 import experiments.sae.formats.saelens as saelens
 import experiments.sae.formats.sparsify as sparsify
-from experiments.sae.formats.common import CFG, architecture, read_cfg, read_tensors, refuse
+from experiments.sae.formats.common import CFG, architecture, empty_folder, read_cfg, read_tensors, refuse
 from runner import ConfigError
 
 # hf: a Hugging Face repository folder of SAELens folders and a model card; circuit_tracer: a transcoder set's or
@@ -40,23 +40,13 @@ def export(
     names the module it reads, `target` a transcoder's target module, `model` the source model (SAELens metadata);
     `rows`, held-out raw rows a TopK transcoder's circuit-tracer threshold is calibrated on."""
     if fmt == "circuit_tracer":
-        circuit_tracer.write_transcoder(sae, _empty(out), hook, model, target, rows)
+        circuit_tracer.write_transcoder(sae, empty_folder(out), hook, model, target, rows)
         return out
     if fmt not in LAYOUTS:  # a repository (hf) is SAELens folders and a card: SAE.export writes one
         raise ConfigError(f"--format {fmt}: give one of {', '.join(FORMATS)}")
     kind = architecture(sae)
     refuse(sae, fmt, kind)
-    LAYOUTS[fmt].write(sae, kind, _empty(out), hook, model, target)
-    return out
-
-
-def _empty(out: Path) -> Path:
-    # the folder to write, made here; refused if it is a file or holds files
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder: give an empty or new folder (nothing was written)")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} already holds files: give an empty or new folder (nothing was written)")
-    out.mkdir(parents=True, exist_ok=True)
+    LAYOUTS[fmt].write(sae, kind, empty_folder(out), hook, model, target)
     return out
 
 
