@@ -49,7 +49,7 @@ def export_sae(
         hub_card(out, {folder: ""}, cfg, summary)
         return [out]
     rows = held_out_rows(cfg) if fmt == "circuit_tracer" and getattr(sae, "inference", None) == "topk" else None
-    return [export(sae, fmt, out, *args, rows=rows)]
+    return [export(sae, fmt, out, *args, rows=rows, skip_positions=int(source.get("skip_positions") or 0))]
 
 
 def held_out_rows(cfg: Any, rows: int = 4096) -> torch.Tensor:
@@ -106,7 +106,8 @@ def export_clt(clt: CrossLayerTranscoder, fmt: str, out: Any, cfg: Any, summary:
         topk = any(getattr(coder, "inference", None) == "topk" for coder in clt.coders)
         model = source.get("checkpoint")
         rows = held_out_rows(cfg) if topk else None
-        write_clt(clt, Path(out), names["module"], str(model) if model else None, names["target"], rows)
+        skip = int(source.get("skip_positions") or 0)
+        write_clt(clt, Path(out), names["module"], str(model) if model else None, names["target"], rows, skip)
         return [out]
     raise ConfigError(
         f"--format {fmt}: neither SAELens nor sparsify loads cross-layer transcoders: give format=circuit_tracer "

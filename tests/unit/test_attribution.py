@@ -242,3 +242,40 @@ def test_an_sae_is_no_transcoder(sae_lm_run: Path, capsys) -> None:
 
 def test_help_exits_0(capsys) -> None:
     assert main(["--help"]) == 0 and "runner.attribute" in capsys.readouterr().out
+
+
+def test_a_clt_exported_to_circuit_tracer_s_folder_gives_the_same_graph(lm_run: Path, tmp_path: Path) -> None:
+    # weights folded into raw units and read back, the skipped first positions kept in config.yaml: the same graph
+    import json
+
+    from experiments.sae.circuits.output import graph_data
+    from experiments.sae.formats.circuit_tracer_clt import write_clt
+    from runner.load import load_trained
+
+    gpt, _ = load_trained(lm_run)
+    gpt.eval()
+    torch.manual_seed(3)
+    d, layers = gpt.head.weight.shape[1], len(gpt.blocks)
+    clt = CrossLayerTranscoder(partial(ReLUSAE, n_latents=24), layers=layers, d_in=d, d_out=d).eval()
+    with torch.no_grad():
+        clt.input_scale.uniform_(0.5, 2.0)
+        clt.target_scale.uniform_(0.5, 2.0)
+        for coder in clt.coders:
+            coder.W_dec.normal_(std=0.2)
+            coder.b_enc.normal_(std=0.1)
+    modules, targets = [f"blocks.{i}.mlp_norm" for i in range(layers)], [f"blocks.{i}.mlp" for i in range(layers)]
+    write_clt(clt, tmp_path / "ct", modules, str(lm_run), targets, skip_positions=2)
+    prompt = "def f(x):"
+    assert main([str(tmp_path / "ct"), f"prompt={prompt}", f"out={tmp_path / 'graph'}", "node_threshold=1"]) == 0
+    got = json.loads((tmp_path / "graph" / "graph.json").read_text())
+    graph = attribute(FrozenGPT(gpt, torch.tensor(list(prompt.encode()))), CoderSet.of_clt(clt, skip_positions=2))
+    want = graph_data(graph, prune(graph, 1.0, 0.98), scores(graph), {})
+    assert got["skip_positions"] == 2 and min(n["pos"] for n in got["nodes"] if n["kind"] == "feature") >= 2
+    assert [n["kind"] for n in got["nodes"]] == [n["kind"] for n in want["nodes"]]
+    assert got["unpruned"]["features"] == graph.n_features > 0
+    ours = {(e["source"], e["target"]): e["weight"] for e in want["edges"]}
+    theirs = {(e["source"], e["target"]): e["weight"] for e in got["edges"]}
+    assert ours.keys() == theirs.keys()
+    scale = max(abs(w) for w in ours.values())
+    assert max(abs(ours[k] - theirs[k]) for k in ours) <= 1e-5 * scale
+    assert got["scores"] == pytest.approx(want["scores"], abs=1e-5)

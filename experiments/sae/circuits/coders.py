@@ -2,7 +2,12 @@
 (a skip transcoder's linear path included), read the same way. Layer i's features read layer i's MLP input; their
 decoders write to layer i's output (a transcoder) or to every layer from i on (a CLT): layer l's replacement MLP
 output is the sum over layers i <= l of what i's features write to l, the coders' biases, a skip transcoder's
-W_skip term, and the error node (true output less all that: constant)."""
+W_skip term, and the error node (true output less all that: constant).
+
+A feature's activation is in raw units, as circuit-tracer's folder holds it (formats/common.py raw_unit_weights):
+runner's code divided by the scale of the output its layer writes first. A coder read from a run and the same coder
+read from its export then give the same graph, edge for edge: the scale moves between a feature's activation and its
+decoder rows (and its pre-activation, as a target), which the edges out of it do not see and the edges into it do."""
 
 from __future__ import annotations
 
@@ -55,23 +60,24 @@ class CoderSet:
 
     @torch.no_grad()
     def codes(self, layer: int, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values [T, k], latents [T, k]) of layer `layer`'s features on its MLP input `m` [T, d] (raw units), k the
-        most active at one position; zeros where fewer are active, and at the skipped positions."""
+        """(values [T, k] in raw units, latents [T, k]) of layer `layer`'s features on its MLP input `m` [T, d] (raw
+        units), k the most active at one position past the skipped ones; zeros where fewer are active, and at the
+        skipped positions."""
         one = self.layers[layer]
         one.coder.eval()
         values, indices = one.coder.activate(one.coder.pre_activations(m * one.in_scale))
+        values = values / one.out_scales[0]
+        values[: self.skip_positions] = 0
         if indices is None:  # dense codes (ReLU, JumpReLU): the active ones of each position, padded
             k = max(int((values != 0).sum(1).max()), 1)
             values, indices = values.topk(k, dim=1)
-        values = values.clone()
-        values[: self.skip_positions] = 0
         return values, indices
 
     def rows(self, layer: int, indices: torch.Tensor) -> torch.Tensor:
         """Decoder rows of `indices` [T, k] in the raw units of each output written to: [T, k, spans * d]."""
         one = self.layers[layer]
         scales = one.out_scales.repeat_interleave(self.d)
-        return one.coder.W_dec.detach()[indices] / scales
+        return one.coder.W_dec.detach()[indices] * (one.out_scales[0] / scales)
 
     def bias(self, layer: int) -> torch.Tensor:
         """The constant every layer i <= `layer` writes to `layer`'s output (its decoder bias) [d], raw units."""
@@ -93,7 +99,7 @@ class CoderSet:
         """[n, d]: the vectors whose dot product with the raw MLP input gives `latents`' pre-activations, less their
         encoder bias (a transcoder's encoder reads its input uncentred)."""
         one = self.layers[layer]
-        return one.coder.W_enc.detach()[:, latents].t() * one.in_scale
+        return one.coder.W_enc.detach()[:, latents].t() * (one.in_scale / one.out_scales[0])
 
     def writes(self, values: list[torch.Tensor], rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each layer's MLP output from its features: `values` [B, T, k] and `rows` [T, k, spans * d] of every layer;

@@ -117,11 +117,14 @@ def _folder(path: Path, source: str | None) -> list[_Part]:
             f"{path} is circuit-tracer's folder on the model {named!r}, which is no transformers folder nor runner "
             "run here: give source=FOLDER (a save_pretrained folder or a runner run)"
         )
+    skip = (cfg.get("runner") or {}).get("skip_positions") or 0  # what runner's export says; 0 from elsewhere
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise ConfigError(f"{path}/config.yaml: runner.skip_positions is {skip!r}; give a whole number >= 0")
     if cfg["model_kind"] == ct.KINDS[1]:
         clt, _ = read_folder(path)
-        return [_Part(clt, list(range(clt.layers)), str(named), 0)]
+        return [_Part(clt, list(range(clt.layers)), str(named), skip)]
     layers = ct.numbered(path, ct.LAYER_FILE)
-    return [_Part(read_folder(path, f"layer_{i}")[0], [i], str(named), 0) for i in layers]
+    return [_Part(read_folder(path, f"layer_{i}")[0], [i], str(named), skip) for i in layers]
 
 
 def _parts(path: Path, trusted: Sequence[str], source: str | None) -> list[_Part]:

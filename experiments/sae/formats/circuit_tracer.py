@@ -102,11 +102,18 @@ def write_config(out: Path, kind: str, hooks: tuple[str, str], model: str | None
 
 # ---- out ---------------------------------------------------------------------------------------------------------
 def write_transcoder(
-    sae: nn.Module, out: Path, hook: str | None, model: str | None, target: str | None, rows: Any = None
+    sae: nn.Module,
+    out: Path,
+    hook: str | None,
+    model: str | None,
+    target: str | None,
+    rows: Any = None,
+    skip_positions: int = 0,
 ) -> None:
     """`sae`, a per-layer transcoder reading `hook` and predicting `target`, as layer_{i}.safetensors (i: its block)
     and config.yaml on raw activations; a TopK's JumpReLU threshold calibrated on held-out raw `rows` (input | target
-    columns), its cost written into config.yaml."""
+    columns), its cost written into config.yaml; `skip_positions` (the first positions it was not trained on) there
+    too."""
     code = checked_coder(sae, type(sae).__name__)
     weights = raw_unit_weights(sae)
     if "threshold" in weights:  # BatchTopK's global one may be unset (-1): at inference ReLU codes, threshold 0
@@ -114,7 +121,7 @@ def write_transcoder(
     tensors = {name: (weights[row[0]].t() if row[2] else weights[row[0]]).contiguous()
                for name, row in LAYER.items() if row[0] in weights}  # fmt: skip
     layer, in_hook = block_hook(hook, INPUT_HOOK)
-    ours: dict[str, Any] = {"code": code, "module": hook, "target": target}
+    ours: dict[str, Any] = {"code": code, "module": hook, "target": target, "skip_positions": skip_positions}
     if code == "topk":
         ours["k"] = sae.k
         tensors[THRESHOLD], ours["conversion"] = calibrate_layer(sae, tensors, rows)

@@ -84,8 +84,17 @@ def calibrate_clt(clt: nn.Module, layers: list[dict[str, torch.Tensor]], rows: A
     return cost(before, [fve(p, y) for p, y in zip(got, targets, strict=True)], l0, l0_jr, len(targets[0]))
 
 
-def write_clt(clt: nn.Module, out: Path, modules: list, model: str | None, targets: list, rows: Any = None) -> None:
-    """`clt` as circuit-tracer's CLT folder `out`, reading `modules` and writing `targets` (one per layer)."""
+def write_clt(
+    clt: nn.Module,
+    out: Path,
+    modules: list,
+    model: str | None,
+    targets: list,
+    rows: Any = None,
+    skip_positions: int = 0,
+) -> None:
+    """`clt` as circuit-tracer's CLT folder `out`, reading `modules` and writing `targets` (one per layer), trained
+    past its first `skip_positions` positions."""
     codes = {checked_coder(coder, f"the CLT's layer {i} coder", clt.d_out) for i, coder in enumerate(clt.coders)}
     layers = fold(clt)
     empty_folder(out)
@@ -99,7 +108,7 @@ def write_clt(clt: nn.Module, out: Path, modules: list, model: str | None, targe
         write_atomic(out / ENC_FILE.format(i=i), save(enc))
         write_atomic(out / DEC_FILE.format(i=i), save({f"W_dec_{i}": layer["W_dec_{i}"].float().contiguous()}))
     first = lambda names, default: block_hook(names[0] if names else None, default)[1]  # noqa: E731
-    ours.update(modules=modules or None, targets=targets or None)
+    ours.update(modules=modules or None, targets=targets or None, skip_positions=skip_positions)
     write_config(out, KINDS[1], (first(modules, INPUT_HOOK), first(targets, OUTPUT_HOOK)), model, ours)
 
 

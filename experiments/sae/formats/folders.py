@@ -35,12 +35,14 @@ def export(
     model: str | None = None,
     target: str | None = None,
     rows: Any = None,
+    skip_positions: int = 0,
 ) -> Path:
     """Write `sae` in format `fmt` to the folder `out` (made here; refused if it holds files); returns `out`. `hook`
     names the module it reads, `target` a transcoder's target module, `model` the source model (SAELens metadata);
-    `rows`, held-out raw rows a TopK transcoder's circuit-tracer threshold is calibrated on."""
+    `rows`, held-out raw rows a TopK transcoder's circuit-tracer threshold is calibrated on; `skip_positions`, the
+    first positions it was not trained on (circuit-tracer's folder keeps them for runner's attribution graphs)."""
     if fmt == "circuit_tracer":
-        circuit_tracer.write_transcoder(sae, empty_folder(out), hook, model, target, rows)
+        circuit_tracer.write_transcoder(sae, empty_folder(out), hook, model, target, rows, skip_positions)
         return out
     if fmt not in LAYOUTS:  # a repository (hf) is SAELens folders and a card: SAE.export writes one
         raise ConfigError(f"--format {fmt}: give one of {', '.join(FORMATS)}")
