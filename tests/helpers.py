@@ -879,3 +879,51 @@ def deadline(seconds: int = 60) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+GEMMA_HUB = "hf://google/gemma-scope-2-1b-pt/clt/width_262k_l0_medium/"  # where config.yaml's entries point
+
+
+def gemma_scope_clt(
+    folder: Path, layers: int = 3, n: int = 16, d: int = 8, config: bool = True, pad: bool = False, **extra: Any
+) -> list[dict[str, torch.Tensor]]:
+    """A random CLT (seeded) as Gemma Scope 2's files in `folder`: params_layer_{i}.safetensors with w_enc [d, n],
+    b_enc [n], threshold [n] (>= 0), w_dec [n, L, d] (its writes to earlier layers too, which no reader may use),
+    b_dec [d], and the tensors `extra`; with `config`, circuit-tracer's config.yaml listing them as hub files (`pad`:
+    the last twice, as circuit-tracer 0.5.0's loader needs). Returns each layer's tensors."""
+    import yaml
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i in range(layers):
+        tensors = {
+            "w_enc": torch.randn(d, n) / d**0.5,
+            "b_enc": torch.randn(n) * 0.1,
+            "threshold": torch.rand(n) * 0.8,
+            "w_dec": torch.randn(n, layers, d) * 0.3,
+            "b_dec": torch.randn(d) * 0.1,
+            **extra,
+        }
+        save_file(tensors, folder / f"params_layer_{i}.safetensors")
+        written.append(tensors)
+    if config:
+        files = [f"{GEMMA_HUB}params_layer_{i}.safetensors" for i in range(layers)]
+        cfg = {"model_kind": "cross_layer_transcoder", "feature_input_hook": "mlp.hook_in",
+               "feature_output_hook": "hook_mlp_out", "transcoders": files + files[-1:] * pad}  # fmt: skip
+        (folder / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return written
+
+
+def gemma_scope_forward(
+    tensors: list[dict[str, torch.Tensor]], inputs: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(each layer's codes, each layer's MLP output) of Gemma Scope 2's CLT `tensors` on each layer's raw MLP input, in
+    float64 by circuit-tracer's formulas: codes = pre * (pre > threshold); layer j's output, the sum over i <= j of
+    layer i's codes @ w_dec[:, j], plus b_dec of j."""
+    t = [{k: v.double() for k, v in layer.items()} for layer in tensors]
+    pre = [x.double() @ layer["w_enc"] + layer["b_enc"] for x, layer in zip(inputs, t, strict=True)]
+    codes = [p * (p > layer["threshold"]) for p, layer in zip(pre, t, strict=True)]
+    out = [sum(codes[i] @ t[i]["w_dec"][:, j] for i in range(j + 1)) + t[j]["b_dec"] for j in range(len(t))]
+    return codes, out

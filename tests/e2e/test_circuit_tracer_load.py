@@ -1,8 +1,10 @@
 """runner's circuit-tracer folders (experiments/sae/formats/circuit_tracer.py) loaded by circuit-tracer 0.5.0's own
 loaders in its virtualenv (utils/caching.py load_transcoders_from_cache's calls: load_transcoder_set on the
 layer_{i}.safetensors files, load_clt on the folder, with config.yaml's hooks): its forward on the same raw rows is
-runner's. Skipped where .venv-circuit-tracer is absent (benchmarks/peers/install.sh makes it;
-RUNNER_CIRCUIT_TRACER_PYTHON names another)."""
+runner's; and Gemma Scope 2's CLT files, which circuit-tracer reads through utils/hf_utils.py load_transcoders
+(load_gemma_scope_2_clt) and runner through experiments/sae/formats/gemma_scope_clt.py, reconstruct the same.
+Skipped where .venv-circuit-tracer is absent (benchmarks/peers/install.sh makes it; RUNNER_CIRCUIT_TRACER_PYTHON names
+another)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import peer_forward, random_transcoder
+from helpers import gemma_scope_clt, gemma_scope_forward, peer_forward, random_transcoder
 
 from experiments.sae.coders.activations import ReLUSAE, TopKSAE
 from experiments.sae.coders.clt import CrossLayerTranscoder
@@ -80,3 +82,30 @@ def test_circuit_tracer_reads_our_clt_and_reconstructs_what_ours_does(tmp_path: 
     ours = torch.stack(read_folder(tmp_path / "ct")[0](inputs))  # a TopK CLT: the JumpReLU written
     theirs = _theirs(tmp_path / "ct", torch.stack(inputs), tmp_path)
     assert (theirs - ours).abs().max() <= 1e-5 * ours.abs().max().clamp_min(1)
+
+
+GEMMA = """
+import sys, yaml, numpy as np, torch
+from pathlib import Path
+from circuit_tracer.utils.hf_utils import load_transcoders
+folder, x = Path(sys.argv[1]), torch.from_numpy(np.load(sys.argv[2]))
+cfg = yaml.safe_load((folder / "config.yaml").read_text())
+# the hub's files as downloaded into the folder; repo_id as circuit-tracer's hub reader sets it, which picks the loader
+cfg["transcoders"] = [str(folder / Path(t).name) for t in cfg["transcoders"]]
+cfg.update(repo_id="google/gemma-scope-2-1b-pt", scan="runner")
+tc = load_transcoders(cfg, torch.device("cpu"), torch.float32, lazy_decoder=False)
+assert type(tc).__name__ == "CrossLayerTranscoder" and tc.W_skip is None and tc.n_layers == x.shape[0]
+np.save(sys.argv[3], tc.decode(tc.encode(x).to_sparse()).detach().float().numpy())
+"""
+
+
+def test_circuit_tracer_and_runner_read_gemma_scope_2_s_clt_alike(tmp_path: Path) -> None:
+    # pad: circuit-tracer 0.5.0's load_gemma_scope_2_clt reads one file fewer than listed (range(max(paths)))
+    tensors = gemma_scope_clt(tmp_path / "gs", layers=3, n=16, d=D, pad=True)
+    torch.manual_seed(1)
+    inputs = [torch.randn(32, D) * 1.5 for _ in range(3)]
+    ours = torch.stack(read_folder(tmp_path / "gs")[0](inputs))
+    theirs = peer_forward("circuit-tracer", GEMMA, tmp_path / "gs", torch.stack(inputs), tmp_path, timeout=600)[0]
+    want = torch.stack(gemma_scope_forward(tensors, inputs)[1]).float()
+    assert (theirs - ours).abs().max() <= 1e-5 * ours.abs().max().clamp_min(1)
+    assert (ours - want).abs().max() <= 1e-5 * want.abs().max().clamp_min(1)

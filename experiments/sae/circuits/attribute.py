@@ -13,6 +13,7 @@ alone, so the rows do not depend on the batch size."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +47,13 @@ class Graph:
 
 @dataclass
 class _Prompt:
-    # what every backward pass shares: each layer's codes, decoder rows and error vectors, and where features sit
-    values: list[torch.Tensor]  # [T, k] per layer
-    rows: list[torch.Tensor]  # [T, k, spans * d] per layer
+    # what every backward pass shares: each layer's constant MLP output (all but the skip path's live term), error
+    # vectors, and the active features (node order): their decoder rows as one sparse matrix that reads every layer's
+    # MLP output gradient [L T d] at the outputs a feature writes, at its position; their activations
+    constants: list[torch.Tensor]  # [T, d] per layer
     errors: list[torch.Tensor]  # [T, d] per layer
-    slots: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (positions, slots) of its active features, node order
+    reader: torch.Tensor  # [F, L T d], sparse (CSR)
+    activations: torch.Tensor  # [F]
 
 
 def _prompt(frozen: FrozenGPT, coders: CoderSet) -> tuple[_Prompt, torch.Tensor, torch.Tensor]:
@@ -59,20 +62,35 @@ def _prompt(frozen: FrozenGPT, coders: CoderSet) -> tuple[_Prompt, torch.Tensor,
     rows = [coders.rows(layer, i) for layer, (_, i) in enumerate(codes)]
     with torch.no_grad():
         writes = coders.writes([v[None] for v in values], rows)
-        errors = [
-            frozen.mlp_outputs[m] - writes[m][0] - coders.skip(m, frozen.mlp_inputs[m]) - coders.bias(m)
-            for m in range(coders.n_layers)
-        ]
-    slots, table, activations = [], [], []
+        constants = [frozen.mlp_outputs[m] - coders.skip(m, frozen.mlp_inputs[m]) for m in range(coders.n_layers)]
+        errors = [constants[m] - writes[m][0] - coders.bias(m) for m in range(coders.n_layers)]
+    columns, values, table, activations = [], [], [], []
+    n_pos, d = frozen.n_pos, coders.d
     for layer, (v, indices) in enumerate(codes):
         pos, slot = (v != 0).nonzero(as_tuple=True)
         latent = indices[pos, slot]
         order = torch.argsort(pos * (int(indices.max()) + 1) + latent)
         pos, slot, latent = pos[order], slot[order], latent[order]
-        slots.append((pos, slot))
+        written = torch.tensor(list(coders.writes_to(layer)), device=pos.device)  # [spans]
+        starts = (written[None, :] * n_pos + pos[:, None]) * d  # [F_l, spans]: where each output's gradient is
+        columns.append((starts[..., None] + torch.arange(d, device=pos.device)).reshape(len(pos), -1))
+        values.append(rows[layer][pos, slot])
         table.append(torch.stack([torch.full_like(pos, layer), pos, latent], 1))
         activations.append(v[pos, slot])
-    return _Prompt(values, rows, errors, slots), torch.cat(table), torch.cat(activations)
+    reader = _ragged_csr(columns, values, coders.n_layers * n_pos * d)
+    return _Prompt(constants, errors, reader, torch.cat(activations)), torch.cat(table), torch.cat(activations)
+
+
+def _ragged_csr(columns: list[torch.Tensor], values: list[torch.Tensor], width: int) -> torch.Tensor:
+    # one CSR matrix of rows whose widths differ by layer (a CLT's early layers write to more outputs)
+    counts = torch.cat([torch.full((len(c),), c.shape[1], dtype=torch.long, device=c.device) for c in columns])
+    crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    flat_columns = torch.cat([c.flatten() for c in columns])
+    flat_values = torch.cat([v.flatten() for v in values])
+    with warnings.catch_warnings():  # torch calls its CSR support beta; what it is used for here is tested
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        size = (len(counts), width)
+        return torch.sparse_csr_tensor(crow, flat_columns, flat_values, size=size, check_invariants=True)
 
 
 def salient_logits(logits: torch.Tensor, max_logits: int, logit_mass: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,28 +103,22 @@ def salient_logits(logits: torch.Tensor, max_logits: int, logit_mass: float) -> 
 
 
 def _backward(frozen: FrozenGPT, coders: CoderSet, prompt: _Prompt, targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    # rows [B, F + L T + T] of targets (read layer [B]: n_layers is the final stream; position [B]; vector [B, d])
+    # rows [B, F + L T + T] of targets (read layer [B]: n_layers is the final stream; position [B]; vector [B, d]).
+    # Every MLP output is a constant plus a zero leaf: the gradient there is what a feature's decoder rows and an
+    # error node's vector are read against, so the features need no copies of their own in the batch
     read, pos, vectors = targets
     b = len(pos)
-    copies = lambda t: t.detach().expand(b, *t.shape).clone().requires_grad_(True)  # noqa: E731
-    emb, errors, values = (
-        copies(frozen.embeddings),
-        [copies(e) for e in prompt.errors],
-        [copies(v) for v in prompt.values],
-    )
-    writes = coders.writes(values, prompt.rows)
-    biases = [coders.bias(m) for m in range(coders.n_layers)]
-    ins, final = frozen.run(emb, lambda m, x: writes[m] + coders.skip(m, x) + biases[m] + errors[m])
+    emb = frozen.embeddings.detach().expand(b, *frozen.embeddings.shape).clone().requires_grad_(True)
+    leaves = [torch.zeros(b, *c.shape, dtype=c.dtype, device=c.device, requires_grad=True) for c in prompt.constants]
+    ins, final = frozen.run(emb, lambda m, x: prompt.constants[m] + coders.skip(m, x) + leaves[m])
     picked = torch.stack([*ins, final])[read, torch.arange(b), pos]
-    grads = torch.autograd.grad(
-        (picked * vectors).sum(), [emb, *errors, *values], allow_unused=True, materialize_grads=True
-    )
+    grads = torch.autograd.grad((picked * vectors).sum(), [emb, *leaves], allow_unused=True, materialize_grads=True)
     tokens = (grads[0] * emb.detach()).sum(-1)
-    error_rows = [(g * e.detach()).sum(-1) for g, e in zip(grads[1 : 1 + coders.n_layers], errors, strict=True)]
-    feature_rows = []
-    for g, v, (p, s) in zip(grads[1 + coders.n_layers :], values, prompt.slots, strict=True):
-        feature_rows.append((g * v.detach())[:, p, s])
-    return torch.cat([*feature_rows, *error_rows, tokens], 1)
+    outputs = grads[1:]
+    error_rows = [(g * e).sum(-1) for g, e in zip(outputs, prompt.errors, strict=True)]
+    gradients = torch.stack(outputs, 1).reshape(b, -1).t().contiguous()  # [L T d, B]
+    feature_rows = (prompt.reader @ gradients).t() * prompt.activations
+    return torch.cat([feature_rows, *error_rows, tokens], 1)
 
 
 def attribute(

@@ -16,6 +16,7 @@ from torch import nn
 
 import experiments.sae.formats.circuit_tracer as circuit_tracer
 import experiments.sae.formats.circuit_tracer_clt as circuit_tracer_clt
+import experiments.sae.formats.gemma_scope_clt as gemma_scope_clt
 import experiments.sae.formats.saelens as saelens
 import experiments.sae.formats.sparsify as sparsify
 from experiments.sae.formats.common import CFG, architecture, empty_folder, read_cfg, read_tensors, refuse
@@ -66,6 +67,9 @@ def read_folder(path: str | Path, hook: str | None = None) -> tuple[nn.Module, d
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path} is no folder: give an SAE folder of SAELens or sparsify (cfg.json and its weights)")
+    if gemma_scope_clt.holds(path):  # Gemma Scope 2's CLT: params_layer_N files, circuit-tracer's config.yaml or none
+        coder, facts = gemma_scope_clt.read(path)
+        return coder.eval().requires_grad_(False), facts
     if (path / circuit_tracer.CONFIG).exists() and not (path / CFG).is_file():  # circuit-tracer's: config.yaml
         coder, facts = circuit_tracer_clt.read(path, hook)
         return coder.eval().requires_grad_(False), facts
@@ -99,10 +103,11 @@ def read_folder(path: str | Path, hook: str | None = None) -> tuple[nn.Module, d
 
 def recognizes(path: Path) -> bool:
     """Whether `path` (no runner run: runner.load has asked) is an SAE folder of either format (cfg.json), a
-    sparsify run's folders of them, or circuit-tracer's folder (config.yaml)."""
+    sparsify run's folders of them, circuit-tracer's folder (config.yaml) or Gemma Scope 2's CLT files."""
     return (
         (path / CFG).is_file()
         or (path / circuit_tracer.CONFIG).exists()
+        or (path / gemma_scope_clt.FILE.format(i=0)).exists()
         or any((p / CFG).is_file() for p in path.iterdir() if p.is_dir())
     )
 
