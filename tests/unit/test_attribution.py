@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import exact_coder, exact_transcoders, finished_clt_run, relu_mlp_gpt
+from helpers import SAE_LM, exact_coder, exact_transcoders, finished_clt_run, finished_run, relu_mlp_gpt
 from omegaconf import OmegaConf
 
 from experiments.lm.model import GPT
@@ -238,6 +238,17 @@ def test_bad_input_exits_2_with_one_paragraph(clt_run: Path, args: list[str], sa
 def test_an_sae_is_no_transcoder(sae_lm_run: Path, capsys) -> None:
     assert main([str(sae_lm_run), "prompt=ab"]) == 2
     assert "no transcoder" in capsys.readouterr().err
+
+
+def test_a_family_of_saes_is_refused(lm_run: Path, tmp_path: Path, capsys) -> None:
+    # model=sae_multi over blocks.0 and blocks.1: SAEs of the stream, no replacement of the MLPs
+    overrides = [o for o in SAE_LM if not o.startswith("model.")] + ["model=sae_multi", "model.ks=[4]"]
+    overrides += ["model.base.n_latents=32", "source.module=[blocks.0,blocks.1]"]
+    finished_run(tmp_path, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *overrides)
+    capsys.readouterr()
+    assert main([str(tmp_path), "prompt=ab"]) == 2
+    err = capsys.readouterr().err
+    assert "a family of SAEs (model=sae_multi)" in err and err.count("\n") == 1
 
 
 def test_help_exits_0(capsys) -> None:
