@@ -1,11 +1,15 @@
-"""Attribution graphs on a transformers GPT-2 (experiments/sae/circuits/frozen_hf.py): the frozen model's logits and
-MLP inputs are the model's on its prompt; on a tiny random GPT2LMHeadModel (GELU MLPs, which no transcoder reproduces
-exactly) with random transcoders (layer 0's a skip transcoder, whose linear path stays at the BOS) or a CLT, every
-edge is a finite difference of the frozen replacement model with its error nodes, and a target's incoming edges plus
-its constant part (what the position embeddings, biases and held position 0 give with every node at zero) sum to its
-value; position 0 (the BOS) has no feature and its error nodes no edge. A prompt is tokenized after a BOS and refused
-past n_positions; the command reads circuit-tracer folders on a saved GPT-2 folder (at
-mlp.hook_in; ln2.hook_normalized is refused); a run's hooks pair GPT-2's ln_2 and mlp."""
+"""Attribution graphs on transformers models (experiments/sae/circuits/frozen_hf.py, hf_blocks.py), each test for
+every architecture read (GPT-2; Llama: RMSNorm, rotary, grouped-query attention, a gated MLP, its unembedding untied
+or tied; GPT-NeoX: partial rotary, with and without the parallel residual): the frozen model's logits, MLP inputs and
+outputs are the model's on its prompt (to 1e-10 in float64, Llama's RMSNorm kept in float64; to 1e-5 in float32,
+under eager and sdpa attention); another architecture is refused in one paragraph. On a tiny random model (GELU or
+SiLU MLPs, which no transcoder reproduces exactly) with random transcoders (layer 0's a skip transcoder, whose linear
+path stays at the BOS) or a CLT, every edge is a finite difference of the frozen replacement model with its error
+nodes, and a target's incoming edges plus its constant part (what the position embeddings, biases and held position 0
+give with every node at zero) sum to its value; position 0 (the BOS) has no feature and its error nodes no edge. A
+prompt is tokenized after a BOS and refused past the model's window; the command reads circuit-tracer folders on a
+saved model folder (at mlp.hook_in; ln2.hook_normalized is refused); a run's hooks pair each block's MLP input norm
+and MLP of one architecture."""
 
 from __future__ import annotations
 
@@ -20,12 +24,21 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("transformers")
 
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 from experiments.sae.circuits.attribute import Graph, attribute  # noqa: E402
 from experiments.sae.circuits.cli import main  # noqa: E402
 from experiments.sae.circuits.coders import CoderSet  # noqa: E402
 from experiments.sae.circuits.frozen_hf import FrozenHF, prompt_tokens  # noqa: E402
+from experiments.sae.circuits.hf_blocks import LAYOUTS  # noqa: E402
 from experiments.sae.circuits.load import _layers, load_coders  # noqa: E402
 from experiments.sae.coders.activations import ReLUSAE  # noqa: E402
 from experiments.sae.coders.clt import CrossLayerTranscoder  # noqa: E402
@@ -35,24 +48,36 @@ from runner.load import TRUSTED_TARGETS  # noqa: E402
 
 D, LATENTS, LAYERS, VOCAB = 16, 32, 2, 40
 PROMPT = torch.tensor([0, 7, 12, 3, 25, 7, 30, 9, 14])  # 0: the BOS
+IDS = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0}
+SHAPE = {"hidden_size": D, "num_hidden_layers": LAYERS, "intermediate_size": 2 * D, "max_position_embeddings": 16}
+CONFIGS = {
+    "gpt2": lambda: GPT2Config(n_layer=LAYERS, n_embd=D, n_head=2, n_positions=16, **IDS),
+    # 4 query heads on 2 key-value heads (head_dim 4), untied or tied unembedding
+    "llama": lambda: LlamaConfig(**SHAPE, num_attention_heads=4, num_key_value_heads=2, **IDS),
+    "llama_tied": lambda: LlamaConfig(
+        **SHAPE, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **IDS
+    ),
+    # Pythia's partial rotary (a quarter of each head's 8 dims turn) with its parallel residual, and without it
+    "gpt_neox": lambda: GPTNeoXConfig(**SHAPE, num_attention_heads=2, **IDS),
+    "gpt_neox_serial": lambda: GPTNeoXConfig(**SHAPE, num_attention_heads=2, use_parallel_residual=False, **IDS),
+}
+ARCHS = ["gpt2", "llama", "gpt_neox", "gpt_neox_serial"]  # what the graph tests run on
 
 
-def _model() -> GPT2LMHeadModel:
+def _model(arch: str = "gpt2", attention: str = "sdpa") -> PreTrainedModel:
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=LAYERS, n_embd=D, n_head=2, n_positions=16, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
-    )
+    config = CONFIGS[arch]()
     config.initializer_range = 0.3  # patterns far from uniform, MLPs far from linear
-    return GPT2LMHeadModel(config).eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
 
 
-def _rows(model: GPT2LMHeadModel) -> torch.Tensor:
+def _rows(model: PreTrainedModel) -> torch.Tensor:
     # every layer's MLP inputs then outputs on random prompts, [rows, 2 L d]: what the coders start from
     frozen = FrozenHF(model, torch.randint(1, VOCAB, (16,)), 0)
     return torch.cat([*frozen.mlp_inputs, *frozen.mlp_outputs], 1).float()
 
 
-def _transcoders(model: GPT2LMHeadModel) -> list[ReLUSAE]:
+def _transcoders(model: PreTrainedModel) -> list[ReLUSAE]:
     rows, coders = _rows(model), []
     torch.manual_seed(1)
     for layer in range(LAYERS):
@@ -66,7 +91,7 @@ def _transcoders(model: GPT2LMHeadModel) -> list[ReLUSAE]:
     return coders
 
 
-def _clt(model: GPT2LMHeadModel) -> CrossLayerTranscoder:
+def _clt(model: PreTrainedModel) -> CrossLayerTranscoder:
     torch.manual_seed(2)
     clt = CrossLayerTranscoder(partial(ReLUSAE, n_latents=LATENTS), layers=LAYERS, d_in=D, d_out=D)
     clt.initialize_from(_rows(model))
@@ -75,8 +100,8 @@ def _clt(model: GPT2LMHeadModel) -> CrossLayerTranscoder:
     return clt.eval()
 
 
-def _graph(kind: str) -> tuple[FrozenHF, CoderSet, Graph]:
-    model = _model()
+def _graph(kind: str, arch: str = "gpt2") -> tuple[FrozenHF, CoderSet, Graph]:
+    model = _model(arch)
     coders = (
         CoderSet.of_transcoders([c.double() for c in _transcoders(model)], 1)
         if kind == "transcoders"
@@ -86,20 +111,53 @@ def _graph(kind: str) -> tuple[FrozenHF, CoderSet, Graph]:
     return frozen, coders, attribute(frozen, coders, max_logits=5, batch_size=7)
 
 
-def test_the_frozen_model_is_the_model_on_its_prompt() -> None:
-    model = _model().double()
-    frozen = FrozenHF(model, PROMPT)
-    seen = []
-    hooks = [block.ln_2.register_forward_hook(lambda _m, _i, out: seen.append(out[0])) for block in model.transformer.h]
+def _rms_in_its_dtype(norm: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
+    # LlamaRMSNorm without its trip through float32 (made for half-precision models), which rounds a float64 stream
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+
+def _true_run(model: PreTrainedModel) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    # the model's own logits on the prompt, and every block's MLP input and output as hooks on its MLP see them
+    layout, ins, outs = LAYOUTS[type(model).__name__], [], []
+    blocks = model.get_submodule(f"{layout.base}.{layout.blocks}")
+
+    def seen(_module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        ins.append(args[0][0])
+        outs.append(out[0])
+
+    hooks = [block.mlp.register_forward_hook(seen) for block in blocks]
     with torch.no_grad():
         logits = model(PROMPT[None]).logits[0]
     for hook in hooks:
         hook.remove()
-    assert torch.allclose(frozen.logits, logits, atol=1e-12) and float(logits.std()) > 0.1
-    for ours, theirs in zip(frozen.mlp_inputs, seen, strict=True):
-        assert torch.allclose(ours, theirs, atol=1e-12)
+    return logits, ins, outs
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "llama_tied"])
+def test_the_frozen_model_is_the_model_on_its_prompt(arch: str, monkeypatch) -> None:
+    for attention in ("eager", "sdpa"):  # float32, as load.py loads a model: its attention either way
+        model = _model(arch, attention)
+        logits, _, _ = _true_run(model)
+        assert float((FrozenHF(model, PROMPT).logits - logits).abs().max()) < 1e-5
+    monkeypatch.setattr(LlamaRMSNorm, "forward", _rms_in_its_dtype)
+    model = _model(arch).double()
+    frozen = FrozenHF(model, PROMPT)
+    logits, ins, outs = _true_run(model)
+    assert float((frozen.logits - logits).abs().max()) < 1e-10 and float(logits.std()) > 0.1
+    for ours, theirs in zip([*frozen.mlp_inputs, *frozen.mlp_outputs], [*ins, *outs], strict=True):
+        assert float((ours - theirs).abs().max()) < 1e-10
     with pytest.raises(ConfigError, match="reads 1 to 16"):
         FrozenHF(model, torch.zeros(17, dtype=torch.long))
+
+
+def test_another_architecture_is_refused_in_one_paragraph() -> None:
+    shape = {**SHAPE, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": VOCAB}
+    mistral = AutoModelForCausalLM.from_config(MistralConfig(**shape))  # Llama's shape, but a sliding window
+    with pytest.raises(ConfigError, match="MistralForCausalLM: attribution graphs read runner's GPT") as error:
+        FrozenHF(mistral, PROMPT)
+    assert "\n" not in str(error.value)
+    for name in ("GPT2LMHeadModel (LayerNorm", "LlamaForCausalLM (RMSNorm", "GPTNeoXForCausalLM (Pythia"):
+        assert name in str(error.value)
 
 
 def _values(frozen: FrozenHF, coders: CoderSet, graph: Graph, delta: list[torch.Tensor], emb=None) -> torch.Tensor:
@@ -127,9 +185,10 @@ def _target_rows(graph: Graph) -> torch.Tensor:
     return torch.cat([torch.arange(graph.n_features), torch.arange(size - len(graph.logit_tokens), size)])
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kind", ["transcoders", "clt"])
-def test_edges_are_finite_differences_of_the_frozen_replacement_model(kind: str) -> None:
-    frozen, coders, graph = _graph(kind)
+def test_edges_are_finite_differences_of_the_frozen_replacement_model(kind: str, arch: str) -> None:
+    frozen, coders, graph = _graph(kind, arch)
     n_f, t = graph.n_features, graph.n_pos
     assert n_f > 20 and not (graph.features[:, 1] == 0).any()  # none at the BOS
     assert float(graph.error_norms.min()) > 1e-3  # GELU MLPs: every error node is there
@@ -163,9 +222,10 @@ def _error(frozen: FrozenHF, coders: CoderSet, layer: int) -> torch.Tensor:
     return frozen.mlp_outputs[layer] - writes[layer][0] - coders.skip(layer, m) - coders.bias(layer)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kind", ["transcoders", "clt"])
-def test_a_target_s_edges_and_its_constant_part_sum_to_its_value(kind: str) -> None:
-    frozen, coders, graph = _graph(kind)
+def test_a_target_s_edges_and_its_constant_part_sum_to_its_value(kind: str, arch: str) -> None:
+    frozen, coders, graph = _graph(kind, arch)
     # the value: on the prompt itself (the replacement's MLP outputs are the model's, error nodes included)
     value = _values(frozen, coders, graph, [torch.zeros_like(o) for o in frozen.mlp_outputs])
     # the constant part: every node at zero (no token embedding, feature or error), what the position embeddings,
@@ -178,9 +238,10 @@ def test_a_target_s_edges_and_its_constant_part_sum_to_its_value(kind: str) -> N
     assert float((edges - value).abs().max()) > 1e-3  # the constant part is no rounding
 
 
-def test_a_skip_transcoder_s_linear_path_stays_at_the_bos() -> None:
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_skip_transcoder_s_linear_path_stays_at_the_bos(arch: str) -> None:
     # circuit-tracer holds the BOS's MLP outputs but for W_skip's path: layer 0's carries token 0's embedding on
-    frozen, coders, graph = _graph("transcoders")
+    frozen, coders, graph = _graph("transcoders", arch)
     held = attribute(FrozenHF(frozen.model, PROMPT, 1), coders, max_logits=5, batch_size=7)
     token_0 = graph.n_features + LAYERS * graph.n_pos
     assert (graph.adjacency != held.adjacency).any(0).nonzero().flatten().tolist() == [token_0]
@@ -208,22 +269,25 @@ def test_a_prompt_starts_with_a_bos_and_fits_the_window() -> None:
     assert "\n" not in str(error.value)
 
 
-def test_the_command_reads_circuit_tracer_folders_on_a_gpt2_folder(tmp_path: Path, capsys) -> None:
-    model, folders = _model(), []
-    model.save_pretrained(tmp_path / "gpt2")
-    _tokenizer(tmp_path / "gpt2")
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox"])
+def test_the_command_reads_circuit_tracer_folders_on_a_model_folder(arch: str, tmp_path: Path, capsys) -> None:
+    model, folders = _model(arch), []
+    layout = LAYOUTS[type(model).__name__]
+    model.save_pretrained(tmp_path / "model")
+    _tokenizer(tmp_path / "model")
     for layer, coder in enumerate(_transcoders(model)):
-        hooks = (f"transformer.h.{layer}.ln_2", f"transformer.h.{layer}.mlp")
+        block = f"{layout.base}.{layout.blocks}.{layer}"
+        hooks = (f"{block}.{layout.mlp_norm}", f"{block}.mlp")  # as a run on that model names them
         folders.append(
-            str(export(coder, "circuit_tracer", tmp_path / f"l{layer}", hooks[0], str(tmp_path / "gpt2"), hooks[1]))
+            str(export(coder, "circuit_tracer", tmp_path / f"l{layer}", hooks[0], str(tmp_path / "model"), hooks[1]))
         )
     out = tmp_path / "graph"
     assert main([*folders, "prompt=w7 w12 w3 w25 w7 w30 w9 w14", f"out={out}", "node_threshold=1"]) == 0
     data = json.loads((out / "graph.json").read_text())
-    assert data["tokens"] == PROMPT.tolist() and data["model"] == str(tmp_path / "gpt2")
+    assert data["tokens"] == PROMPT.tolist() and data["model"] == str(tmp_path / "model")
     assert data["skip_positions"] == 1 and "feature" in {node["kind"] for node in data["nodes"]}
     # the same graph as the library's, circuit-tracer's folders read back to float rounding
-    frozen, coders, graph = _graph("transcoders")
+    frozen, coders, graph = _graph("transcoders", arch)
     assert data["unpruned"]["features"] == graph.n_features
     assert main([*folders, "prompt=" + " ".join(["w1"] * 16)]) == 2
     assert "longer than the model's window of 16" in capsys.readouterr().err
@@ -242,7 +306,7 @@ def test_the_command_reads_circuit_tracer_folders_on_a_gpt2_folder(tmp_path: Pat
         config.write_text(config.read_text().replace("ln2.hook_normalized", "mlp.hook_in"))
     assert main([*folders, "prompt=w7"]) == 2
     assert "no transformers folder nor runner run here: give source=FOLDER" in capsys.readouterr().err
-    assert load_coders([Path(f) for f in folders], TRUSTED_TARGETS, source=str(tmp_path / "gpt2")).coders.n_layers == 2
+    assert load_coders([Path(f) for f in folders], TRUSTED_TARGETS, source=str(tmp_path / "model")).coders.n_layers == 2
 
 
 def test_a_run_s_hooks_pair_each_block_s_mlp_input_and_output_of_one_model() -> None:

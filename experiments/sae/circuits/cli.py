@@ -2,9 +2,9 @@
 [max_logits=10] [logit_mass=0.95] [batch_size=64] [device=cpu] [source=MODEL] [--serve] [port=8000]`: the
 attribution graph of a prompt on a replacement model (experiments/sae/circuits/). RUN is a cross-layer transcoder's
 run (+experiment=clt_lm), one transcoder's run per block (+experiment=transcoder_lm, RUN0 RUN1 ...), or
-circuit-tracer's folder (a CLT, or a transcoder set's layer_N files), on runner's GPT or a transformers GPT-2
-(source=: the model's folder, where a circuit-tracer folder names none here). The prompt is text: bytes for runner's
-byte-level GPT, the tokenizer's tokens after a BOS for a transformers model. Nodes are pruned by influence
+circuit-tracer's folder (a CLT, or a transcoder set's layer_N files), on runner's GPT or a transformers GPT-2, Llama
+or GPT-NeoX (source=: the model's folder, where a circuit-tracer folder names none here). The prompt is text: bytes
+for runner's byte-level GPT, the tokenizer's tokens after a BOS for a transformers model. Nodes are pruned by influence
 (node_threshold of the total kept), then edges (edge_threshold), as circuit-tracer prunes; the replacement and
 completeness scores are the unpruned graph's. Writes DIR/graph.json and DIR/index.html, the graph's page (default
 DIR: the first RUN's attribution/): open it from disk, or `--serve` it to this machine's browser with the run's
@@ -22,7 +22,7 @@ import torch
 
 from experiments.sae.circuits.attribute import attribute
 from experiments.sae.circuits.frozen import FrozenGPT
-from experiments.sae.circuits.frozen_hf import FrozenHF, prompt_tokens
+from experiments.sae.circuits.frozen_hf import FrozenHF, model_window, prompt_tokens
 from experiments.sae.circuits.load import load_coders
 from experiments.sae.circuits.output import graph_data, write_graph
 from experiments.sae.circuits.page import served_root, write_page
@@ -81,7 +81,7 @@ def _options(argv: list[str]) -> tuple[list[Path], dict[str, Any], bool]:
 
 def _tokens(model: torch.nn.Module, prompt: str, tokenizer: Any = None) -> torch.Tensor:
     if tokenizer is not None:  # a transformers model: its own tokens, after its BOS as circuit-tracer reads a prompt
-        return prompt_tokens(tokenizer, prompt, int(model.config.n_positions))
+        return prompt_tokens(tokenizer, prompt, model_window(model))
     vocab, window = getattr(model, "vocab_size", None), getattr(model, "seq_len", None)
     if vocab != 256:
         raise ConfigError(f"the model's vocab_size is {vocab}, not bytes: a prompt is read as bytes (the lm preset)")
@@ -97,7 +97,7 @@ def graph_of(runs: list[Path], options: dict[str, Any]) -> dict[str, Any]:
     model, coders, meta, tokenizer = load_coders(runs, trusted_here(), device, options.get("source"))
     tokens = _tokens(model, options["prompt"], tokenizer).to(device)
     start = time.perf_counter()
-    # a transformers GPT-2's first positions (its BOS), which its coders skip, are constants of its graph
+    # a transformers model's first positions (its BOS), which its coders skip, are constants of its graph
     held = (coders.skip_positions, coders.skip)
     frozen = FrozenGPT(model, tokens) if tokenizer is None else FrozenHF(model, tokens, *held)
     graph = attribute(frozen, coders, options["max_logits"], options["logit_mass"], options["batch_size"])

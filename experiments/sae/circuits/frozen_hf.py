@@ -1,20 +1,23 @@
-"""A prompt's frozen transformers GPT-2 (GPT2LMHeadModel: LayerNorm, learned positions, tied unembedding), with
-frozen.py's interface and circuit-tracer's definitions (circuit_tracer/replacement_model/
-replacement_model_transformerlens.py, attribution/context_transformerlens.py): every LayerNorm's 1 / sqrt(var + eps)
-and every attention pattern is fixed at its value on the prompt; the centring stays (it is linear), so what follows
-the token embeddings is affine in them.
+"""A prompt's frozen transformers model (a GPT2LMHeadModel, LlamaForCausalLM or GPTNeoXForCausalLM: hf_blocks.py's
+LAYOUTS), with frozen.py's interface and circuit-tracer's definitions (circuit_tracer/replacement_model/
+replacement_model_transformerlens.py, attribution/context_transformerlens.py): every norm's denominator (a LayerNorm's
+1 / sqrt(var + eps), an RMSNorm's 1 / sqrt(mean(x^2) + eps)) and every attention pattern is fixed at its value on the
+prompt; a LayerNorm's centring stays (it is linear), so what follows the token embeddings is affine in them.
 
-The token nodes are the token embeddings alone (circuit-tracer's hook_embed, W_E[token]). The position embeddings,
-the LayerNorms' biases, the attention's value and output biases and the coders' decoder biases are constants, no
-nodes, as circuit-tracer's frozen parameters are. The first `constant_positions` positions' MLP outputs are held at
-their values on the prompt (circuit-tracer's zero_positions, position 0: the BOS it prepends, which computes the same
-on every prompt), but for a skip transcoder's linear path (`skip`, CoderSet.skip), which circuit-tracer keeps there:
-neither a feature nor an error node there has an edge. The coders should skip those positions (CoderSet
-skip_positions), as load.py makes them."""
+The token nodes are the token embeddings alone (circuit-tracer's hook_embed, W_E[token]). GPT-2's position
+embeddings, the norms' biases, the attention's value and output biases and the coders' decoder biases are constants,
+no nodes, as circuit-tracer's frozen parameters are (rotary positions live in the frozen patterns). The first
+`constant_positions` positions' MLP outputs are held at their values on the prompt (circuit-tracer's zero_positions,
+position 0: the BOS it prepends, which computes the same on every prompt), but for a skip transcoder's linear path
+(`skip`, CoderSet.skip), which circuit-tracer keeps there: neither a feature nor an error node there has an edge. The
+coders should skip those positions (CoderSet skip_positions), as load.py makes them.
+
+Every step is computed in the model's dtype, where transformers computes a LlamaRMSNorm and its eager attention's
+softmax in float32 whatever the dtype: in float32, the dtype load.py loads a model in, the frozen model gives
+transformers' logits to float32 rounding; in float64 it is exact, where transformers' rounds those two steps."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,20 +25,28 @@ import torch
 from torch import nn
 
 from experiments.sae.circuits.frozen import Mlp
+from experiments.sae.circuits.hf_blocks import LAYOUTS, Layout
 from runner import ConfigError
 
-ARCHITECTURE = "GPT2LMHeadModel"
 
-
-def check_gpt2(model: nn.Module, what: str = "the source model") -> None:
-    """A ConfigError unless `model` is a transformers GPT-2, the one architecture of transformers' read here."""
-    if type(model).__name__ != ARCHITECTURE:
+def check_model(model: nn.Module, what: str = "the source model") -> Layout:
+    """The layout of `model`, or a ConfigError unless it is one of the transformers architectures read here."""
+    layout = LAYOUTS.get(type(model).__name__)
+    if layout is None:
+        named = [f"{name} ({row.what})" for name, row in LAYOUTS.items()]
+        known = ", ".join(named[:-1]) + f" or {named[-1]}"
         raise ConfigError(
             f"{what} is a {type(model).__name__}: attribution graphs read runner's GPT (experiments/lm) or a "
-            f"transformers {ARCHITECTURE} (LayerNorm, learned positions); other architectures are not written yet"
+            f"transformers {known}; other architectures are not written yet"
         )
-    if getattr(model.lm_head, "bias", None) is not None:
-        raise ConfigError(f"{what}'s lm_head has a bias, which GPT-2's has not: its logits are no unembedding alone")
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        raise ConfigError(f"{what}'s output embedding has a bias: its logits are no unembedding alone")
+    return layout
+
+
+def model_window(model: nn.Module) -> int:
+    """How many positions the transformers `model` reads (its config's n_positions or max_position_embeddings)."""
+    return int(getattr(model.config, check_model(model).window))
 
 
 def prompt_tokens(tokenizer: Any, prompt: str, window: int) -> torch.Tensor:
@@ -49,71 +60,57 @@ def prompt_tokens(tokenizer: Any, prompt: str, window: int) -> torch.Tensor:
     if len(ids) > window:
         raise ConfigError(
             f"the prompt is {len(ids)} tokens (its first special token included), longer than the model's window of "
-            f"{window} positions (n_positions): give a shorter prompt"
+            f"{window} positions: give a shorter prompt"
         )
     return torch.tensor(ids)
 
 
-def _norm(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # LayerNorm with its 1 / sqrt(var + eps) fixed (`scale`): the centring, a linear map, stays
-    return (x - x.mean(-1, keepdim=True)) * scale * norm.weight + norm.bias
+def _norm(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # the norm with its denominator fixed (`scale`): a LayerNorm's centring, a linear map, stays
+    if isinstance(norm, nn.LayerNorm):
+        x = x - x.mean(-1, keepdim=True)
+    x = x * scale * norm.weight
+    return x if getattr(norm, "bias", None) is None else x + norm.bias
 
 
-def _scale(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    return torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)
-
-
-def _heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
-    b, t, d = x.shape
-    return x.view(b, t, n_head, d // n_head).transpose(1, 2)
-
-
-def _pattern(attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    # GPT-2's causal softmax of q k^T, scaled by 1 / sqrt(head_dim) and 1 / (layer + 1) as its config says, [1, H, T, T]
-    d, n_head = h.shape[-1], attn.num_heads
-    q, k, _ = attn.c_attn(h).split(d, dim=-1)
-    scale = (d // n_head) ** -0.5 if attn.scale_attn_weights else 1.0
-    if attn.scale_attn_by_inverse_layer_idx:
-        scale /= attn.layer_idx + 1
-    scores = _heads(q, n_head) @ _heads(k, n_head).transpose(-1, -2) * scale
-    t = h.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
-    return scores.masked_fill(~causal, -math.inf).softmax(-1)
-
-
-def _attend(attn: nn.Module, h: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
-    # attention with a fixed pattern: affine in h (its values with their bias, then the output projection)
-    b, t, d = h.shape
-    v = h @ attn.c_attn.weight[:, 2 * d :] + attn.c_attn.bias[2 * d :]  # Conv1D: x @ W + b, W [in, out]
-    y = pattern @ _heads(v, attn.num_heads)
-    return attn.c_proj(y.transpose(1, 2).reshape(b, t, d))
+def _scale(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # a LayerNorm's 1 / sqrt(var + eps), else (Llama's RMSNorm) 1 / sqrt(mean(x^2) + eps)
+    if isinstance(norm, nn.LayerNorm):
+        return torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
 
 
 class FrozenHF:
-    """`model` (a GPT2LMHeadModel) run on `tokens` [T] once (no gradients), recording what the affine model freezes;
+    """`model` (one of LAYOUTS) run on `tokens` [T] once (no gradients), recording what the affine model freezes;
     the first `constant_positions` MLP outputs are the prompt's, moved by `skip(layer, input)` alone."""
 
     def __init__(
         self, model: nn.Module, tokens: torch.Tensor, constant_positions: int = 1, skip: Mlp | None = None
     ) -> None:
-        check_gpt2(model)
-        window = int(model.config.n_positions)
-        if not 0 < len(tokens) <= window:
-            raise ConfigError(f"the prompt has {len(tokens)} tokens; the model reads 1 to {window} (n_positions)")
+        self.layout = layout = check_model(model)
+        positions = model_window(model)
+        if not 0 < len(tokens) <= positions:
+            raise ConfigError(
+                f"the prompt has {len(tokens)} tokens; the model reads 1 to {positions} ({layout.window})"
+            )
         if constant_positions < 0:
             raise ConfigError(f"constant_positions={constant_positions}: give 0 or more")
-        base = model.transformer
+        base = getattr(model, layout.base)
         self.model, self.tokens, self.constant_positions = model, tokens, constant_positions
         self.skip = skip or (lambda _layer, _m: 0.0)
-        self.blocks: Sequence[nn.Module] = list(base.h)
+        self.blocks: Sequence[nn.Module] = list(getattr(base, layout.blocks))
+        self.final_norm = getattr(base, layout.final_norm)
         self.n_layers, self.n_pos = len(self.blocks), len(tokens)
-        self.unembed = model.lm_head.weight.detach()
-        self.scales: list[torch.Tensor] = []  # per layer: ln_1's then ln_2's 1 / sqrt(var + eps) [1, T, 1]; ln_f's
+        self.unembed = model.get_output_embeddings().weight.detach()
+        self.scales: list[torch.Tensor] = []  # per layer: the attention's then the MLP's norm's [1, T, 1]; the final's
         self.patterns: list[torch.Tensor] = []  # per layer: [1, H, T, T]
         self.mlp_outputs: list[torch.Tensor] = []  # per layer: the true MLP output [T, d]
         with torch.no_grad():
-            self.embeddings = base.wte(tokens)  # the token nodes' vectors
-            self.positions = base.wpe(torch.arange(len(tokens), device=tokens.device))  # a constant
+            self.embeddings = getattr(base, layout.embed)(tokens)  # the token nodes' vectors
+            ids = torch.arange(len(tokens), device=tokens.device)
+            # rotary's cos and sin as the model's own module gives them, or learned position embeddings, a constant
+            self.rotary = base.rotary_emb(self.embeddings[None], ids[None]) if layout.rotary else None
+            self.positions = 0.0 if layout.rotary else base.wpe(ids)
             ins, final = self.run(self.embeddings[None], self._true_mlp, record=True)
             self.mlp_inputs = [m[0] for m in ins]
             self.logits = (final @ self.unembed.t())[0]
@@ -123,7 +120,7 @@ class FrozenHF:
         self.mlp_outputs.append(out[0])
         return out
 
-    def _normed(self, norm: nn.LayerNorm, x: torch.Tensor, index: int, record: bool) -> torch.Tensor:
+    def _normed(self, norm: nn.Module, x: torch.Tensor, index: int, record: bool) -> torch.Tensor:
         if record:
             self.scales.append(_scale(norm, x))
         return _norm(norm, x, self.scales[index])
@@ -143,15 +140,20 @@ class FrozenHF:
         (logits = final @ unembed.T), with `mlp(layer, input)` for each MLP's output past the constant positions;
         affine in x and in what mlp adds, the patterns and denominators being the prompt's (`record`: measured on
         this run, the true one)."""
+        layout, ins = self.layout, []
         x = x + self.positions
-        ins = []
         for layer, block in enumerate(self.blocks):
-            h = self._normed(block.ln_1, x, 2 * layer, record)
+            attn = getattr(block, layout.attn)
+            h = self._normed(getattr(block, layout.attn_norm), x, 2 * layer, record)
             if record:
-                self.patterns.append(_pattern(block.attn, h))
-            x = x + _attend(block.attn, h, self.patterns[layer])
-            m = self._normed(block.ln_2, x, 2 * layer + 1, record)
+                self.patterns.append(layout.pattern(attn, h, self.rotary))
+            a = layout.attend(attn, h, self.patterns[layer])
+            parallel = getattr(block, "use_parallel_residual", False)  # GPT-NeoX's MLP reads the block's input
+            if not parallel:
+                x = x + a
+            m = self._normed(getattr(block, layout.mlp_norm), x, 2 * layer + 1, record)
             ins.append(m)
             out = mlp(layer, m)
-            x = x + (out if record else self._held(layer, m, out))
-        return ins, self._normed(self.model.transformer.ln_f, x, 2 * self.n_layers, record)
+            out = out if record else self._held(layer, m, out)
+            x = out + a + x if parallel else x + out  # transformers' order of the parallel sum
+        return ins, self._normed(self.final_norm, x, 2 * self.n_layers, record)

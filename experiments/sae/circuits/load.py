@@ -1,6 +1,8 @@
 """What `python -m runner.attribute` reads: a cross-layer transcoder's run (+experiment=clt_lm), or one transcoder's run
 per layer (+experiment=transcoder_lm), hooked at every block's MLP input and output of one model: runner's GPT
-(blocks.N.mlp_norm, blocks.N.mlp) or a transformers GPT-2 (transformer.h.N.ln_2, transformer.h.N.mlp); or
+(blocks.N.mlp_norm, blocks.N.mlp) or a transformers GPT-2 (transformer.h.N.ln_2, transformer.h.N.mlp), Llama
+(model.layers.N.post_attention_layernorm, model.layers.N.mlp) or GPT-NeoX (gpt_neox.layers.N.post_attention_layernorm,
+gpt_neox.layers.N.mlp); or
 circuit-tracer's folders (experiments/sae/formats, read by read_folder: a transcoder set's layer_N files, each layer
 N's, or a CLT's), on `source` or the model their config.yaml's model_name names.
 
@@ -19,7 +21,8 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from experiments.sae.circuits.coders import CoderSet
-from experiments.sae.circuits.frozen_hf import check_gpt2
+from experiments.sae.circuits.frozen_hf import check_model
+from experiments.sae.circuits.hf_blocks import LAYOUTS
 from experiments.sae.coders.clt import CrossLayerTranscoder
 from experiments.sae.formats import circuit_tracer as ct
 from experiments.sae.formats import read_folder
@@ -30,10 +33,11 @@ from runner.config.confine import HUB, HUB_CACHED
 from runner.load import load_model, load_trained
 from runner.rundir import CONFIG
 
-# each model's MLP input and output modules, as runner's sources name them: runner's GPT, transformers' GPT-2
+# each model's MLP input and output modules, as runner's sources name them: runner's GPT, then each transformers
+# architecture's (hf_blocks.py: GPT-2's transformer.h.N.ln_2, Llama's and GPT-NeoX's N.post_attention_layernorm)
 PAIRS = [
     (re.compile(r"blocks\.(\d+)\.mlp_norm"), re.compile(r"blocks\.(\d+)\.mlp")),
-    (re.compile(r"transformer\.h\.(\d+)\.ln_2"), re.compile(r"transformer\.h\.(\d+)\.mlp")),
+    *((re.compile(read), re.compile(write)) for read, write in (layout.hooks() for layout in LAYOUTS.values())),
 ]
 ONE_PER_LAYER = "give a clt_lm run, or one transcoder_lm run per block (RUN0 RUN1 ...)"
 
@@ -76,8 +80,10 @@ def _layers(path: Path, cfg: Any) -> list[int]:
     if not reads or len(reads) != len(writes) or None in layers:
         raise ConfigError(
             f"{path} reads {reads} and writes {writes}: a family of mixed hooks, where the replacement model needs "
-            "each block's MLP input (blocks.N.mlp_norm, GPT-2's transformer.h.N.ln_2) and output (blocks.N.mlp, "
-            f"transformer.h.N.mlp) in pairs; {ONE_PER_LAYER}"
+            "each block's MLP input (blocks.N.mlp_norm; GPT-2's transformer.h.N.ln_2, Llama's "
+            "model.layers.N.post_attention_layernorm, GPT-NeoX's gpt_neox.layers.N.post_attention_layernorm) and "
+            f"output (blocks.N.mlp, transformer.h.N.mlp, model.layers.N.mlp, gpt_neox.layers.N.mlp) in pairs; "
+            f"{ONE_PER_LAYER}"
         )
     return layers  # type: ignore[return-value]
 
@@ -134,8 +140,8 @@ def _parts(path: Path, trusted: Sequence[str], source: str | None) -> list[_Part
 
 
 def transformers_model(checkpoint: str) -> tuple[nn.Module, Any]:
-    """The transformers GPT-2 `checkpoint` names (a save_pretrained folder, or hf:NAME), frozen in float32, and its
-    tokenizer, checked and loaded as pretrained.load loads a source (no text)."""
+    """The transformers model `checkpoint` names (a save_pretrained folder, or hf:NAME; GPT-2, Llama or GPT-NeoX),
+    frozen in float32, and its tokenizer, checked and loaded as pretrained.load loads a source (no text)."""
     require("transformers", "hf", f"the source model {checkpoint} (a transformers model)")
     cached = checkpoint.startswith(HUB_CACHED)
     hub = cached or checkpoint.startswith(HUB)
@@ -146,7 +152,7 @@ def transformers_model(checkpoint: str) -> tuple[nn.Module, Any]:
             model_weights(folder, folder, what)  # its weight files lie in it
         where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
         model, tokenizer, _ = pretrained._load(name, where, {**pretrained.INPUTS, "torch_dtype": "float32"}, what)
-    check_gpt2(model, what)
+    check_model(model, what)
     return model, tokenizer
 
 
@@ -186,7 +192,7 @@ def load_coders(
     skip = max(part.skip for part in parts)
     if pretrained.is_pretrained(model_name):
         model, tokenizer = transformers_model(model_name)
-        n_layer, skip = len(model.transformer.h), max(skip, 1)
+        n_layer, skip = int(model.config.num_hidden_layers), max(skip, 1)
     else:
         (model, _), tokenizer = load_trained(model_name, trusted), None
         n_layer = len(getattr(model, "blocks", []))

@@ -26,7 +26,7 @@ from torch import nn
 from experiments.sae.circuits.attribute import attribute
 from experiments.sae.circuits.coders import CoderSet
 from experiments.sae.circuits.frozen import FrozenGPT
-from experiments.sae.circuits.frozen_hf import FrozenHF
+from experiments.sae.circuits.frozen_hf import FrozenHF, model_window
 from experiments.sae.circuits.load import load_coders
 from experiments.sae.circuits.prune import scores
 from experiments.sae.sources.source import SourceModel
@@ -72,7 +72,7 @@ def load_circuits(
     """The coder set of the run folders `paths` (a CLT's, or one transcoder's per block) on `device`, or why not."""
     loaded = load_coders(paths, trusted, device)
     model = loaded.model
-    window = getattr(model, "seq_len", None) or getattr(getattr(model, "config", None), "n_positions", None)
+    window = getattr(model, "seq_len", None) or (model_window(model) if loaded.tokenizer is not None else None)
     if window is not None and prompt_tokens > window:
         raise ConfigError(
             f"prompt_tokens={prompt_tokens}: the source model reads at most {window} tokens at once; give "
@@ -111,7 +111,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def _frozen(circuits: Circuits, tokens: torch.Tensor) -> FrozenGPT | FrozenHF:
-    # as runner.attribute freezes a prompt: a transformers GPT-2's first positions (its windows' BOS), which its
+    # as runner.attribute freezes a prompt: a transformers model's first positions (its windows' BOS), which its
     # coders skip, are constants of the graph
     if circuits.tokenizer is None:
         return FrozenGPT(circuits.gpt, tokens)
