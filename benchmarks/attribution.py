@@ -35,6 +35,7 @@ from experiments.sae.circuits.load import load_coders  # noqa: E402
 from experiments.sae.circuits.prune import prune, scores  # noqa: E402
 from experiments.sae.coders.activations import TopKSAE  # noqa: E402
 from experiments.sae.coders.clt import CrossLayerTranscoder  # noqa: E402
+from runner.load import trusted_here  # noqa: E402
 
 TEXT = b"import os\nimport sys\n\ndef main(argv):\n    return len(argv)\n"
 
@@ -78,7 +79,7 @@ def main() -> None:
         )
         frozen = lambda: FrozenHF(gpt, tokens, coders.skip_positions, coders.skip)  # noqa: E731
     else:
-        gpt, coders = load_coders(args.runs, ())[:2] if args.runs else preset()
+        gpt, coders = load_coders(args.runs, trusted_here())[:2] if args.runs else preset()
         tokens = torch.tensor(list((TEXT * 4)[: args.tokens or 32]))
         frozen = lambda: FrozenGPT(gpt, tokens)  # noqa: E731
     for repeat in range(args.repeats):

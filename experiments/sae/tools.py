@@ -53,13 +53,14 @@ def export_sae(
 
 
 def held_out_rows(cfg: Any, rows: int = 4096) -> torch.Tensor:
-    """Up to `rows` raw rows of the run's validation split (its quoted data config, built as runner.build does),
-    what a TopK coder's circuit-tracer threshold is calibrated on (experiments/sae/formats/circuit_tracer_clt.py)."""
+    """Up to `rows` raw rows of the run's validation split (its own data config, `run_data` as runner.tools.export
+    gives it, else `data`; built as runner.build does), what a TopK coder's circuit-tracer threshold is calibrated on
+    (experiments/sae/formats/circuit_tracer_clt.py)."""
     from omegaconf import OmegaConf
 
     from runner.build import build_data
 
-    data = build_data(OmegaConf.create({"data": cfg.get("data") or {}}))
+    data = build_data(OmegaConf.create({"data": cfg.get("run_data") or cfg.get("data") or {}}))
     loader = data.split_loader("val") if hasattr(data, "split_loader") else None
     if loader is None:
         raise ConfigError("format=circuit_tracer: a TopK coder is calibrated on the run's validation rows; it has none")

@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         try:  # beside `out`, renamed into place once whole: a killed export leaves nothing in the way of the next
             with staged_folder(out) as partial:
                 summary = read_json(run_dir / SUMMARY) or {}  # a repository's model card quotes its metrics
-                written = model.export(args.format, partial, quoted, summary=summary)
+                # the run's own data config (never quoted): what a format that computes from the run's held-out rows
+                # builds them from, its source named by its path here
+                view = {**quoted, "run_data": cfg.get("data")}
+                written = model.export(args.format, partial, view, summary=summary)
                 folders = [out / Path(f).relative_to(partial) for f in written]
         except (OSError, DiskFull) as error:
             raise write_failed(error, f"writing the export to {out}", f"nothing was written to {out}") from None

@@ -290,3 +290,30 @@ def test_a_clt_exported_to_circuit_tracer_s_folder_gives_the_same_graph(lm_run: 
     scale = max(abs(w) for w in ours.values())
     assert max(abs(ours[k] - theirs[k]) for k in ours) <= 1e-5 * scale
     assert got["scores"] == pytest.approx(want["scores"], abs=1e-5)
+
+
+def test_a_clt_run_exports_to_circuit_tracer_and_its_folder_is_attributed(
+    clt_run: Path, lm_run: Path, tmp_path: Path, capsys
+) -> None:
+    # python -m runner.export on a run: the TopK CLT calibrated on the run's own validation rows, its cost said; the
+    # folder read back by runner.attribute on the run's GPT
+    import json
+
+    import yaml
+
+    from runner.tools import export
+
+    assert export.main([str(clt_run), "format=circuit_tracer", f"out={tmp_path / 'ct'}"]) == 0
+    said = capsys.readouterr()
+    assert "TopK -> JumpReLU on" in said.out + said.err and "FVE" in said.out + said.err
+    cfg = yaml.safe_load((tmp_path / "ct" / "config.yaml").read_text())
+    assert (cfg["model_kind"], cfg["feature_input_hook"]) == ("cross_layer_transcoder", "mlp.hook_in")
+    ours = cfg["runner"]
+    assert ours["converted_from"] == "topk" and ours["skip_positions"] == 1 and len(ours["conversion"]["l0_topk"]) == 2
+    for topk, jumprelu in zip(ours["conversion"]["l0_topk"], ours["conversion"]["l0_jumprelu"], strict=True):
+        assert jumprelu == pytest.approx(topk, rel=0.05)
+    out = tmp_path / "graph"
+    assert main([str(tmp_path / "ct"), f"source={lm_run}", "prompt=import json", f"out={out}", "node_threshold=1"]) == 0
+    data = json.loads((out / "graph.json").read_text())
+    assert data["skip_positions"] == 1 and data["unpruned"]["features"] > 0
+    assert min(n["pos"] for n in data["nodes"] if n["kind"] == "feature") >= 1
