@@ -3,7 +3,8 @@
 the model it reads: runner.load.load_model): per latent its strongest contexts in the source's text, examples across
 its range of activation, how often it fires, a histogram, the tokens it promotes and suppresses, its nearest latents.
 Static pages in DIR (default RUN_DIR/features; a symlink in the run folder never leads them elsewhere:
-runner.rundir.outputs): open DIR/index.html from disk, or `--serve` them to this machine's browser (PagesHandler). The
+runner.rundir.outputs): open DIR/index.html from disk, or `--serve` them to this machine's browser (PagesHandler:
+pages already whole in DIR, as DIR/pages.json lists them, are served as they are, and built only if there are none). The
 model writes them (`features(cfg, run_dir, out, ...)`: runner's SAEs, experiments/sae/pages/dashboard.py), built under
 the same trust rules as evaluation (runner.load.load_trained). `neuronpedia=true` writes the same latents as
 Neuronpedia's upload batches too (DIR/neuronpedia/batch-N.json: experiments/sae/pages/neuronpedia.py), under
@@ -27,7 +28,7 @@ from typing import Any
 from runner import ConfigError
 from runner.load import Attach, load_model, trusted_here
 from runner.log.console import ConsoleLogger
-from runner.rundir import DiskFull
+from runner.rundir import DiskFull, read_json, write_json
 from runner.rundir.outputs import output_folder, write_failed
 from runner.tools.cli import help_asked, key_values
 from runner.tools.evaluate import checked_device, read_options
@@ -173,6 +174,35 @@ def serve(out: Path, port: int, index: Path, only: tuple[str, ...] = ()) -> int:
     return 0
 
 
+MANIFEST = "pages.json"  # the pages a build wrote, written last (and removed as a build starts): they are whole
+BUILT_BY = ("tokens", "top", "neuronpedia", "source", "hook", "module", "target")  # the options the pages depend on
+
+
+def written_pages(out: Path) -> dict[str, Any] | None:
+    """What the last whole build in `out` wrote (its pages, under `out`; when; with which options), or None."""
+    manifest = read_json(out / MANIFEST)
+    pages = manifest.get("pages") if isinstance(manifest, dict) else None
+    if not isinstance(pages, list) or not pages or not all(isinstance(p, str) for p in pages):
+        return None
+    root = out.resolve()
+    if not all((out / p).resolve().is_relative_to(root) and (out / p).is_file() for p in pages):
+        return None  # pages since removed, or a name that leads out of the folder: build them again
+    return manifest
+
+
+def _serve_written(out: Path, options: dict[str, Any], manifest: dict[str, Any]) -> int:
+    # the pages there, as they are: a server starts in seconds where a build reads the source model's text again
+    said = manifest.get("options") if isinstance(manifest.get("options"), dict) else {}
+    differ = [f"{k}={said.get(k)!r} (not {options.get(k)!r})" for k in BUILT_BY if options.get(k) != said.get(k)]
+    print(
+        f"serving the pages already in {out}, written {manifest.get('written', '?')}"
+        + (f" with {', '.join(differ)}" if differ else "")
+        + f"; to build them again, run without --serve (or remove {out / MANIFEST})",
+        file=sys.stderr,
+    )
+    return serve(out, options["port"], out / manifest["pages"][0])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the pages (and serve them with --serve), exit 0; or print why not and exit 2."""
     argv = sys.argv[1:] if argv is None else argv
@@ -180,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         path, options, served = _options(argv)
+        run_dir = path if path.is_dir() else path.parent
+        if served and run_dir.is_dir():
+            out = output_folder(run_dir, options["out"] or None, "features", "out=")
+            if (manifest := written_pages(out)) is not None:
+                return _serve_written(out, options, manifest)
         device = checked_device(options["device"])
         model, cfg = load_model(path, trusted_here(), Attach.of(options))
         if not hasattr(model, "features"):
             raise ConfigError(f"{path}'s model ({type(model).__name__}) has no feature pages (runner's SAEs have)")
-        run_dir = path if path.is_dir() else path.parent
         # what the pages and batches quote of the config is plain data, and the names they publish under are never a
         # local path (runner.tools.published)
         names, said = publish_names(quoted_config(run_dir, cfg), run_dir, options["model_name"], options["sae_set"])
@@ -192,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         try:
             out.mkdir(parents=True, exist_ok=True)
+            (out / MANIFEST).unlink(missing_ok=True)  # until this build is whole, no page here is served as whole
             working = ConsoleLogger().working  # the pass's progress: a bar in a terminal, a line now and then elsewhere
             pages = model.features(
                 cfg,
@@ -204,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                 neuronpedia=options["neuronpedia"],
                 publish=names,
             )
+            listed = [page.resolve().relative_to(out.resolve()).as_posix() for page in pages]
+            settings = {key: options.get(key) for key in BUILT_BY}
+            written = time.strftime("%Y-%m-%d %H:%M:%S")
+            write_json(out / MANIFEST, {"pages": listed, "written": written, "options": settings})
         except (OSError, DiskFull) as error:
             kept = "any pages there may be incomplete (the same command writes them whole)"
             raise write_failed(error, f"making the feature pages in {out}", kept) from None

@@ -127,3 +127,36 @@ def test_only_the_named_subfolders_of_a_served_folder_are_served(site: dict[str,
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_serve_serves_the_pages_already_written_and_builds_only_if_none_are(
+    site: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+    import shutil
+
+    listed = json.loads((site["pages"] / features.MANIFEST).read_text())
+    assert listed["pages"] == ["index.html"] and listed["options"]["tokens"] == 64
+    served = []
+    monkeypatch.setattr(features, "serve", lambda out, port, index, only=(): served.append((out, port, index)) or 0)
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the pages were built again")
+
+    monkeypatch.setattr(features, "load_model", no_build)
+    run, pages = str(site["run"]), site["pages"]
+    assert features.main([run, "tokens=64", f"out={pages}", "--serve", "port=8123"]) == 0
+    assert served == [(pages.resolve(), 8123, pages.resolve() / "index.html")]
+    err = capsys.readouterr().err
+    assert "serving the pages already in" in err and "run without --serve" in err and "not " not in err
+    assert features.main([run, "tokens=128", f"out={pages}", "--serve"]) == 0
+    assert "with tokens=64 (not 128)" in capsys.readouterr().err
+    # pages a killed build left (no manifest), or pages since removed: built again
+    partial = tmp_path / "partial"
+    shutil.copytree(pages, partial, symlinks=True)
+    (partial / "index.html").unlink()
+    assert features.written_pages(partial) is None
+    (partial / features.MANIFEST).write_text(json.dumps({"pages": ["../secret.txt"]}))
+    assert features.written_pages(partial) is None
+    with pytest.raises(AssertionError, match="built again"):
+        features.main([run, "tokens=64", f"out={partial}", "--serve"])
