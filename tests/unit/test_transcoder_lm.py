@@ -213,3 +213,13 @@ def test_transcoder_lm_trains_and_reports_the_spliced_mlp(lm_run: Path, tmp_path
     got = source.compare({"spliced": spliced, "zero": (MLP, torch.zeros_like)})
     assert got["spliced"]["ce"] == pytest.approx(m["val/ce_spliced"], rel=1e-6)
     assert got["zero"]["ce"] == pytest.approx(m["val/ce_zero_ablated"], rel=1e-9)
+
+
+def test_a_module_not_in_the_model_is_refused_with_the_nearest_names_only() -> None:
+    from experiments.sae.sources.hook_points import nearest_modules
+
+    modules = ["", "embed", *[f"blocks.{i}.{part}" for i in range(12) for part in ("attn", "mlp", "mlp_norm")]]
+    said = nearest_modules("blocks.9.mlpp", modules)
+    assert said.startswith("the nearest of its 37 are blocks.9.mlp, ") and said.count(",") == 5
+    assert nearest_modules("x", ["", "a", "b"]) == "it has a, b"
+    assert nearest_modules("x", [""]) == "it has none but itself"

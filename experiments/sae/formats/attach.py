@@ -21,6 +21,7 @@ from torch import nn
 from experiments.sae.formats.folders import read_folder
 from experiments.sae.formats.saelens import PARTS, RESID_PRE, TL_HOOK
 from experiments.sae.sources import pretrained
+from experiments.sae.sources.hook_points import nearest_modules
 from runner import ConfigError
 from runner.load import TRUSTED_TARGETS, load_trained
 from runner.tools.published import literal
@@ -60,7 +61,7 @@ def _pick(given: str | None, hook: str | None, modules: list[str], key: str, fac
     # the module named on the command line, else the one the folder's hook point makes
     if given is not None:
         if given not in modules:
-            raise ConfigError(f"{key}={given} is not a module of the source model; it has {_some(modules)}")
+            raise ConfigError(f"{key}={given} is not a module of the source model: {nearest_modules(given, modules)}")
         return given
     found = module_for(hook, modules) if hook else None
     if found is None:

@@ -3,9 +3,22 @@ alone before the model loads, and the order a forward must run them in."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 
 from runner import ConfigError
+
+
+def nearest_modules(name: str, modules: Sequence[str], most: int = 6) -> str:
+    """`modules` as a refusal names them: all of a few, else the `most` nearest to the `name` given, closest first, and
+    how many there are (a model's whole list runs to thousands of characters)."""
+    named = [module for module in modules if module]
+    if not named:
+        return "it has none but itself"
+    if len(named) <= most:
+        return "it has " + ", ".join(named)
+    nearest = difflib.get_close_matches(name, named, n=most, cutoff=0.0)
+    return f"the nearest of its {len(named)} are " + ", ".join(nearest)
 
 
 def hook_points(module: str | Sequence[str] | None) -> list[str]:

@@ -13,7 +13,7 @@ import torch
 
 from experiments.sae.sources import costs
 from experiments.sae.sources.frozen import FrozenModel
-from experiments.sae.sources.hook_points import check_order, hook_points, targets_of
+from experiments.sae.sources.hook_points import check_order, hook_points, nearest_modules, targets_of
 from experiments.sae.sources.replacements import (
     Replacement,
     Rows,
@@ -65,7 +65,7 @@ class SourceModel(FrozenModel):
         self.names += self.targets
         for name in self.names:
             if name not in modules:
-                names = ", ".join(n for n in modules if n) or "it has none but itself"
+                names = nearest_modules(name, list(modules))
                 raise ConfigError(
                     f"{self._option(name)}={name!r} is not a module of {type(self.model).__name__}: {names}"
                     + self._read_instead()
