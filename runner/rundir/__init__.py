@@ -13,6 +13,7 @@ from runner.rundir.files import (
     staged_in,
     write_atomic,
     write_json,
+    write_png,
 )
 from runner.rundir.locks import FolderInUse, claim, lock, locked, unlock
 from runner.rundir.names import (
@@ -82,4 +83,5 @@ __all__ = [
     "unlock",
     "write_atomic",
     "write_json",
+    "write_png",
 ]

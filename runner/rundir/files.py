@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import io
 import json
 import os
 import shutil
@@ -112,6 +113,14 @@ def fsync_dir(path: str | Path) -> None:
 def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     """Write `data` as indented JSON, atomically."""
     return write_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
+
+
+def write_png(path: str | Path, figure: Any, dpi: int) -> Path:
+    """Write a matplotlib figure as a PNG, atomically: never through a link at the file's name (a run folder may be
+    anybody's)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    return write_atomic(path, buffer.getvalue())
 
 
 def set_aside(run_dir: str | Path, *extra: Path) -> Path | None:

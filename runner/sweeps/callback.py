@@ -14,6 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner.rundir import FolderInUse, lock, locked, unlock
+from runner.sweeps.frontier import show_frontiers
 from runner.sweeps.results import collect, job_row, leaderboard, table_console, write_csv
 
 RESULTS_LOCK = ".results.lock"  # one job at a time writes results.csv (removed when released)
@@ -71,7 +72,8 @@ class SweepResults(Callback):
             raise SystemExit(1)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Write the final results.csv, print the leaderboard and release the sweep folder."""
+        """Write the final results.csv, print the leaderboard (and the frontier of jobs that report one) and release
+        the sweep folder."""
         sweep_dir = Path(str(config.hydra.sweep.dir))
         rows = self._update(sweep_dir)
         unlock(sweep_dir)
@@ -79,6 +81,7 @@ class SweepResults(Callback):
             return
         console = table_console()
         console.print(leaderboard(rows, mode=str(config.get("mode", "min")), top=self.top))
+        show_frontiers(console, rows)
         counts = Counter(row["status"] for row in rows)
         tally = ", ".join(f"{n} {status}" for status, n in counts.most_common())
         console.print(f"{len(rows)} jobs: {tally}. Results: {sweep_dir / self.filename}", highlight=False)

@@ -1,17 +1,18 @@
 """`python -m runner.report DIR`: leaderboard, results.csv and metric curves of a sweep (running or done) or a run
-(one figure of every metric it logged: plots/curves.png)."""
+(one figure of every metric it logged: plots/curves.png), and the frontier a task registers (runner.sweeps.frontier:
+an SAE's FVE against its L0) as a table and plots/frontier_NAME.png."""
 
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 from pathlib import Path
 from typing import Any
 
 from runner import ConfigError
-from runner.rundir import write_atomic
+from runner.rundir import write_png
 from runner.rundir.outputs import make_dir, output_folder
+from runner.sweeps.frontier import show_frontiers
 from runner.sweeps.results import (
     collect,
     find_jobs,
@@ -23,6 +24,7 @@ from runner.sweeps.results import (
     write_csv,
 )
 from runner.tools.cli import as_flags
+from runner.tools.frontier import draw_frontiers
 
 PLOT_SIZE, PLOT_DPI = (8.0, 5.0), 100  # 800 x 500 pixels
 MAX_LEGEND = 20  # more jobs than this: lines without labels (the leaderboard says which is which)
@@ -65,17 +67,10 @@ def plot(rows: list[dict[str, Any]], metric: str, path: Path) -> int:
         ax.grid(alpha=0.3)
         if len(curves) <= MAX_LEGEND:
             ax.legend(fontsize="small")
-        _save(fig, path)
+        write_png(path, fig, PLOT_DPI)
     finally:
         plt.close(fig)
     return len(curves)
-
-
-def _save(fig: Any, path: Path) -> None:
-    # by write_atomic, never through a link at the file's name (a run folder may be anybody's)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=PLOT_DPI)
-    write_atomic(path, buffer.getvalue())
 
 
 def _panels(curve: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -123,17 +118,18 @@ def plot_run(run_dir: Path, path: Path) -> int:
             ax.set_visible(False)
         fig.suptitle(str(run_dir))
         fig.tight_layout()
-        _save(fig, path)
+        write_png(path, fig, PLOT_DPI)
     finally:
         plt.close(fig)
     return len(panels)
 
 
-OPTIONS = ("metric", "mode", "top", "plot", "out")  # also KEY=VALUE (runner.tools.cli), and no_plot=true
+OPTIONS = ("metric", "mode", "top", "plot", "out", "along")  # also KEY=VALUE (runner.tools.cli), and no_plot=true
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the leaderboard of DIR, write its results.csv and plots; the exit code (2: nothing to report)."""
+    """Print the leaderboard and frontiers of DIR, write its results.csv and plots; the exit code (2: nothing to
+    report)."""
     args = _parser().parse_args(as_flags(sys.argv[1:] if argv is None else argv, OPTIONS, ("no_plot",)))
     try:
         rows = _jobs(args)
@@ -148,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)
     console.print(f"results: {write_csv(rows, out / 'results.csv')}", highlight=False, soft_wrap=True)
+    frontiers = show_frontiers(console, rows, args.along)
     if args.no_plot:
         return 0
     try:
@@ -164,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         _draw_run(console, args.dir, plots / "curves.png")
     else:
         _draw_jobs(console, rows, args.plot or list(dict.fromkeys([monitor, "train/loss"])), plots)
+    draw_frontiers(console, frontiers, plots)
     return 0
 
 
@@ -187,6 +185,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-plot", action="store_true", help="no plots")
     parser.add_argument("--out", type=Path, help="where results.csv and plots/ go (default: DIR)")
+    parser.add_argument(
+        "--along",
+        metavar="KEY",
+        help="the swept key that moves jobs along a frontier; the others name its lines (default: the one whose "
+        "values follow the frontier's x most closely)",
+    )
     return parser
 
 
@@ -205,6 +209,9 @@ def _jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.metric != "best" and not any(args.metric in row for row in rows):
         known = sorted({k for row in rows for k in row if "/" in k and not k.startswith("override:")})
         raise ConfigError(f"no job has a metric {args.metric!r}; known: best, {', '.join(known)}")
+    swept = [key.removeprefix("override:") for key in varying(rows)]
+    if args.along is not None and args.along not in swept:
+        raise ConfigError(f"--along {args.along}: not a key this sweep varies; it varies: {', '.join(swept) or 'none'}")
     return rows
 
 
