@@ -142,3 +142,18 @@ def test_the_older_source_cache_option_is_refused_with_its_new_spelling(experime
     assert code == 2 and "source.cache= is no longer an option" in err, err
     assert "data=activations_lm_cached data.cache=DIR" in err and "data=activations_cached data.cache=DIR" in err
     assert not (tmp_path / "acts").exists()
+
+
+def test_the_splice_reads_as_many_validation_batches_as_validation_does(lm_run: Path, compose_cfg) -> None:
+    # debug=fast's data.limit_val_batches reaches the splice and its ablations (callbacks/sae_splice.yaml)
+    from types import SimpleNamespace
+
+    from experiments.sae.evals.splice import SpliceEval
+
+    cfg = compose_cfg("+experiment=sae_lm", f"source.checkpoint={lm_run}", "+debug=fast")
+    assert cfg.callbacks.sae_splice.limit_batches == cfg.data.limit_val_batches == 2
+    totals: list[int] = []
+    run = SimpleNamespace(device=torch.device("cpu"), working=lambda what, done, total: totals.append(total))
+    splice = SpliceEval(str(lm_run), "blocks.1", skip_positions=1, limit_batches=1)
+    splice._ablate(run)
+    assert splice.source.data.limit_val_batches == 1 and set(totals) == {1}

@@ -39,7 +39,8 @@ class SpliceEval(Callback):
     and their mean activation, (L_mean - L_sae) / (L_mean - L_clean). Each SAE of a family (model=sae_multi) gets its
     own, as val/<name>/<metric>, and the unprefixed metrics are their means. With a `target` (a transcoder), the
     target's output is what is replaced, by the transcoder of `module`'s, and what is ablated; the metrics keep
-    their names."""
+    their names. `limit_batches` caps the source's validation batches the splice and ablations read, as
+    data.limit_val_batches caps validation's (a fraction of the split, or batches per rank; None: all)."""
 
     def __init__(
         self,
@@ -50,8 +51,10 @@ class SpliceEval(Callback):
         inputs: dict | None = None,
         target: str | Sequence[str] | None = None,
         shard: str | None = None,
+        limit_batches: float | int | None = None,
     ) -> None:
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
+        self.limit_batches = limit_batches
         self.skip, self.inputs, self.target, self.shard = skip_positions, inputs, target, shard
         self.source: SourceModel | None = None
         self.ablated: dict[str, dict] = {}
@@ -110,6 +113,8 @@ class SpliceEval(Callback):
             self.target,
             self.shard,
         )
+        # the source's own split, read at every validation: sized as validation is (debug=fast's two batches)
+        self.source.data.limit_val_batches = self.limit_batches
         acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
         means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
         targets = self.source.targets
