@@ -247,6 +247,9 @@ def _settings(
     config = _plain(cfg)
     progress.check_durations(config)
     trainer = cfg.trainer
+    tolerance = trainer.get("short_run_tolerance")
+    if tolerance is not None and tolerance < 0:
+        raise ConfigError(f"trainer.short_run_tolerance must be >= 0 (null: never said), got {tolerance}")
     return Settings(
         val_interval=_interval(progress, trainer.val_interval, "trainer.val_interval"),
         log_interval=_interval(progress, trainer.log_interval, "trainer.log_interval"),
@@ -259,6 +262,7 @@ def _settings(
         data_info=getattr(data, "info", {}),  # a data module of your own need not have one
         compiled=compiled,
         recomputed=recomputed,
+        short_run_tolerance=tolerance,
     )
 
 

@@ -215,5 +215,6 @@ def validate(run: Run) -> dict[str, float]:
             raise ConfigError(f"monitored metric {name!r} is not produced by validation; it gave {sorted(metrics)}")
     if run.settings.monitor is not None:
         run.state.best.update(metrics[run.settings.monitor], run.progress.step)
+        run.state.monitored.append([run.progress.step, metrics[run.settings.monitor]])
     run.schedule.on_validation(metrics)
     return metrics

@@ -180,6 +180,10 @@ class Settings:
     data_info: dict[str, Any] = field(default_factory=dict)  # the data module's facts, for run.json
     compiled: str | None = None  # what torch.compile compiles ("3 x Block (inductor, mode default)"); None: eager
     recomputed: str | None = None  # the units whose activations are recomputed in backward; None: none
+    short_run_tolerance: float | None = None  # runner.short_run: the gain over the run's end that says "short"
+
+
+ADDED_STATE = ("monitored",)  # State's fields an older checkpoint may lack; any other missing one is a corrupt file
 
 
 @dataclass
@@ -192,6 +196,7 @@ class State:
     meter: Meter = None  # type: ignore[assignment]  # training sums since the last log row (default: a new one)
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged value of every metric
     clock: WallClock = field(default_factory=WallClock)  # wall time over every launch
+    monitored: list = field(default_factory=list)  # [step, value] of `monitor` at each validation (runner.short_run)
 
     def __post_init__(self) -> None:
         self.meter = self.meter or Meter(self.progress)
@@ -214,6 +219,8 @@ class State:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict()."""
         for f in fields(self):
+            if f.name not in state and f.name in ADDED_STATE:  # a checkpoint from before the field: a new run's
+                continue
             value = getattr(self, f.name)
             if hasattr(value, "load_state_dict"):
                 value.load_state_dict(state[f.name])
@@ -222,7 +229,10 @@ class State:
 
 
 def _state_of(value: Any) -> Any:
-    return value.state_dict() if hasattr(value, "state_dict") else (dict(value) if isinstance(value, dict) else value)
+    # A copy of a dict or list: a checkpoint is written in a thread while the run goes on changing them.
+    if hasattr(value, "state_dict"):
+        return value.state_dict()
+    return type(value)(value) if isinstance(value, (dict, list)) else value
 
 
 @dataclass

@@ -21,6 +21,7 @@ from runner.log.info import run_info, run_metadata
 from runner.loop import fit
 from runner.run import Callback, Run, StopReason
 from runner.rundir import CHECKPOINTS, CONFIG, MODEL, MODEL_PART, RUN_INFO, SUMMARY, set_aside, write_atomic, write_json
+from runner.short_run import short_run
 from runner.sweeps.job import SweepJob
 
 
@@ -46,6 +47,8 @@ def summarize(run: Run, samples_at_start: int = 0, tokens_at_start: int = 0) -> 
         "steady": run.state.meter.steady_throughput(),
         # the first optimizer step's wall time, compiling included (compile is lazy); null when nothing is compiled
         "compile_time_s": run.state.meter.first_step_s if run.settings.compiled else None,
+        # the monitored metric still improving at the end of a run that trained its whole max_duration; else null
+        "short_run": short_run(run),
     }
 
 

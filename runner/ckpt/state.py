@@ -110,6 +110,7 @@ INERT = (
     "compile",  # how the same model runs: the weights and their names do not change
     "activation_checkpointing",
     "trainer.peak_flops",
+    "trainer.short_run_tolerance",
     "callbacks.text_samples",  # its own generator: sampling never changes the training
     "callbacks.perplexity",
     "init_from",  # the checkpoint's weights replace what init_from loaded

@@ -37,6 +37,7 @@ TRAINER_KEYS: dict[str, Any] = {
     "max_nonfinite_steps": int,
     "stop_check_interval": Any,
     "peak_flops": float | None,
+    "short_run_tolerance": float | None,
 }
 # The top-level settings of runner/conf/config.yaml that are not a group's, and their types.
 TOP_KEYS: dict[str, Any] = {

@@ -180,6 +180,8 @@ class ConsoleLogger(Logger):
         if summary.get("compile_time_s") is not None:
             table.add_row("compile time", f"{summary['compile_time_s']:.1f} s (the first step)")
         self.console.print(table)
+        if summary.get("short_run"):  # a line of its own: the override it suggests must not be cut
+            self.console.print(summary["short_run"]["message"], soft_wrap=True, highlight=False, markup=False)
         self._print_run_dir()
 
     def _print_run_dir(self) -> None:
