@@ -4,6 +4,7 @@ summary."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any
 
@@ -30,6 +31,8 @@ class ConsoleLogger(Logger):
     `every_s` seconds: a log file gets a readable history, not a redrawn bar's control codes.
     """
 
+    beat_s: float | None = 1.0  # how often the heartbeat's thread looks at the pass (None: no thread)
+
     def __init__(
         self,
         show: tuple[str, ...] = ("train/loss", "train/lr", "train/samples_per_s", "train/tokens_per_s"),
@@ -47,8 +50,14 @@ class ConsoleLogger(Logger):
         self.last_line = time.monotonic()  # a plain line comes every_s after this (start() sets it again)
         self.latest: dict[str, float] = {}  # the last value of each shown metric (train and val rows differ in step)
         self.run_dir: str | None = None
-        self.passes: dict[str, float] = {}  # when each long pass (working) started
-        self.pass_bars: dict[str, Any] = {}  # its bar's task in a terminal
+        self.pass_bars: dict[str, Any] = {}  # its bar's task under a training bar
+        # A pass's lines outside a bar: every 10 s in a terminal (someone is watching), every `every_s` in a file.
+        self.pass_every_s = min(every_s, 10.0) if self.console.is_terminal else every_s
+        self._news: tuple[str, int, int | None, float, int] | None = None  # the pass: what, done, total, start, first
+        self._last_news = 0.0  # when its last step ended
+        self._lock = threading.Lock()  # the heartbeat's thread and the caller's share the pass's news and last_line
+        self._closed = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def resume(self, step: int, state: dict[str, Any]) -> None:
         """A resumed launch starts at `step`: its rate (for the ETA) counts the steps it trains."""
@@ -119,23 +128,52 @@ class ConsoleLogger(Logger):
             self.console.print(f"step {step}  {epoch}{line}", highlight=False, soft_wrap=True)
 
     def working(self, what: str, done: int, total: int | None) -> None:
-        """A long pass (a validation, a splice): in a terminal a second bar, elsewhere a line every `every_s`."""
+        """A long pass named `what` (a validation, a splice, a phase of a tool): `done` of `total` steps (0: it starts).
+        Under a training bar, a second bar; otherwise a line every `pass_every_s`, and a heartbeat line as often while
+        one step runs long (the line names the pass, its total, the time since its last step and its ETA)."""
         now = time.monotonic()
-        if done == 1:
-            self.passes[what] = now
-            if self.bar is not None:
-                self.pass_bars[what] = self.bar.add_task(what, total=total, stats="batches")
-        if self.bar is not None and what in self.pass_bars:
+        if self.bar is not None:
+            if what not in self.pass_bars:
+                self.pass_bars[what] = self.bar.add_task(what, total=total, stats="")
             self.bar.update(self.pass_bars[what], completed=done, total=total)  # a pass may learn its length as it goes
             if done == total:
                 self.bar.remove_task(self.pass_bars.pop(what))
-        elif self.bar is None and now - self.last_line >= self.every_s and done != total:
-            self.last_line = now
-            started = self.passes.get(what, now)
-            share = f"/{total} ({100 * done / total:.0f}%)" if total else ""
-            # the pass's clock starts when its first batch is done: the rate counts the batches after it
-            eta = f"  eta {_duration((total - done) * (now - started) / (done - 1))}" if total and done > 1 else ""
-            self.console.print(f"{what} batch {done}{share}{eta}", highlight=False, soft_wrap=True)
+            return
+        with self._lock:
+            news = self._news
+            if news is None or news[0] != what or done < news[1]:  # a new pass: its clock starts at its first news
+                news = (what, done, total, now, done)
+            self._news = None if done == total else (what, done, total, news[3], news[4])
+            self._last_news = now
+            if done != total and now - self.last_line >= self.pass_every_s:
+                self._pass_line(now)
+        if self._news is not None and self.beat_s and (self._beating is None or not self._beating.is_alive()):
+            self._beating = threading.Thread(target=self._beat_until_done, name="console-heartbeat", daemon=True)
+            self._beating.start()
+
+    def beat(self) -> None:
+        """The heartbeat: while a pass runs and its last line is `pass_every_s` old, the line again, with how long
+        its current step has run: a step that takes minutes still says where the pass is."""
+        now = time.monotonic()
+        with self._lock:
+            if self._news is not None and now - self.last_line >= self.pass_every_s:
+                self._pass_line(now)
+
+    def _beat_until_done(self) -> None:
+        # the heartbeat's thread: it ends with the pass (its last step, or close())
+        while not self._closed.wait(self.beat_s) and self._news is not None:
+            self.beat()
+
+    def _pass_line(self, now: float) -> None:
+        what, done, total, started, first = self._news
+        self.last_line = now
+        share = f"/{total} ({100 * done / total:.0f}%)" if total else ""
+        elapsed = f"  elapsed {_duration(now - started)}"
+        # the rate counts the steps since the pass's first news, up to now: a step that runs long slows it
+        eta = f"  eta {_duration((total - done) * (now - started) / (done - first))}" if total and done > first else ""
+        quiet = now - self._last_news
+        running = f"  (step {done + 1} running for {_duration(quiet)})" if quiet >= self.pass_every_s else ""
+        self.console.print(f"{what} {done}{share}{elapsed}{eta}{running}", highlight=False, soft_wrap=True)
 
     def _plain_line(self, step: int, stats: str) -> None:
         now = time.monotonic()
@@ -156,6 +194,9 @@ class ConsoleLogger(Logger):
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+        with self._lock:
+            self._news = None  # a pass cut short by an error: its heartbeat stops here
+        self._closed.set()
         if summary is None:
             return
         table = Table(title=f"done: {summary['stop_reason']}", show_header=False, box=None)

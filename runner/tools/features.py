@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out.mkdir(parents=True, exist_ok=True)
             (out / MANIFEST).unlink(missing_ok=True)  # until this build is whole, no page here is served as whole
-            working = ConsoleLogger().working  # the pass's progress: a bar in a terminal, a line now and then elsewhere
+            working = ConsoleLogger().working  # each phase's progress: a line every 10 s in a terminal, 30 s elsewhere
             pages = model.features(
                 cfg,
                 run_dir,

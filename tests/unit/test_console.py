@@ -20,6 +20,7 @@ class Clock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
     monkeypatch.setattr(console.time, "monotonic", fake)
+    monkeypatch.setattr(ConsoleLogger, "beat_s", None)  # the tests beat themselves: no thread racing the fake clock
     return fake
 
 
@@ -117,12 +118,13 @@ def test_a_long_validation_prints_its_progress_every_every_s(clock: Clock, capsy
         clock.now += 2
         console.working("validation", done, 100)
     got = [line for line in capsys.readouterr().err.splitlines() if line.startswith("validation ")]
-    assert got[0] == "validation batch 15/100 (15%)  eta 2m50s"  # 85 batches at 2 s each
-    assert [line.split()[2] for line in got] == [f"{n}/100" for n in range(15, 100, 15)]
+    # its clock starts at its first batch's end: 14 batches in 28 s, 85 more at 2 s each
+    assert got[0] == "validation 15/100 (15%)  elapsed 0m28s  eta 2m50s"
+    assert [line.split()[1] for line in got] == [f"{n}/100" for n in range(15, 100, 15)]
     console.working("splicing", 1, None)  # a loader without a length: the count alone
     clock.now += 31
     console.working("splicing", 2, None)
-    assert capsys.readouterr().err.strip() == "splicing batch 2"
+    assert capsys.readouterr().err.strip() == "splicing 2  elapsed 0m31s"
     console.close(None)
 
 
@@ -147,3 +149,55 @@ def test_every_validation_pass_reports_its_batches_to_the_loggers(built) -> None
         ("validation", d, batches) for d in range(1, batches + 1)
     ]
     assert sum(1 for c in heard.calls if c == ("validation", batches, batches)) >= 2
+
+
+def test_outside_a_terminal_a_pass_speaks_every_30_s_even_while_one_step_runs_for_minutes(
+    clock: Clock, capsys: pytest.CaptureFixture
+) -> None:
+    # a pass that printed "61/124 (49%) eta 0m28s" and then nothing for minutes tells the user nothing
+    console = ConsoleLogger()  # what runner.features and sae_eval make: no training bar
+    assert console.pass_every_s == 30  # pytest's stderr is no terminal: CI's and SLURM's cadence
+    console.working("features: pages (3 of 3)", 0, 124)  # the phase announces itself: its clock starts here
+    times = []
+    for done in range(1, 62):  # 61 steps of 1 s; the heartbeat looks every second, as its thread does
+        clock.now += 1
+        console.working("features: pages (3 of 3)", done, 124)
+        console.beat()
+    for _ in range(210):  # then step 62 runs for 3.5 minutes
+        clock.now += 1
+        console.beat()
+    for line in capsys.readouterr().err.splitlines():
+        assert line.startswith("features: pages (3 of 3) ") and "/124 (" in line and "  eta " in line, line
+        times.append(int(line.split("elapsed ")[1][:1]) * 60 + int(line.split("elapsed ")[1][2:4]))
+    # a line at least every 30 s of the 271 s, naming the phase, its total and an ETA that grows with the stall
+    assert times == list(range(30, 271, 30))
+    assert all(b - a <= 30 for a, b in zip([0, *times], [*times, 271], strict=True))
+    console.close(None)
+    clock.now += 60
+    console.beat()  # the pass is over (closed): no more lines
+    assert capsys.readouterr().err == ""
+
+
+def test_a_long_step_s_line_says_how_long_it_has_run_and_the_eta_grows(
+    clock: Clock, capsys: pytest.CaptureFixture
+) -> None:
+    console = ConsoleLogger(every_s=30)
+    console.working("splicing", 0, 10)
+    clock.now += 10
+    console.working("splicing", 1, 10)
+    clock.now += 60  # step 2 runs a minute: the last rate (10 s a step) no longer holds
+    console.beat()
+    assert (
+        capsys.readouterr().err.strip() == "splicing 1/10 (10%)  elapsed 1m10s  eta 10m30s  (step 2 running for 1m00s)"
+    )
+    console.working("splicing", 10, 10)  # the end: the heartbeat stops
+    clock.now += 60
+    console.beat()
+    assert capsys.readouterr().err == ""
+
+
+def test_in_a_terminal_without_a_training_bar_a_pass_speaks_every_10_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
+    assert ConsoleLogger().pass_every_s == 10 and ConsoleLogger(every_s=5).pass_every_s == 5

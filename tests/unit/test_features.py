@@ -143,15 +143,26 @@ def test_an_sae_on_a_gpt_gets_pages_whose_contexts_are_the_text_around_its_stron
         a, b = _data(tmp_path / "a" / "data" / name), _data(tmp_path / "b" / "data" / name)
         a.pop("seconds", None), b.pop("seconds", None)
         assert a == b, name
-    # more text than the held-out windows hold: the training windows follow; the pass tells the console how far it
-    # is (a bar in a terminal, a line now and then elsewhere), batch by batch to its end
+    # more text than the held-out windows hold: the training windows follow; each phase of the build tells the console
+    # how far it is, from 0 to its end: the pass batch by batch, then the weights' views and the pages (minutes of work
+    # that would otherwise follow the pass's last line in silence)
     heard: list[tuple[str, int, int]] = []
     monkeypatch.setattr(features_module.ConsoleLogger, "working", lambda self, *call: heard.append(call))
     assert main([str(sae_lm_run), "tokens=3000", f"out={tmp_path / 'c'}"]) == 0
     more = _data(tmp_path / "c" / "data" / "index.js")
     assert more["splits"]["val"] == 16 and more["splits"]["train"] > 0 and more["rows"] >= 3000
-    assert [done for _, done, _ in heard] == list(range(1, len(heard) + 1)) and len(heard) > 2
-    assert {what for what, _, _ in heard} == {"feature pages"} and heard[-1][1] == heard[-1][2]
+    phases = ["features: statistics (1 of 3)", "features: weights (2 of 3)", "features: pages (3 of 3)"]
+    assert list(dict.fromkeys(what for what, _, _ in heard)) == phases
+    for phase in phases:
+        calls = [(done, total) for what, done, total in heard if what == phase]
+        assert [done for done, _ in calls] == list(range(len(calls))) and calls[-1][0] == calls[-1][1]
+        assert all(total for _, total in calls[1:])  # a total (hence an ETA) from its first step
+    assert len([c for c in heard if c[0] == phases[0]]) > 3
+    # 64 latents: the neighbours and the logit lens take a step each; the pages are one file of CHUNK latents
+    assert [c for c in heard if c[0] != phases[0]] == [(phases[1], d, 2) for d in (0, 1, 2)] + [
+        (phases[2], 0, 1),
+        (phases[2], 1, 1),
+    ]
 
 
 def test_an_sae_on_synthetic_data_shows_each_latent_s_best_true_feature(compose_cfg: Callable, tmp_path: Path) -> None:

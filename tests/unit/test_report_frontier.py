@@ -1,4 +1,4 @@
-"""The frontier of `python -m runner.report` (issue 61): a sweep of k and width, or one run's family of SAEs, as a table
+"""The frontier of `python -m runner.report`: a sweep of k and width, or one run's family of SAEs, as a table
 of L0 against FVE, spliced KL and dead fraction sorted by L0, and plots/frontier_sae.png with a point per model."""
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def test_a_checkpoint_from_before_the_history_resumes_without_it() -> None:
 def test_a_real_run_that_ends_still_improving_says_so(
     tmp_path, compose_cfg: Callable, capsys: pytest.CaptureFixture
 ) -> None:
-    # An SAE on sparse codes of 256 directions, one short epoch: its FVE is far from done (issue 61's run, small)
+    # An SAE on sparse codes of 256 directions, one short epoch: its FVE is far from done (a short sae_file run, small)
     rng = np.random.default_rng(0)
     directions = rng.standard_normal((256, 32)).astype(np.float32)
     codes = np.zeros((6000, 256), np.float32)

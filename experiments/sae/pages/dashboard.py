@@ -25,7 +25,7 @@ from experiments.sae.pages.stats import (
     logit_lens,
     nearest,
 )
-from experiments.sae.pages.write import family_index, write_pages
+from experiments.sae.pages.write import CHUNK, family_index, write_pages
 from experiments.sae.sources.hooked import hooks_a_model
 from experiments.sae.sources.source import hooked_source
 from runner import ConfigError
@@ -34,6 +34,31 @@ from runner.rundir.outputs import within
 from runner.tools.published import publish_names
 
 BEFORE, AFTER = 24, 6  # tokens of text shown before and after a firing one
+PHASES = ("statistics", "weights", "pages")  # the build's phases, in order, as the console names them
+LATENTS = 1024  # latents per step of the weights' views (stats.nearest and stats.logit_lens take them so)
+
+
+class _Phase:
+    """A phase of the build as the console hears it ("features: pages (3 of 3)", `total` steps): each phase reports
+    its own progress, so that the minutes after the pass over the text (the weights' views, writing the pages of
+    tens of thousands of latents) are never silent."""
+
+    def __init__(self, working: Callable[[str, int, int | None], None] | None, name: str, total: int | None) -> None:
+        self.working = working or (lambda *_: None)
+        self.what = f"features: {name} ({PHASES.index(name) + 1} of {len(PHASES)})"
+        self.done, self.total = 0, total
+        self.working(self.what, 0, total)  # its clock starts now, not at its first step's end
+
+    def step(self, total: int | None = None) -> None:
+        """One more step done; `total`: the phase's length where it is learnt as it goes."""
+        self.done += 1
+        self.total = max(total or self.total or 0, self.done)
+        self.working(self.what, self.done, self.total)
+
+    def end(self) -> None:
+        """The phase is over, however short of its estimate (its line and heartbeat stop)."""
+        if self.done != self.total:
+            self.working(self.what, self.done, self.done)
 
 
 def _windows(source: Any, tokens: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, Any, str]]:
@@ -164,8 +189,8 @@ def write(
     `rows_of`, the columns each reads; a cross-layer transcoder's, each layer's normalised input) over `tokens` rows and
     write its pages under `out` (one folder per SAE of a family); returns the index pages written. A transcoder's
     latents are looked at where they read: its input's contexts; the logit lens reads what they write. `working`
-    (what, batches done, batches in all) hears of the pass's progress (runner's console: a bar, or a line now and
-    then); `neuronpedia`: the pages' data as Neuronpedia's upload batches too (pages/neuronpedia.py), under the names
+    (what, done, total) hears of each phase's progress (PHASES: the pass, the weights' views, the pages);
+    `neuronpedia`: the pages' data as Neuronpedia's upload batches too (pages/neuronpedia.py), under the names
     `publish` ({model_name, sae_set}: runner.tools.published; default: the source's hub name or its folder's name,
     and the run folder's name)."""
     started, device_ = time.perf_counter(), torch.device(device)
@@ -176,8 +201,10 @@ def write(
     for _, sae in family:
         sae.to(device_)
     stats = {prefix: LatentStats(sae.n_latents, top=top) for prefix, sae in family}
-    first = _look(family, inputs, stats, tokens, device_, batch_rows, rows_of, working)
+    first = _look(family, inputs, stats, tokens, device_, batch_rows, rows_of, _Phase(working, "statistics", None))
     seconds = time.perf_counter() - started
+    views = _family_views(family, inputs, working)
+    writing = _Phase(working, "pages", sum(-(-sae.n_latents // CHUNK) for _, sae in family))
     summary, written = _final_metrics(run_dir), []
     if publish is None:
         publish = publish_names({"data": {"checkpoint": cfg.data.get("checkpoint")}}, run_dir)[0]
@@ -195,9 +222,10 @@ def write(
             "model": publish["model_name"] or "",  # a publishing name, never a local path
             "sae_set": publish["sae_set"],
         }
-        views = _weights_views(sae, inputs)
         folder = within(out, prefix.rstrip("/"))  # a family's SAE names come from the run's config
-        written.append(write_pages(folder, sae, stats[prefix].result(), inputs, views, head, neuronpedia))
+        r = stats[prefix].result()
+        written.append(write_pages(folder, sae, r, inputs, views[prefix], head, neuronpedia, writing.step))
+    writing.end()
     if len(family) > 1:
         family_index(out, [p.rstrip("/") for p, _ in family])
         written.insert(0, out / "index.html")
@@ -220,32 +248,42 @@ def _look(
     device: torch.device,
     batch_rows: int,
     rows_of: Callable[[torch.Tensor, str], torch.Tensor] | None,
-    working: Callable[[str, int, int | None], None] | None,
+    phase: _Phase,
 ) -> int:
     # the pass: every SAE of the family encodes each batch of the inputs into its `stats`; returns the rows seen
     first, batches = 0, None
-    for done, acts in enumerate(inputs.batches(), 1):
+    for acts in inputs.batches():
         batches = batches or -(-tokens // len(acts))  # the pass's length, from its first batch's rows
         for chunk in acts.to(device).split(batch_rows):
             for prefix, sae in family:
                 x = rows_of(chunk, prefix.rstrip("/")) if rows_of else sae.split(chunk)[0]
                 stats[prefix].add(*sae.codes(x), first)
             first += len(chunk)
-        if working is not None:
-            working("feature pages", done, max(batches, done))
+        phase.step(batches)
+    phase.end()
     return first
 
 
-def _weights_views(sae: nn.Module, inputs: Any) -> dict[str, Any]:
-    # what the weights alone say: neighbours, the logit lens (a source with an unembedding), true features (synthetic)
+def _family_views(family: list[tuple[str, nn.Module]], inputs: Any, working: Callable | None) -> dict[str, Any]:
+    # each SAE's weights' views (its prefix: them), as the build's second phase
+    lens = inputs.unembedding() if isinstance(inputs, _Text) else None
+    weighing = _Phase(working, "weights", sum(-(-s.n_latents // LATENTS) * (1 + (lens is not None)) for _, s in family))
+    views = {prefix: _weights_views(sae, inputs, lens, weighing.step) for prefix, sae in family}
+    weighing.end()
+    return views
+
+
+def _weights_views(sae: nn.Module, inputs: Any, found: tuple | None, each: Callable[[], None]) -> dict[str, Any]:
+    # what the weights alone say: neighbours, the logit lens (`found`: the source's unembedding, final norm's gain and
+    # tying), true features (synthetic); `each` hears of every LATENTS latents done
     W_dec = sae.W_dec.detach().cpu()
-    near, cos = nearest(W_dec)
+    near, cos = nearest(W_dec, each=each)
     views: dict[str, Any] = {"near": near, "near_cos": cos, "lens": None, "truth": None}
-    if isinstance(inputs, _Text) and (found := inputs.unembedding()) is not None:
+    if found is not None:
         unembed, gain, tied = found
         # a cross-layer transcoder's row writes to several layers: the lens reads its own layer's block, the first
         own = W_dec[:, : unembed.shape[1]]
-        views["lens"] = logit_lens(own, unembed.cpu(), None if gain is None else gain.detach().cpu())
+        views["lens"] = logit_lens(own, unembed.cpu(), None if gain is None else gain.detach().cpu(), each=each)
         views["tied"] = tied
     if isinstance(inputs, _Rows):
         val = inputs.data.splits.get("val")

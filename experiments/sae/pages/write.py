@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +93,12 @@ def write_pages(
     views: dict[str, Any],
     head: dict[str, Any],
     neuronpedia: bool = False,
+    each: Callable[[], None] | None = None,
 ) -> Path:
     """Write one SAE's pages to `folder`: the static files, the index data and its latents' data files, from its
     statistics `r` (LatentStats.result), the `inputs` they came from, the weights' `views` and the index's `head`;
-    with `neuronpedia`, the same latents as Neuronpedia's batch files too (neuronpedia.py). Returns the index page."""
+    with `neuronpedia`, the same latents as Neuronpedia's batch files too (neuronpedia.py); `each` hears of each CHUNK
+    latents written (tens of thousands of latents take minutes). Returns the index page."""
     # real folders before anything in them is listed or removed: a symlink planted at a name is replaced, never
     # followed (what a link names is someone else's: none of its files is a stale chunk or batch of these pages)
     batches = folder / "neuronpedia"
@@ -116,6 +119,8 @@ def write_pages(
         )
         if neuronpedia:
             write_batch(folder / "neuronpedia" / f"batch-{start // CHUNK}.json", sae, chunk, r, inputs, head)
+        if each is not None:
+            each()
     density = r["density"]
     fired = density[density > 0].log10().float()
     counts = torch.histc(fired, bins=42, min=-7, max=0) if len(fired) else torch.zeros(42)
