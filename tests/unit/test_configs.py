@@ -121,8 +121,10 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _host_overrides(group: str, option: str, inputs: dict[str, str]) -> list[str]:
     host = option if group == "experiment" else HOSTS.get((group, option)) or _host(group, option)
     overrides = [f"+experiment={host}"] + ([] if group == "experiment" else [_select(group, option)])
-    if (group, option) == ("data", "activations_file") or host == "sae_file":
+    if (group, option) == ("data", "activations_file") or host in ("sae_file", "transcoder_file"):
         overrides.append(f"data.train_path={inputs['acts']}")
+    if host == "transcoder_file":  # the file's last 64 of 256 columns as the target
+        overrides.append("data.d_out=64")
     if (group, option) == ("distributed", "spread"):
         overrides.append("model=sae_multi")
     if (group, option) == ("data", "tokens_file"):
