@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from helpers import CONF_DIR, CONF_DIRS, compose_job, config_groups, config_options, hf_text, tiny_hf_model
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -516,3 +517,32 @@ def test_the_readme_s_config_groups_table_names_every_option() -> None:
         assert group in rows, f"README has no row for the config group {group} ({options})"
         missing = [o for o in options if f"`{o}`" not in rows[group]]
         assert not missing, f"README's {group} row does not name {missing}"
+
+
+def _required(node: object, prefix: str = "") -> list[str]:
+    # the dotted keys a YAML file marks required (???), read as plain YAML: what its author meant, before any merge
+    if isinstance(node, dict):
+        return [key for k, v in node.items() for key in _required(v, f"{prefix}{k}.")]
+    return [prefix[:-1]] if node == "???" else []
+
+
+REQUIRED = [
+    (group, name, key)
+    for conf in CONF_DIRS
+    for path in sorted(conf.glob("*/*.yaml"))
+    for group, name in [(path.parent.name, path.stem)]
+    for key in _required(yaml.safe_load(path.read_text()) or {})
+]
+
+
+@pytest.mark.parametrize(("group", "name", "key"), REQUIRED, ids=[f"{g}/{n}:{k}" for g, n, k in REQUIRED])
+def test_what_an_option_marks_required_stays_required_once_composed(
+    group: str, name: str, key: str, compose_cfg: Callable[..., DictConfig]
+) -> None:
+    # OmegaConf keeps a value a ??? is merged over: a preset's required key over a parent's value would run with that
+    # value, silently, where the preset meant "the user must say"
+    chosen = [f"+experiment={name}"] if group == "experiment" else ["+experiment=sae", f"{group}={name}"]
+    cfg = compose_cfg(*chosen)
+    parent, _, leaf = (key if group == "experiment" else f"{group}.{key}").rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    assert OmegaConf.is_missing(node, leaf), f"{group}/{name}.yaml marks {key} ???, but it composes as a value"
