@@ -27,9 +27,7 @@ from experiments.sae.coders.clt import CrossLayerTranscoder
 from experiments.sae.formats import circuit_tracer as ct
 from experiments.sae.formats import read_folder
 from experiments.sae.sources import pretrained
-from experiments.sae.sources.hf_code import hub_offline, model_weights, refuse_own_code
-from runner import ConfigError, require
-from runner.config.confine import HUB, HUB_CACHED
+from runner import ConfigError
 from runner.load import load_model, load_trained
 from runner.rundir import CONFIG
 
@@ -142,16 +140,8 @@ def _parts(path: Path, trusted: Sequence[str], source: str | None) -> list[_Part
 def transformers_model(checkpoint: str) -> tuple[nn.Module, Any]:
     """The transformers model `checkpoint` names (a save_pretrained folder, or hf:NAME; GPT-2, Llama or GPT-NeoX),
     frozen in float32, and its tokenizer, checked and loaded as pretrained.load loads a source (no text)."""
-    require("transformers", "hf", f"the source model {checkpoint} (a transformers model)")
-    cached = checkpoint.startswith(HUB_CACHED)
-    hub = cached or checkpoint.startswith(HUB)
-    name, what = (checkpoint.split(":", 1)[1] if hub else checkpoint), f"the source model {checkpoint}"
-    with hub_offline(not hub or cached):
-        folder, revision = refuse_own_code(name, hub, what, offline=cached)
-        if not hub:
-            model_weights(folder, folder, what)  # its weight files lie in it
-        where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
-        model, tokenizer, _ = pretrained._load(name, where, {**pretrained.INPUTS, "torch_dtype": "float32"}, what)
+    what = f"the source model {checkpoint}"
+    model, tokenizer = pretrained.model_and_tokenizer(checkpoint, what, torch_dtype="float32")
     check_model(model, what)
     return model, tokenizer
 

@@ -11,6 +11,8 @@ folder), with standard input closed, so no prompt of transformers' can be answer
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,32 @@ class Pretrained:
         return head.detach(), getattr(norm, "weight", None), tied
 
 
+@contextlib.contextmanager
+def opened(checkpoint: str, what: str) -> Iterator[tuple[str, Path, dict[str, Any], bool]]:
+    """Within the hub's offline rule for `checkpoint` (no request, transformers and the hub asking on their own, but
+    for hf:NAME): its name for transformers, its folder once its configs are checked (refuse_own_code), where
+    from_pretrained reads (a folder from disk alone; a hub name's files at the commit whose configs were just checked),
+    and whether it is a hub name."""
+    cached = str(checkpoint).startswith(HUB_CACHED)  # a hub name a run folder gave: no request, the cache alone
+    hub = cached or str(checkpoint).startswith(HUB)
+    name = str(checkpoint).split(":", 1)[1] if hub else str(checkpoint)
+    with hub_offline(not hub or cached):
+        folder, revision = refuse_own_code(name, hub, what, offline=cached)
+        where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
+        yield name, folder, where, hub
+
+
+def model_and_tokenizer(checkpoint: str, what: str, **options: Any) -> tuple[nn.Module, Any]:
+    """The transformers model `checkpoint` names, frozen, and its tokenizer, checked and loaded as `load` loads a
+    source, without its text (`options`: INPUTS' model keys, e.g. torch_dtype)."""
+    require("transformers", "hf", f"{what} (a transformers model)")
+    with opened(checkpoint, what) as (name, folder, where, hub):
+        if not hub:
+            model_weights(folder, folder, what)  # its weight files lie in it
+        model, tokenizer, _ = _load(name, where, {**INPUTS, **options}, what)
+    return model, tokenizer
+
+
 def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     """The transformers model named by `checkpoint`, frozen, with its tokenizer and the windows of `inputs`."""
     require("transformers", "hf", f"source.checkpoint={checkpoint} (a transformers model)")
@@ -105,15 +133,9 @@ def load(checkpoint: str, inputs: dict[str, Any] | None) -> Pretrained:
     if unknown:
         raise ConfigError(f"source.inputs: unknown key(s) {unknown}; known: {sorted(INPUTS)}")
     options = {**INPUTS, **(inputs or {})}
-    cached = str(checkpoint).startswith(HUB_CACHED)  # a hub name a run folder gave: no request, the cache alone
-    hub = cached or str(checkpoint).startswith(HUB)
-    name = str(checkpoint).split(":", 1)[1] if hub else str(checkpoint)
     what = f"source.checkpoint={checkpoint}"
-    with hub_offline(not hub or cached):  # no request (transformers and the hub ask on their own) but for hf:NAME
-        folder, revision = refuse_own_code(name, hub, what, offline=cached)
+    with opened(checkpoint, what) as (name, folder, where, hub):
         weights = None if hub else model_weights(folder, folder, what)  # a hub model's come with the model's load
-        # a folder is read from disk alone; a hub name's files are read at the commit whose configs were just checked
-        where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
         model, tokenizer, config = _load(name, where, options, what)
     if weights is None:
         weights = model_weights(folder, folder.parents[1], what)  # a snapshot's files link into the repository's blobs
@@ -174,12 +196,8 @@ def meta_model(checkpoint: str) -> nn.Module:
     require("transformers", "hf", f"source={checkpoint} (a transformers model)")
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
 
-    cached = str(checkpoint).startswith(HUB_CACHED)
-    hub = cached or str(checkpoint).startswith(HUB)
-    name, what = (str(checkpoint).split(":", 1)[1] if hub else str(checkpoint)), f"source={checkpoint}"
-    with hub_offline(not hub or cached):
-        folder, revision = refuse_own_code(name, hub, what, offline=cached)
-        where = {"trust_remote_code": False, "local_files_only": not hub or cached, "revision": revision}
+    what = f"source={checkpoint}"
+    with opened(checkpoint, what) as (name, _, where, _):
         config = loaded(lambda: AutoConfig.from_pretrained(name, **where), f"{what}: cannot read its config", "")
     with torch.device("meta"):
         return loaded(
