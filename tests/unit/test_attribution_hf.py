@@ -318,3 +318,18 @@ def test_a_run_s_hooks_pair_each_block_s_mlp_input_and_output_of_one_model() -> 
     for module, target in (("transformer.h.0.ln_2", "blocks.0.mlp"), ("transformer.h.0.ln_1", "transformer.h.0.mlp")):
         with pytest.raises(ConfigError, match="mixed hooks"):
             _layers(Path("run"), cfg(module, target))
+
+
+def test_sae_eval_s_replacement_scores_are_the_graph_s_of_runner_attribute() -> None:
+    # both freeze the prompt as one function does: a skip transcoder's path at the BOS kept in sae_eval's graphs too
+    from experiments.sae.circuits.frozen_hf import freeze
+    from experiments.sae.circuits.prune import scores
+    from experiments.sae.evals.replacement import Circuits, graph_scores
+
+    frozen, coders, _ = _graph("transcoders")
+    graph = attribute(freeze(frozen.model, PROMPT, coders, transformers=True), coders, max_logits=5, batch_size=7)
+    circuits = Circuits(frozen.model, coders, {}, tokenizer=object(), max_logits=5, batch_size=7)
+    got = graph_scores(circuits, PROMPT[None])["per_prompt"][0]
+    assert (got["replacement"], got["completeness"]) == scores(graph)
+    held = attribute(FrozenHF(frozen.model, PROMPT, 1), coders, max_logits=5, batch_size=7)
+    assert scores(held) != scores(graph)  # the skip path at the BOS moves the scores: what the shared freeze keeps

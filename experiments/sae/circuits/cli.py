@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from experiments.sae.circuits.attribute import attribute
-from experiments.sae.circuits.frozen import FrozenGPT
-from experiments.sae.circuits.frozen_hf import FrozenHF, model_window, prompt_tokens
+from experiments.sae.circuits.frozen_hf import freeze, model_window, prompt_tokens
 from experiments.sae.circuits.load import load_coders
 from experiments.sae.circuits.output import graph_data, write_graph
 from experiments.sae.circuits.page import served_root, write_page
@@ -98,8 +97,7 @@ def graph_of(runs: list[Path], options: dict[str, Any]) -> dict[str, Any]:
     tokens = _tokens(model, options["prompt"], tokenizer).to(device)
     start = time.perf_counter()
     # a transformers model's first positions (its BOS), which its coders skip, are constants of its graph
-    held = (coders.skip_positions, coders.skip)
-    frozen = FrozenGPT(model, tokens) if tokenizer is None else FrozenHF(model, tokens, *held)
+    frozen = freeze(model, tokens, coders, transformers=tokenizer is not None)
     graph = attribute(frozen, coders, options["max_logits"], options["logit_mass"], options["batch_size"])
     pruned = prune(graph, options["node_threshold"], options["edge_threshold"])
     settings = {k: options[k] for k in ("node_threshold", "edge_threshold", "max_logits", "logit_mass")}

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.sae.circuits.frozen import Mlp
+from experiments.sae.circuits.frozen import FrozenGPT, Mlp
 from experiments.sae.circuits.hf_blocks import LAYOUTS, Layout
 from runner import ConfigError
 
@@ -157,3 +157,12 @@ class FrozenHF:
             out = out if record else self._held(layer, m, out)
             x = out + a + x if parallel else x + out  # transformers' order of the parallel sum
         return ins, self._normed(self.final_norm, x, 2 * self.n_layers, record)
+
+
+def freeze(model: nn.Module, tokens: torch.Tensor, coders: Any, transformers: bool) -> FrozenGPT | FrozenHF:
+    """The prompt `tokens` on `model` frozen as every graph of runner's freezes it (a FrozenGPT or a FrozenHF): a
+    transformers model's first positions (its BOS), which `coders` (a CoderSet) skip, held at the prompt's values but
+    for a skip transcoder's linear path."""
+    if not transformers:
+        return FrozenGPT(model, tokens)
+    return FrozenHF(model, tokens, coders.skip_positions, coders.skip)

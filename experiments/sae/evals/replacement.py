@@ -25,8 +25,7 @@ from torch import nn
 
 from experiments.sae.circuits.attribute import attribute
 from experiments.sae.circuits.coders import CoderSet
-from experiments.sae.circuits.frozen import FrozenGPT
-from experiments.sae.circuits.frozen_hf import FrozenHF, model_window
+from experiments.sae.circuits.frozen_hf import freeze, model_window
 from experiments.sae.circuits.load import load_coders
 from experiments.sae.circuits.prune import scores
 from experiments.sae.sources.source import SourceModel
@@ -110,20 +109,12 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def _frozen(circuits: Circuits, tokens: torch.Tensor) -> FrozenGPT | FrozenHF:
-    # as runner.attribute freezes a prompt: a transformers model's first positions (its windows' BOS), which its
-    # coders skip, are constants of the graph
-    if circuits.tokenizer is None:
-        return FrozenGPT(circuits.gpt, tokens)
-    return FrozenHF(circuits.gpt, tokens, circuits.coders.skip_positions)
-
-
 def graph_scores(circuits: Circuits, prompts: torch.Tensor, progress: Progress = None) -> dict[str, Any]:
     """Each prompt's unpruned graph's (replacement, completeness) scores, their mean and spread, what was read."""
     started, per_prompt = time.perf_counter(), []
     device = circuits.coders.layers[0].coder.W_dec.device
     for i, prompt in enumerate(prompts):
-        frozen = _frozen(circuits, prompt.to(device))
+        frozen = freeze(circuits.gpt, prompt.to(device), circuits.coders, transformers=circuits.tokenizer is not None)
         graph = attribute(frozen, circuits.coders, circuits.max_logits, circuits.logit_mass, circuits.batch_size)
         replacement, completeness = scores(graph)
         per_prompt.append(
