@@ -49,6 +49,7 @@ from runner.rundir import LOG, claim, unlock
 from runner.rundir.old_names import renamed_options
 from runner.rundir.refused import remove_refused
 from runner.sweeps.job import objective, parallel_jobs, sweep_job, threads_per_job
+from runner.timeline import TIMELINE
 from runner.train import train
 
 gc.enable()
@@ -122,9 +123,16 @@ def _folder_error(error: OSError) -> str:
     )
 
 
+_cli_entered: float | None = None  # when cli() began: Hydra's composition is the time from there to main()
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Train one run; return the best value of `monitor` so that sweepers can optimize it (runner.sweeps.job)."""
+    global _cli_entered
+    if _cli_entered is not None:  # the command's first job: its process start, imports and composition are its own
+        TIMELINE.command_started(config_s=time.perf_counter() - _cli_entered)
+        _cli_entered = None
     hydra_cfg = HydraConfig.get()
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir, rank = Path(hydra_cfg.runtime.output_dir), environment()["rank"]
@@ -178,6 +186,8 @@ def debug_last(args: list[str]) -> list[str]:
 def cli() -> None:
     """The command: under torchrun or SLURM, join the process group first and agree on one run folder;
     `runner init DIR` makes a project of your own (runner.tools.scaffold)."""
+    global _cli_entered
+    _cli_entered = time.perf_counter()
     if sys.argv[1:2] == ["init"]:
         from runner.tools.scaffold import main as init
 

@@ -27,6 +27,7 @@ from runner.optimizers import FUSED_DEVICES
 from runner.param_groups import param_groups
 from runner.progress import TrainingProgress
 from runner.run import Best, Run, Settings, State
+from runner.timeline import phase
 
 
 def seed_everything(seed: int) -> None:
@@ -158,19 +159,23 @@ def build(cfg: DictConfig) -> Run:
 def _build(cfg: DictConfig) -> Run:
     # The order is the seeded run's: what draws random numbers (the data, the model's init) draws them in this order.
     check_config(cfg)
-    dist = instantiate(cfg.distributed)
+    with phase("distributed"):
+        dist = instantiate(cfg.distributed)
     seed_everything(cfg.seed)
-    data = instantiate(cfg.data)
-    train_loader, val_loader, epoch = _loaders(cfg, data, dist)
+    with phase("data"):
+        data = instantiate(cfg.data)
+        train_loader, val_loader, epoch = _loaders(cfg, data, dist)
     trainer = cfg.trainer
     if trainer.max_nonfinite_steps < 1:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
-    task = _task(cfg, data, dist)
+    with phase("model"):
+        task = _task(cfg, data, dist)
     if not hasattr(task, "validation_step"):
         val_loader = None  # validation_step is optional: a task without one is never validated
     precision = instantiate(cfg.precision, device=dist.device)
     precision.cast(task)  # before anything runs or wraps the model: bf16_true stores its parameters in bf16
-    metric_names = validation_metrics(task, val_loader, precision, dist.device)
+    with phase("validation check"):  # one validation batch: which metrics validation gives, for the monitors
+        metric_names = validation_metrics(task, val_loader, precision, dist.device)
     # Activation checkpointing before DDP/FSDP wrap the units, compile after (runner/compile.py says why); both in
     # place, so the state-dict keys stay the eager model's.
     recomputed = instantiate(cfg.activation_checkpointing).apply(task) if _on(cfg, "activation_checkpointing") else None
@@ -180,9 +185,10 @@ def _build(cfg: DictConfig) -> Run:
     # parameters with shards, which the optimizer must hold.
     forward = dist.wrap(task)
     compiled = instantiate(cfg.compile).apply(task) if _on(cfg, "compile") else None
-    optimizer = _optimizer(
-        cfg.optimizer, precision.optimizer_groups(param_groups(task, cfg.optimizer.get("lr_scale"))), dist.device
-    )
+    with phase("optimizer"):
+        optimizer = _optimizer(
+            cfg.optimizer, precision.optimizer_groups(param_groups(task, cfg.optimizer.get("lr_scale"))), dist.device
+        )
     progress = _progress(trainer, data, train_loader, epoch, dist.world_size)
     settings = _settings(cfg, progress, data, compiled, recomputed)
     run = Run(
@@ -196,13 +202,19 @@ def _build(cfg: DictConfig) -> Run:
         settings=settings,
         state=State(progress=progress, best=Best(cfg.get("mode", "min")), meter=Meter(progress, flops_per_token, peak)),
         forward=forward,
-        callbacks=_callbacks(cfg, quiet=not dist.is_main),
+        data=data,
+        callbacks=_with_phase("callbacks", _callbacks, cfg, quiet=not dist.is_main),
     )
     check_monitors(run, getattr(data, "no_val_split", None))  # a data module of your own need not say
     check_monitored_metrics(run, metric_names)
     # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
     run.loggers = _named(cfg.get("logger"), "logger") if dist.is_main else []
     return run
+
+
+def _with_phase(name: str, make: Any, *args: Any, **kwargs: Any) -> Any:
+    with phase(name):
+        return make(*args, **kwargs)
 
 
 def _loaders(cfg: DictConfig, data: Any, dist: Any) -> tuple[Any, Any, int | None]:

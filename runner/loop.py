@@ -14,6 +14,7 @@ from runner import ConfigError
 from runner.config.monitors import wanted
 from runner.data import batch_size_of, device_batches, tokens_of, with_last
 from runner.run import Run, StopReason
+from runner.timeline import phase
 from runner.validation import evaluate_loader
 
 
@@ -58,8 +59,10 @@ def fit(run: Run) -> Run:
         cb.on_fit_end(run)
     if run.val_loader is not None and run.stop_reason != StopReason.NONFINITE and not run.stop_reason.resumable:
         # restore_best, EMA and the like may leave other weights than the last validation saw: summary.json
-        # describes the weights the run ends with (model.safetensors).
-        run.state.metrics.update(evaluate(run))
+        # describes the weights the run ends with (model.safetensors). The same weights are not evaluated twice.
+        if run.evaluated is None or run.evaluated != weights_version(run.task):
+            with phase("final validation"):
+                run.state.metrics.update(evaluate(run))
     return run
 
 
@@ -146,7 +149,8 @@ def end_step(run: Run, params: list[torch.Tensor]) -> bool:
     due = p.ticked(run.settings.val_interval) or p.finished
     if run.val_loader is not None and run.stop_reason != StopReason.NONFINITE and due:
         started = time.perf_counter()
-        metrics = validate(run)  # may ask to stop (early stopping)
+        with phase("validation"):
+            metrics = validate(run)  # may ask to stop (early stopping)
         state.meter.clock += time.perf_counter() - started  # throughput is training time only
     done = p.finished or run.stop_reason is not None
     resumable = run.stop_reason is not None and run.stop_reason.resumable
@@ -196,6 +200,13 @@ def _tell_task(run: Run) -> None:
     getattr(run.task, "logged", lambda metrics: None)(run.state.metrics)
 
 
+def weights_version(task: torch.nn.Module) -> tuple:
+    """Which weights the task holds now: each parameter's and buffer's storage and in-place version, so that a copy
+    into them (EMA, restore_best, a resumed checkpoint) and every optimizer step tell."""
+    tensors = [*task.parameters(), *task.buffers()]
+    return tuple((t.data_ptr(), t._version) for t in tensors)
+
+
 def evaluate(run: Run) -> dict[str, float]:
     """One pass over the run's validation loader: evaluate_loader with the run's task, precision and ranks."""
     working = functools.partial(run.working, "validation")
@@ -207,6 +218,7 @@ def validate(run: Run) -> dict[str, float]:
     for cb in run.callbacks:
         cb.on_validation_start(run)
     metrics = evaluate(run)
+    run.evaluated = weights_version(run.task)
     for cb in reversed(run.callbacks):  # unwinds on_validation_start: EMA swaps its weights back after the others
         cb.on_validation_end(run, metrics)
     # After the callbacks, so that the best value and a plateau schedule may follow a metric one of them adds.

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from runner.progress import TrainingProgress
+from runner.timeline import TIMELINE
 
 # Dense peak FLOP/s per GPU (no 2:4 sparsity), from NVIDIA's data sheets: (bf16 and fp16 tensor cores, TF32 tensor
 # cores, plain fp32). Matched in order against torch.cuda.get_device_name(): longer names first ("H100 PCIe" before
@@ -115,6 +116,7 @@ class Meter:
             if loss_sum.is_cuda:  # the first step's work must be done to be timed (once per launch)
                 torch.cuda.synchronize(loss_sum.device)
             self.first_step_s = time.perf_counter() - self.clock
+            TIMELINE.lap("first step")  # inside the training phase: its first step is start-up, not training
             self.start()  # throughput from here on
 
     def _stacked(self, device: torch.device) -> torch.Tensor:

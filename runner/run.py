@@ -257,6 +257,9 @@ class Run:
     loggers: list[Logger] = field(default_factory=list)
     stop_reason: StopReason | None = None
     stop_asked: StopReason | None = None  # asked on this rank, not yet agreed with the others (see request_stop)
+    data: Any = None  # the data module the loaders came from: a callback may use what it built (a source model)
+    # the weights the last validation evaluated (each tensor's storage and version): fit() does not evaluate them again
+    evaluated: tuple | None = None
 
     def __post_init__(self) -> None:
         self.forward = self.forward or self.task.training_step

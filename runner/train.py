@@ -23,6 +23,7 @@ from runner.run import Callback, Run, StopReason
 from runner.rundir import CHECKPOINTS, CONFIG, MODEL, MODEL_PART, RUN_INFO, SUMMARY, set_aside, write_atomic, write_json
 from runner.short_run import short_run
 from runner.sweeps.job import SweepJob
+from runner.timeline import TIMELINE, TRAINING, phase
 
 
 def summarize(run: Run, samples_at_start: int = 0, tokens_at_start: int = 0) -> dict[str, Any]:
@@ -117,10 +118,12 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
     `sweep`: the job of a sweep this run is (its loggers name and group it so), or None.
     """
     run_dir = Path(cfg.run_dir)
-    with collector_paused():  # the first optimizer imports torch._dynamo: most of a run's start
+    TIMELINE.begin()
+    with phase("build"), collector_paused():  # the first optimizer imports torch._dynamo: most of a run's start
         run = build(cfg)
     run.callbacks += list(extra_callbacks)
-    manifest = resume(run, cfg)
+    with phase("resume"):
+        manifest = resume(run, cfg)
     if manifest is not None and manifest["stop_reason"] is not None and StopReason(manifest["stop_reason"]).finished:
         _finish_again(run, manifest)
     if run.strategy.is_main:
@@ -129,9 +132,11 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
     run.state.clock.start()
     try:
         with _preemptible(run):
-            for logger in run.loggers:
-                logger.start(run_info(run, cfg, sweep))
-            fit(run)
+            with phase("loggers"):
+                for logger in run.loggers:
+                    logger.start(run_info(run, cfg, sweep))
+            with phase(TRAINING):
+                fit(run)
         summary = summarize(run, samples_at_start, tokens_at_start)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, with the summary of what was trained
         run.stop_reason = StopReason.INTERRUPTED
@@ -180,9 +185,12 @@ def _write_run_info(run: Run, cfg: DictConfig, run_dir: Path, manifest: dict[str
 
 def _write_outputs(run: Run, run_dir: Path, summary: dict[str, Any]) -> None:
     # The weights are gathered on every rank (a collective under FSDP); rank 0 writes them and summary.json.
-    weights = model_weights(run)
+    with phase("final save"):
+        weights = model_weights(run)
+        if run.strategy.is_main:
+            save_weights(weights, run_dir / MODEL)
+            for name, part in weight_parts(run.task, weights).items():
+                save_weights(part, run_dir / MODEL_PART.format(name))
+    summary["startup"] = TIMELINE.table()
     if run.strategy.is_main:
-        save_weights(weights, run_dir / MODEL)
-        for name, part in weight_parts(run.task, weights).items():
-            save_weights(part, run_dir / MODEL_PART.format(name))
         write_json(run_dir / SUMMARY, summary)

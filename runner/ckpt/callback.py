@@ -28,6 +28,7 @@ from runner.ckpt.state import model_weights, training_state
 from runner.durations import parse_duration
 from runner.run import Best, Callback, Run, StopReason
 from runner.rundir import disk_full, is_disk_full, staged_in
+from runner.timeline import phase
 
 
 def _snapshot(value: Any, buffers: dict[str, torch.Tensor], path: str = "", copy: bool = True) -> Any:
@@ -115,11 +116,13 @@ class Checkpoint(Callback):
         p, fresh, self.fresh = run.progress, self.fresh, None
         ends = p.finished or run.stop_reason is not None
         if p.ticked(self.interval) or ends or (fresh is not None and self._among_best(fresh)):
-            self.save(run, fresh)
+            with phase("checkpoints"):  # what the loop waits for: the snapshot, and the save before still writing
+                self.save(run, fresh)
 
     def on_fit_end(self, run: Run) -> None:
         """Wait for the last save and surface its error, if any; no rank leaves before it is on disk."""
-        self.wait()
+        with phase("checkpoints"):
+            self.wait()
         self.check()
         run.strategy.barrier()
 

@@ -221,6 +221,8 @@ class ConsoleLogger(Logger):
         if summary.get("compile_time_s") is not None:
             table.add_row("compile time", f"{summary['compile_time_s']:.1f} s (the first step)")
         self.console.print(table)
+        if summary.get("startup"):
+            self.console.print(where_time_went(summary["startup"]), soft_wrap=True, highlight=False, markup=False)
         if summary.get("short_run"):  # a line of its own: the override it suggests must not be cut
             self.console.print(summary["short_run"]["message"], soft_wrap=True, highlight=False, markup=False)
         self._print_run_dir()
@@ -230,3 +232,19 @@ class ConsoleLogger(Logger):
         # pipe or a log file): it is what source.checkpoint=, resume and runner.tools.evaluate are given.
         if self.run_dir is not None:
             self.console.print(f"run dir {self.run_dir}", soft_wrap=True, highlight=False, markup=False)
+
+
+def where_time_went(startup: dict[str, Any], most: int = 5) -> str:
+    """One line from summary.json's `startup`: the launch's wall time, the training steps' share, the largest other
+    phases (count and seconds)."""
+    seconds = {
+        name: (value["s"], value["count"]) if isinstance(value, dict) else (value, 1)
+        for name, value in startup["phases"].items()
+    }
+    largest = sorted(seconds.items(), key=lambda item: -item[1][0])[:most]
+    parts = [f"{name} {s:.1f} s" + (f" ({count}x)" if count > 1 else "") for name, (s, count) in largest if s >= 0.05]
+    fraction = startup.get("training_fraction") or 0.0
+    return (
+        f"time: {startup['wall_s']:.1f} s, training steps {startup['training_s']:.1f} s ({fraction:.0%}); "
+        f"{', '.join(parts)} (summary.json: startup)"
+    )

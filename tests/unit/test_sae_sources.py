@@ -152,8 +152,12 @@ def test_the_splice_reads_as_many_validation_batches_as_validation_does(lm_run: 
 
     cfg = compose_cfg("+experiment=sae_lm", f"source.checkpoint={lm_run}", "+debug=fast")
     assert cfg.callbacks.sae_splice.limit_batches == cfg.data.limit_val_batches == 2
+    from experiments.sae.coders.activations import TopKSAE
+
     totals: list[int] = []
-    run = SimpleNamespace(device=torch.device("cpu"), working=lambda what, done, total: totals.append(total))
+    working = lambda what, done, total: totals.append(total)  # noqa: E731
+    run = SimpleNamespace(device=torch.device("cpu"), working=working, task=TopKSAE(d_in=32, n_latents=64, k=4))
     splice = SpliceEval(str(lm_run), "blocks.1", skip_positions=1, limit_batches=1)
-    splice._ablate(run)
-    assert splice.source.data.limit_val_batches == 1 and set(totals) == {1}
+    metrics: dict[str, float] = {}
+    splice.on_validation_end(run, metrics)
+    assert splice.source.data.limit_val_batches == 1 and set(totals) == {1} and "val/kl_spliced" in metrics

@@ -12,11 +12,13 @@ from torch import nn
 
 from experiments.sae.coders.multi import combined, from_every_rank, hook_name, members, spread_over_ranks
 from experiments.sae.metrics import loss_recovered
-from experiments.sae.sources.source import Replacement, SourceModel, Splice
+from experiments.sae.sources.costs import BatchCosts, CleanRuns
+from experiments.sae.sources.source import Replacement, SourceModel, Splice, source_key
 from runner import ConfigError
 from runner.config.trust import buildable
 from runner.load import TRUSTED_TARGETS
 from runner.run import Callback
+from runner.timeline import phase
 
 PROVIDES = (
     "ce_clean",
@@ -40,7 +42,13 @@ class SpliceEval(Callback):
     own, as val/<name>/<metric>, and the unprefixed metrics are their means. With a `target` (a transcoder), the
     target's output is what is replaced, by the transcoder of `module`'s, and what is ablated; the metrics keep
     their names. `limit_batches` caps the source's validation batches the splice and ablations read, as
-    data.limit_val_batches caps validation's (a fraction of the split, or batches per rank; None: all)."""
+    data.limit_val_batches caps validation's (a fraction of the split, or batches per rank; None: all).
+
+    Validations before the last read the first `during_training` of those batches (a fraction, or a number of
+    batches; None: all), the clean model and the ablations over the same batches; the last validation of a run that
+    trains its whole max_duration, and runner.evaluate, read them all. The source model is the run's own data's
+    when it reads the same model hooked the same way (built once), and the clean model's outputs are computed once
+    a run and kept while they fit in `clean_cache_mb` (on the CPU)."""
 
     def __init__(
         self,
@@ -52,12 +60,22 @@ class SpliceEval(Callback):
         target: str | Sequence[str] | None = None,
         shard: str | None = None,
         limit_batches: float | int | None = None,
+        clean_cache_mb: float = 1024,
+        during_training: float | int | None = None,
     ) -> None:
+        if during_training is not None and (during_training <= 0 or isinstance(during_training, bool)):
+            raise ConfigError(
+                f"callbacks.sae_splice.during_training={during_training!r}: a fraction of the validation batches "
+                "(0.25), a number of them (2), or null for all"
+            )
+        self.during = during_training
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
         self.limit_batches = limit_batches
         self.skip, self.inputs, self.target, self.shard = skip_positions, inputs, target, shard
         self.source: SourceModel | None = None
-        self.ablated: dict[str, dict] = {}
+        self.clean = CleanRuns(clean_cache_mb)
+        self.ablations: dict[str, Replacement] = {}
+        self.ablated = BatchCosts()  # the clean and ablated models' costs of the batches measured so far
         self.noted: set[tuple[str, str]] = set()  # the recovered fractions said to be undefined
         self.provides = tuple(f"val/{name}" for name in PROVIDES)
 
@@ -74,8 +92,15 @@ class SpliceEval(Callback):
     def on_validation_end(self, run, metrics: dict[str, float]) -> None:
         """Add the clean, ablated and spliced losses, the KL divergences and the fractions of loss recovered."""
         if self.source is None:
-            self._ablate(run)
-        clean = self.ablated["clean"]
+            with phase("splice setup"):  # once a run: the source on the run's device, what the ablations replace
+                self._ablate(run)
+        batches = self._batches(run)
+        if batches > len(self.ablated):  # the clean and ablated models over the batches not measured yet
+            more = range(len(self.ablated), batches)
+            working = functools.partial(run.working, "ablations")
+            self.ablated.extend(self.source.costs(self.ablations, working, self.clean, more))
+        ablated = self.ablated.means(batches)
+        clean = ablated["clean"]
         family, hook_of = members(run.task), getattr(run.task, "hook_of", {})
         for _, sae in family:
             sae.eval()  # inference behaviour (BatchTopK's threshold), as validation used
@@ -83,7 +108,8 @@ class SpliceEval(Callback):
         written = "targets" if len(targets) > 1 else (targets or [self.source.name])[0]
         where = {prefix: hook_of.get(prefix.rstrip("/"), written) for prefix, _ in family}
         spliced = {prefix: self._splice(where[prefix], sae) for prefix, sae in family}
-        spliced = self.source.compare(spliced, functools.partial(run.working, "splicing"))
+        working = functools.partial(run.working, "splicing")
+        spliced = self.source.costs(spliced, working, self.clean, range(batches)).means()
         for _, sae in family:
             sae.train()
         metrics["val/ce_clean"] = clean["ce"]
@@ -91,31 +117,40 @@ class SpliceEval(Callback):
         names = [] if targets or len(self.source.names) == 1 else self.source.names
         for at, module in [("", written), *((f"{hook_name(m)}/", m) for m in names)]:
             for name in ("zero", "mean"):
-                ablated = self.ablated[f"{module}:{name}"]
-                metrics.update({f"val/{at}{what}_{name}_ablated": value for what, value in ablated.items()})
-        per_sae = {prefix: self._recovered(run, prefix, where[prefix], got) for prefix, got in spliced.items()}
+                costs = ablated[f"{module}:{name}"]
+                metrics.update({f"val/{at}{what}_{name}_ablated": value for what, value in costs.items()})
+        per_sae = {p: self._recovered(run, p, where[p], got, ablated) for p, got in spliced.items()}
         per_sae = from_every_rank(run, per_sae)  # distributed=spread: each rank spliced its own SAEs
         for prefix, values in per_sae.items():
             metrics.update({f"val/{prefix}{name}": value for name, value in values.items()})
         if len(per_sae) > 1:
             metrics.update({f"val/{name}": value for name, value in combined(per_sae).items()})
 
+    def _batches(self, run) -> int:
+        # How many of the source's validation batches this validation reads: all at the end of training (and in
+        # runner.evaluate, which has no progress), the first `during` of them before.
+        total = len(self.source.data.val_loader())
+        progress = getattr(run, "progress", None)
+        if self.during is None or progress is None or progress.finished:
+            return total
+        return min(total, max(1, round(self.during * total) if self.during < 1 else int(self.during)))
+
     def _ablate(self, run) -> None:
-        # Once a run: the source model on the run's device, and its clean and ablated losses (zero and mean ablation
+        # Once a run: the source model on the run's device, and the replacements that ablate (zero and mean ablation
         # of each hooked module: with a transcoder, of its target; with a cross-layer one, of every target at once).
-        self.source = SourceModel(
-            self.checkpoint,
-            self.module,
-            run.device,
-            self.trusted_targets,
-            self.skip,
-            self.inputs,
-            self.target,
-            self.shard,
-        )
+        where = (self.checkpoint, self.module, self.trusted_targets, self.skip, self.inputs, self.target, self.shard)
+        frozen = getattr(getattr(run, "data", None), "frozen", None)  # hooked.Frozen: the data's own source
+        if frozen is not None and frozen.source.key == source_key(*where):
+            self.source = frozen.source.to(run.device)
+        else:
+            self.source = SourceModel(self.checkpoint, self.module, run.device, *where[2:])
+            frozen = None
         # the source's own split, read at every validation: sized as validation is (debug=fast's two batches)
         self.source.data.limit_val_batches = self.limit_batches
-        acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
+        if frozen is not None and self.limit_batches is None:  # the data's validation rows are these activations
+            acts = frozen.val.tensors[0].to(run.device)
+        else:
+            acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
         means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
         targets = self.source.targets
         if targets:  # a transcoder replaces its target: that is the module ablated
@@ -129,14 +164,17 @@ class SpliceEval(Callback):
         for name, mean in means.items():
             ablations[f"{name}:zero"] = (name, torch.zeros_like)
             ablations[f"{name}:mean"] = (name, lambda out, mean=mean: mean.expand_as(out))
-        self.ablated = self.source.compare(ablations, functools.partial(run.working, "ablations"))
+        self.ablations = ablations
 
-    def _recovered(self, run, prefix: str, where: str, got: dict[str, float]) -> dict[str, float]:
-        # one SAE's spliced loss and KL, and the fractions of loss it recovers against each ablation of `where`
-        clean = self.ablated["clean"]
+    def _recovered(
+        self, run, prefix: str, where: str, got: dict[str, float], ablated: dict[str, dict]
+    ) -> dict[str, float]:
+        # one SAE's spliced loss and KL, and the fractions of loss it recovers against each ablation of `where`, over
+        # the same batches
+        clean = ablated["clean"]
         values = {"ce_spliced": got["ce"], **({"kl_spliced": got["kl"]} if "kl" in got else {})}
         for name, suffix in (("zero", ""), ("mean", "_mean")):
-            value, why = loss_recovered(self.ablated[f"{where}:{name}"]["ce"], got["ce"], clean["ce"])
+            value, why = loss_recovered(ablated[f"{where}:{name}"]["ce"], got["ce"], clean["ce"])
             values[f"loss_recovered{suffix}"] = value
             if why and run.strategy.is_main and (prefix, name) not in self.noted:
                 self.noted.add((prefix, name))  # once a run: the ablations are measured once

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.data import to_device
+from runner.timeline import phase
 
 
 def source_inputs(loader: Any, epoch: int = 0, consumed: int = 0) -> Iterator[tuple[int, int, Any]]:
@@ -76,7 +77,8 @@ class ActivationBuffer:
     def take(self, n: int) -> torch.Tensor:
         """The next `n` activations."""
         if self.ring is None:
-            self.ring = self._fill(self.capacity)
+            with phase("buffer fill"):
+                self.ring = self._fill(self.capacity)
             self._shuffle()
         elif self.pos + n > self.capacity // 2:
             served = self.order[: self.pos]

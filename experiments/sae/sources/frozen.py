@@ -13,6 +13,7 @@ from runner import ConfigError
 from runner.build import build_data
 from runner.data import DataModule
 from runner.load import TRUSTED_TARGETS, load_trained
+from runner.timeline import phase
 
 
 class FrozenModel:
@@ -28,21 +29,22 @@ class FrozenModel:
     ) -> None:
         self.pretrained: pretrained.Pretrained | None = None
         self.checkpoint, self.read = str(checkpoint), (None, None)
-        if pretrained.is_pretrained(checkpoint):
-            self.pretrained = pretrained.load(str(checkpoint), inputs)
-            self.model, self.data = self.pretrained.model, self.pretrained.data
-        elif inputs:
-            raise ConfigError(
-                f"source.inputs is the text a transformers model reads; {checkpoint} is a runner run, which reads its "
-                "own data: leave source.inputs out"
-            )
-        else:
-            self.model, cfg = load_trained(checkpoint, trusted_targets)
-            self.data: DataModule = build_data(cfg)
-            # what that run read, when it read another model's activations: the way out if it is no source (_no_loss)
-            self.read = cfg.data.get("checkpoint"), cfg.data.get("module")
-        self.device = torch.device(device)
-        self.model.to(self.device)
+        with phase("source model"):
+            if pretrained.is_pretrained(checkpoint):
+                self.pretrained = pretrained.load(str(checkpoint), inputs)
+                self.model, self.data = self.pretrained.model, self.pretrained.data
+            elif inputs:
+                raise ConfigError(
+                    f"source.inputs is the text a transformers model reads; {checkpoint} is a runner run, which reads "
+                    "its own data: leave source.inputs out"
+                )
+            else:
+                self.model, cfg = load_trained(checkpoint, trusted_targets)
+                self.data: DataModule = build_data(cfg)
+                # what that run read, when it read another model's activations: the way out if it is no source
+                self.read = cfg.data.get("checkpoint"), cfg.data.get("module")
+            self.device = torch.device(device)
+            self.model.to(self.device)
 
     def loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's validation loss of a batch, and its output (logits) when that is a tensor."""

@@ -4,9 +4,14 @@ alone before the model loads, and the order a forward must run them in."""
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Sequence
+from typing import Any
+
+from omegaconf import OmegaConf
 
 from runner import ConfigError
+from runner.load import TRUSTED_TARGETS
 
 
 def nearest_modules(name: str, modules: Sequence[str], most: int = 6) -> str:
@@ -86,3 +91,17 @@ def check_order(names: list[str], targets: list[str], ran: list[str]) -> None:
             f"{expected[: len(ran)]}: name each layer's input (source.module) and output (source.target) in the "
             "order the model runs them, each input before its output and the layers first to last"
         )
+
+
+def source_key(
+    checkpoint: str,
+    module: str | Sequence[str],
+    trusted_targets: Sequence[str] = TRUSTED_TARGETS,
+    skip_positions: int = 0,
+    inputs: dict[str, Any] | None = None,
+    target: str | Sequence[str] | None = None,
+    shard: str | None = None,
+) -> str:
+    """What makes two SourceModels the same model hooked the same way: their arguments, as one comparable string."""
+    plain = [str(checkpoint), hook_points(module), list(trusted_targets), skip_positions, inputs, target, shard]
+    return json.dumps(plain, sort_keys=True, default=lambda value: OmegaConf.to_container(value) or str(value))

@@ -27,6 +27,7 @@ from runner import ConfigError, check_whole
 from runner.config.trust import buildable
 from runner.data import DataModule, TensorData
 from runner.load import TRUSTED_TARGETS
+from runner.timeline import phase
 
 HOOKED = ("LiveActivations", "CachedActivations", "SourceWindows", "HookedData")
 
@@ -65,7 +66,8 @@ def frozen_source(
             f"the source run {checkpoint} has no validation split, which the SAE validates (and splices) on: "
             "train the source with one (the lm data: data.val_every >= 2 and 2 files or more in data.paths)"
         )
-    val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
+    with phase("source validation rows"):
+        val = torch.cat([source.activations(batch).cpu() for batch in source.data.val_loader()])
     read = [name for name in source.names if name not in source.targets]  # what an SAE (or transcoder) reads
     several = len(read) > 1 and not source.targets
     if d is not None and (several or source.widths[source.name] != d):
@@ -126,7 +128,8 @@ class LiveActivations(DataModule):
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
             )
         where = (checkpoint, module, d, trusted_targets, skip_positions, inputs, target, shard)
-        source, val, model_args = frozen_source(*where)
+        self.frozen = frozen_source(*where)  # the splice callback reuses it (run.data)
+        source, val, model_args = self.frozen
         train = HookedActivations(ActivationBuffer(source, buffer_size, loader.get("seed", 0)), samples_per_epoch)
         super().__init__({"train": train, "val": val}, **loader)
         self.model_args = model_args
@@ -183,7 +186,8 @@ class CachedActivations(DataModule):
     ) -> None:
         check_whole(cache_rows, "data.cache_rows")
         check_whole(cache_shard_rows, "data.cache_shard_rows")
-        source, val, model_args = frozen_source(checkpoint, module, d, trusted_targets, skip_positions, inputs, target)
+        self.frozen = frozen_source(checkpoint, module, d, trusted_targets, skip_positions, inputs, target)
+        source, val, model_args = self.frozen
         train: Dataset = _NoRows()
         if cache is not None:
             hooked = source.names if len(source.names) > 1 else source.name  # a transcoder's target too
@@ -227,7 +231,8 @@ class SourceWindows(DataModule):
         target: str | Sequence[str] | None = None,
         **loader,
     ) -> None:
-        source, val, model_args = frozen_source(checkpoint, module, d, trusted_targets, skip_positions, inputs, target)
+        self.frozen = frozen_source(checkpoint, module, d, trusted_targets, skip_positions, inputs, target)
+        source, val, model_args = self.frozen
         loader["tokens_per_sample"] = source.data.tokens_per_sample
         super().__init__({"train": source.data.splits["train"], "val": val}, **loader)
         self.model_args = {**model_args, "source": source}

@@ -13,7 +13,7 @@ import torch
 
 from experiments.sae.sources import costs
 from experiments.sae.sources.frozen import FrozenModel
-from experiments.sae.sources.hook_points import check_order, hook_points, nearest_modules, targets_of
+from experiments.sae.sources.hook_points import check_order, hook_points, nearest_modules, source_key, targets_of
 from experiments.sae.sources.replacements import (
     Replacement,
     Rows,
@@ -58,6 +58,7 @@ class SourceModel(FrozenModel):
                 f"source.skip_positions={skip_positions!r}: give how many first positions to leave out, >= 0"
             )
         hook_points(module)  # before the model loads (minutes for a large one): a module not given is said at once
+        self.key = source_key(checkpoint, module, trusted_targets, skip_positions, inputs, target, shard)
         super().__init__(checkpoint, device, trusted_targets, inputs)
         modules = dict(self.model.named_modules())
         self.names, self.target = hook_points(module), target
@@ -237,7 +238,20 @@ class SourceModel(FrozenModel):
         writes, from those it reads): the model's mean validation loss ("ce") and, when the model's output is logits,
         the KL divergence of its next-token distribution from the clean model's ("kl", nats per token, over the same
         tokens as the loss). `working(done, total)` hears after each batch how far the pass has got."""
-        return costs.compare(self.run, self.data.val_loader(), self.device, replacements, working)
+        return self.costs(replacements, working).means()
+
+    def costs(
+        self,
+        replacements: dict[str, Replacement],
+        working: Callable[[int, int | None], None] | None = None,
+        clean_runs: costs.CleanRuns | None = None,
+        batches: range | None = None,
+    ) -> costs.BatchCosts:
+        """compare()'s losses and KL divergences per validation batch, over the batches numbered in `batches`;
+        `clean_runs` keeps the clean model's outputs between calls (costs.CleanRuns)."""
+        return costs.batch_costs(
+            self.run, self.data.val_loader(), self.device, replacements, working, clean_runs, batches
+        )
 
     def run(self, batch: Any, replace: Replacement) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The loss of one batch with the replacement's modules' outputs replaced, and the model's logits (None: not a
