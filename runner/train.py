@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from runner import collector_paused
 from runner.build import build
 from runner.ckpt.callback import Checkpoint
-from runner.ckpt.files import load_checkpoint, newest_valid
+from runner.ckpt.dcp import open_checkpoint
+from runner.ckpt.files import newest_valid
 from runner.ckpt.state import model_weights, restore
 from runner.ckpt.weights import save_weights, weight_parts
 from runner.log.info import run_info, run_metadata
@@ -74,13 +75,14 @@ def resume(run: Run, cfg: DictConfig) -> dict[str, Any] | None:
         )
         return None
     if where == "auto":
-        found = newest_valid(directory)  # refuses a folder of checkpoints none of which verifies
+        # refuses a folder of checkpoints none of which verifies; a distributed one is checked and read collectively
+        found = newest_valid(directory, load=lambda folder: open_checkpoint(folder, run.strategy))
         if found is None:
             say(f"resume=auto: no checkpoint in {directory}; starting from scratch", file=sys.stderr)
             return None
         folder, contents = found
     else:
-        folder, contents = Path(where), load_checkpoint(where)
+        folder, contents = Path(where), open_checkpoint(where, run.strategy)
     manifest = restore(run, contents, allow_changes=cfg.get("resume_allow_changes", False))
     say(f"resuming from {folder} (step {manifest['step']})", file=sys.stderr)
     for key, (old, new) in manifest["config_changes"].items():

@@ -8,13 +8,16 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from runner import ConfigError
+from runner.ckpt.dcp_writer import ShardedWriter, checkpoint_format
 from runner.ckpt.files import (
+    DCP,
     MANIFEST_SHA256,
     PREFIX,
     CheckpointError,
@@ -70,6 +73,8 @@ class Checkpoint(Callback):
         monitor: str | None = None,
         mode: str = "min",
         save_last: bool = True,
+        format: str = "auto",
+        **options: bool,
     ) -> None:
         if keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be >= 1 (resume needs one), got {keep_last}")
@@ -82,6 +87,7 @@ class Checkpoint(Callback):
         if self.interval.value <= 0:
             raise ConfigError(f"checkpoint.interval={interval} must be longer than zero")
         self.keep_last, self.keep_best, self.save_last = keep_last, keep_best, save_last
+        self.format, self.sharded = checkpoint_format(format, options), ShardedWriter(options.get("async", False))
         self.monitor = monitor if keep_best > 0 else None
         self.order = Best(mode)  # which values are better (it checks that mode is 'min' or 'max')
         # (value, step) of every checkpoint saved with a fresh monitored value: every rank decides the same saves
@@ -111,7 +117,7 @@ class Checkpoint(Callback):
     def on_step_end(self, run: Run) -> None:
         """Save when the interval ticks, when training ends, or when this step's validation is among the best."""
         self.check()
-        if not self.buffers and self.thread is None and run.strategy.is_main:
+        if not self.buffers and self.thread is None and run.strategy.is_main and self.format_of(run) == "files":
             self.prepare(run)
         p, fresh, self.fresh = run.progress, self.fresh, None
         ends = p.finished or run.stop_reason is not None
@@ -148,6 +154,10 @@ class Checkpoint(Callback):
         self.thread = threading.Thread(target=allocate, daemon=True)
         self.thread.start()
 
+    def format_of(self, run: Run) -> str:
+        """'files' or 'dcp': `format`, with auto resolved by the strategy (dcp for fsdp and spread)."""
+        return getattr(run.strategy, "checkpoint_format", "files") if self.format == "auto" else self.format
+
     def _among_best(self, value: float) -> bool:
         kept = sorted((v for v, _ in self.scored), key=self.order.key)[: self.keep_best]  # best first
         return len(kept) < self.keep_best or self.order.better(value, kept[-1])
@@ -160,6 +170,14 @@ class Checkpoint(Callback):
         folder = self.dir / f"{PREFIX}{p.step:08d}"
         if monitor_value is not None:
             self.scored.append([monitor_value, p.step])
+        if self.format_of(run) == DCP:  # every rank writes its own shards
+            seal = self.sharded.start(run, folder, self._info(run, monitor_value))
+            if self.sharded.async_save:
+                self.thread = threading.Thread(target=self._finish, args=(folder, seal), daemon=False)
+                self.thread.start()
+            else:
+                self._finish(folder, seal)
+            return folder
         state = training_state(run)  # collective: every rank's RNG states are gathered (and FSDP's shards)
         weights = model_weights(run)  # collective under FSDP
         if not run.strategy.is_main:
@@ -168,9 +186,17 @@ class Checkpoint(Callback):
         state = _snapshot(state, self.buffers, "state")
         if run.device.type == "cuda":  # the run's own device: with distributed.device=cuda:1 the current one is 0
             torch.cuda.synchronize(run.device)  # the non-blocking copies into pinned buffers land before the writer
+        info = self._info(run, monitor_value)
+        self.thread = threading.Thread(target=self.write, args=(folder, model, state, info), daemon=False)
+        self.thread.start()
+        return folder
+
+    def _info(self, run: Run, monitor_value: float | None) -> dict[str, Any]:
+        # the manifest's fields besides the files
+        p = run.progress
         # the loop names max_duration only after the last step; a checkpoint of that step is of a finished run
         reason = run.stop_reason or (StopReason.MAX_DURATION if p.finished else None)
-        info = {
+        return {
             "step": p.step,
             "epoch": p.epoch,
             "samples": p.samples,
@@ -183,15 +209,19 @@ class Checkpoint(Callback):
             "config_sha256": run.settings.config_hash,
             "config": run.settings.config,
         }
-        self.thread = threading.Thread(target=self.write, args=(folder, model, state, info), daemon=False)
-        self.thread.start()
-        return folder
 
     def write(self, folder: Path, model: dict, state: dict, info: dict) -> None:
         """In the writer thread: write the folder, point `last` at it, rotate; an error is kept for check()."""
+        self._finish(folder, lambda: write_checkpoint(folder, model, state, info))
+
+    def _finish(self, folder: Path, write: Callable[[], dict[str, Any] | None]) -> None:
+        # put the checkpoint in place (`write`: its manifest, None on the ranks that do not own the folder), point
+        # `last` at it, rotate; an error is kept for check()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            manifest = write_checkpoint(folder, model, state, info)
+            manifest = write()
+            if manifest is None:
+                return
             self.verified[folder] = (manifest[MANIFEST_SHA256], manifest)
             if self.save_last:
                 link = self.dir / ".last.tmp"

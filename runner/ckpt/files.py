@@ -15,6 +15,7 @@ import io
 import json
 import pickle
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,11 @@ from runner import ConfigError, rundir
 
 PREFIX = "step-"
 FILES = ("model.safetensors", "state.pt")
+# A distributed checkpoint (checkpoint.format=dcp, runner.ckpt.dcp) holds DCP's shards (__RANK_N.distcp) and .metadata,
+# the state every rank shares (shared.pt) and each rank's own (rank-RANK.pt); its manifest says "format": "dcp".
+DCP = "dcp"
+DCP_FILES = (".metadata", "shared.pt")
+RANK_FILE = "rank-{}.pt"
 MANIFEST_SHA256 = "manifest_sha256"
 # In a weight's name: a LoRA adapter's (PEFT's lora_A / lora_B). A file of only those says so in its metadata.
 ADAPTER = "lora_"
@@ -76,6 +82,11 @@ def _write_folder(tmp: Path, model: dict[str, torch.Tensor], state: dict[str, An
     for name, data in files.items():
         rundir.write_atomic(tmp / name, data, fsync=True)
         manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return write_manifest(tmp, manifest)
+
+
+def write_manifest(tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Seal a staged checkpoint folder: its manifest, with its own checksum, written last; the folder fsynced."""
     manifest = json.loads(json.dumps(manifest, default=str))  # what a reader will see: the checksum is of that
     manifest[MANIFEST_SHA256] = manifest_checksum(manifest)
     rundir.write_atomic(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode(), True)
@@ -100,21 +111,45 @@ def read_manifest(folder: Path) -> dict[str, Any]:
             f"checkpoint {folder}: manifest.json does not match its own checksum (edited, corrupted, or written by a "
             "runner older than the checksum)"
         )
-    files = manifest.get("files")
-    entries = [files.get(name) for name in FILES] if isinstance(files, dict) else [None]
+    files, required = manifest.get("files"), required_files(manifest)
+    entries = [files.get(name) for name in required] if isinstance(files, dict) and required else [None]
+    if isinstance(files, dict):
+        entries += list(files.values())
     if not isinstance(manifest.get("step"), int) or not all(
         isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str) for e in entries
     ):
-        raise CheckpointError(f"checkpoint {folder}: manifest.json lacks its step or the size and sha256 of {FILES}")
+        raise CheckpointError(
+            f"checkpoint {folder}: manifest.json lacks its step or the size and sha256 of {required or FILES}"
+        )
     return manifest
+
+
+def required_files(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The files a checkpoint of this manifest's format must hold (every rank's own, for a distributed one)."""
+    if manifest.get("format", "files") != DCP:
+        return FILES
+    ranks = manifest.get("world_size")
+    if not isinstance(ranks, int) or ranks < 1:
+        return ()
+    return (*DCP_FILES, *(RANK_FILE.format(rank) for rank in range(ranks)))
+
+
+def _label(name: str) -> str:
+    # a distributed checkpoint's file names the rank that wrote it: the one whose disk or process to look at
+    rank = name[2:].partition("_")[0] if name.startswith("__") and name.endswith(".distcp") else None
+    if name.startswith("rank-") and name.endswith(".pt"):
+        rank = name[len("rank-") : -len(".pt")]
+    return f"{name} (written by rank {rank})" if rank is not None and rank.isdigit() else name
 
 
 def _matches(folder: Path, name: str, expected: dict[str, Any], size: int, sha256: str) -> None:
     # a file of a checkpoint against its manifest entry: a short file is truncated, a same-size mismatch corrupted
     if size != expected["bytes"]:
-        raise CheckpointError(f"checkpoint {folder}: {name} is {size} bytes, expected {expected['bytes']} (truncated)")
+        raise CheckpointError(
+            f"checkpoint {folder}: {_label(name)} is {size} bytes, expected {expected['bytes']} (truncated)"
+        )
     if sha256 != expected["sha256"]:
-        raise CheckpointError(f"checkpoint {folder}: {name} does not match its sha256 (corrupted)")
+        raise CheckpointError(f"checkpoint {folder}: {_label(name)} does not match its sha256 (corrupted)")
 
 
 def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
@@ -122,26 +157,34 @@ def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
     try:
         data = (folder / name).read_bytes()
     except OSError as error:
-        raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({error})") from None
+        raise CheckpointError(f"checkpoint {folder}: cannot read {_label(name)} ({error})") from None
     _matches(
         folder, name, manifest["files"][name], len(data), hashlib.sha256(data).hexdigest()
     )  # (listed: read_manifest)
     return data
 
 
-def verify(folder: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint folder whose files match their sizes and sha256 (read in chunks, not loaded)."""
+def digest(path: Path) -> dict[str, Any]:
+    """A file's manifest entry: its size and sha256 (read in chunks, not loaded)."""
+    sha256, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            sha256.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": sha256.hexdigest()}
+
+
+def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """The manifest of a checkpoint folder whose files match their sizes and sha256 (read in chunks, not loaded).
+    `share` (rank, ranks): check only every ranks-th file from the rank-th, so that ranks split the reading."""
     manifest = read_manifest(folder)
-    for name in FILES:
-        digest, size = hashlib.sha256(), 0
+    names = FILES if manifest.get("format", "files") != DCP else sorted(manifest["files"])
+    for name in names[share[0] :: share[1]]:
         try:
-            with open(folder / name, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    digest.update(chunk)
-                    size += len(chunk)
+            found = digest(folder / name)
         except OSError as error:
-            raise CheckpointError(f"checkpoint {folder}: cannot read {name} ({error})") from None
-        _matches(folder, name, manifest["files"][name], size, digest.hexdigest())
+            raise CheckpointError(f"checkpoint {folder}: cannot read {_label(name)} ({error})") from None
+        _matches(folder, name, manifest["files"][name], found["bytes"], found["sha256"])
     return manifest
 
 
@@ -151,19 +194,29 @@ def load_checkpoint(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict[s
 
     folder = Path(folder)
     manifest = read_manifest(folder)
+    if manifest.get("format", "files") == DCP:
+        raise CheckpointError(
+            f"checkpoint {folder} is a distributed checkpoint (checkpoint.format=dcp): its shards are loaded by "
+            "runner.ckpt.dcp.open_checkpoint (a resume does), its weights by runner.ckpt.weights.read_weights"
+        )
     weights = safetensors_load(verified(folder, "model.safetensors", manifest))
+    return weights, load_state_file(folder, "state.pt", manifest), manifest
+
+
+def load_state_file(folder: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's file of tensors and plain values (state.pt, a rank's rank-K.pt), verified, loaded with
+    torch.load(weights_only=True): never unpickles Python objects."""
     try:
-        state = torch.load(io.BytesIO(verified(folder, "state.pt", manifest)), weights_only=True, map_location="cpu")
+        return torch.load(io.BytesIO(verified(folder, name, manifest)), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:  # weights_only refuses pickled objects (and anything that would run code)
         raise CheckpointError(
-            f"checkpoint {folder}: state.pt holds Python objects, not only tensors and plain values; refusing to "
-            f"unpickle it ({str(error).splitlines()[0]})"
+            f"checkpoint {folder}: {_label(name)} holds Python objects, not only tensors and plain values; refusing "
+            f"to unpickle it ({str(error).splitlines()[0]})"
         ) from None
     except Exception as error:  # cut short or not a torch.save file (its manifest was rewritten to match)
         raise CheckpointError(
-            f"checkpoint {folder}: state.pt cannot be read: truncated or not written by torch.save ({error})"
+            f"checkpoint {folder}: {_label(name)} cannot be read: truncated or not written by torch.save ({error})"
         ) from None
-    return weights, state, manifest
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -179,13 +232,14 @@ def checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
 
 
-def newest_valid(directory: Path) -> tuple[Path, tuple] | None:
-    """The newest checkpoint in `directory` that verifies, with its contents; corrupt ones are reported and skipped.
-    None when there is no checkpoint; CheckpointError when there are some and none verifies."""
+def newest_valid(directory: Path, load: Callable[[Path], tuple] | None = None) -> tuple[Path, tuple] | None:
+    """The newest checkpoint in `directory` that verifies, with its contents (`load`'s: load_checkpoint's unless
+    given); corrupt ones are reported and skipped. None when there is no checkpoint; CheckpointError when there are
+    some and none verifies."""
     failures = []
     for folder in checkpoints(directory):
         try:
-            return folder, load_checkpoint(folder)
+            return folder, (load or load_checkpoint)(folder)
         except CheckpointError as error:
             print(f"warning: {error}; skipping it", file=sys.stderr)
             failures.append(str(error))

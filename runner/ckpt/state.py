@@ -183,8 +183,11 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
             f"the model differs from the checkpoint's ({len(diff)} tensors differ in name or shape, e.g. "
             f"{diff[:3]}): a checkpoint resumes the same model; use init_from to start from its weights"
         )
-    run.strategy.load_model_state(run.task, weights)  # FSDP: each rank keeps its shards of the full tensors
-    run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
+    if hasattr(weights, "load_into"):  # a distributed checkpoint (runner.ckpt.dcp): each rank reads its own shards
+        weights.load_into(run)
+    else:
+        run.strategy.load_model_state(run.task, weights)  # FSDP: each rank keeps its shards of the full tensors
+        run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
     run.schedule.load_state_dict(state["schedule"])
     if any(k.startswith("optimizer.") for k in config):
         old, new = (manifest["config"].get("optimizer", {}).get("lr"), run.settings.config["optimizer"].get("lr"))

@@ -11,6 +11,7 @@ import torch
 
 from runner import rundir
 from runner.ckpt.files import (
+    DCP,
     FILES,
     CheckpointError,
     bare_names,
@@ -55,7 +56,12 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     folder, name = (path, "model.safetensors") if path.is_dir() else (path.parent, path.name)
     if (folder / "manifest.json").is_file() and name in FILES:  # a checkpoint folder, or its weights file
-        return safetensors_load(verified(folder, name, read_manifest(folder)))
+        manifest = read_manifest(folder)
+        if manifest.get("format") == DCP:  # a distributed checkpoint: its shards, whole in this process
+            from runner.ckpt.dcp import full_weights
+
+            return full_weights(folder)
+        return safetensors_load(verified(folder, name, manifest))
     file = path / rundir.MODEL if path.is_dir() else path
     try:
         data = file.read_bytes()

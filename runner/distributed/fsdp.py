@@ -24,6 +24,8 @@ class FSDP(DDP):
     of one process: a checkpoint is portable to another world size or to one process.
     """
 
+    checkpoint_format = "dcp"  # each rank writes its own shards (runner.ckpt.dcp)
+
     def __init__(
         self, device: str = "auto", reshard_after_forward: bool = True, units: list[str] | None = None
     ) -> None:

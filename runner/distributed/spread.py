@@ -21,6 +21,7 @@ class Spread(DDP):
     """One process per device (torchrun or SLURM, like ddp); the task's modules each on one rank."""
 
     strategy = "spread"
+    checkpoint_format = "dcp"  # each rank writes its own modules (runner.ckpt.dcp)
     # the model key that builds a task this way (experiments.sae.coders.multi.MultiSAE's): runner.build fills it in
     model_args = {"distribute": True}
     every_module_here = False  # the other ranks' modules are meta placeholders here

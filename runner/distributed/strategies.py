@@ -28,6 +28,8 @@ class Single:
     model_args = {"distribute": False}
     # every module is on every rank (whole, or as FSDP's shards): callbacks that read all of them can run
     every_module_here = True
+    # checkpoint.format=auto: whole tensors gathered on rank 0 (runner.ckpt.files); fsdp and spread: each rank's shards
+    checkpoint_format = "files"
 
     def __init__(self, device: str = "auto") -> None:
         self.device = pick_device(device)

@@ -45,6 +45,7 @@ def _family(acts: Path) -> list[str]:
         "trainer.val_interval=10st",
         "trainer.log_interval=5st",
         "checkpoint.interval=10st",
+        "checkpoint.format=files",  # one process's state.pt, which resumes too (dcp: tests/e2e/test_dcp_ranks.py)
         "logger=[console,jsonl]",
     ]
 

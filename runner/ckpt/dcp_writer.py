@@ -1,0 +1,148 @@
+"""Writing distributed checkpoints (checkpoint.format=dcp; what they hold: runner.ckpt.dcp).
+
+Every rank writes into one staging folder beside the final one (`.step-N.partial-PID`, PID being rank 0's, so the
+crash clean-up of runner.rundir.staged_in finds it): DCP's shards, then its own small files. Then each rank hashes the
+files it wrote, rank 0 gathers the hashes, writes the manifest last and renames the folder into place. A kill at any
+moment leaves a staging folder that no reader takes for a checkpoint, and the earlier checkpoints as they were.
+
+With `async`, DCP's async_save copies the shards to CPU memory and returns; the writing and the sealing go on in the
+callback's writer thread, over a gloo group of their own (the training's collectives keep the default one).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner import ConfigError, rundir
+from runner.ckpt.dcp import PER_RANK, SHARED, sharded_state
+from runner.ckpt.files import DCP, RANK_FILE, digest, write_manifest
+from runner.ckpt.state import training_state
+from runner.run import Run
+
+
+def _bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def small_files(run: Run) -> dict[str, bytes]:
+    """This rank's part of the training state besides the shards, serialised now (the loop goes on changing it):
+    rank-K.pt (its run state, generators, data position) and, on rank 0, shared.pt (the rest)."""
+    state = training_state(run, gather=False)  # no communication: its per-rank lists hold this rank's value
+    del state["optimizer"]  # in the shards
+    own = {k: state.pop(k)[0] for k in PER_RANK if k in state}
+    files = {RANK_FILE.format(run.strategy.rank): _bytes(own)}
+    if run.strategy.is_main:
+        files[SHARED] = _bytes(state)
+    return files
+
+
+class ShardedWriter:
+    """Starts a distributed checkpoint's save on every rank (start) and returns what seals it (run it at once, or in
+    a writer thread with `async_save`)."""
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = async_save
+        self.group: Any = None
+        self.pid: int | None = None
+
+    def _setup(self, run: Run) -> None:
+        # collective, at the first save (every rank saves at the same step): rank 0's pid names the staging
+        # folders; the writer's own gloo group keeps its collectives (in the writer thread) apart from training's
+        self.pid = run.strategy.gather(os.getpid())[0]
+        if run.strategy.world_size > 1:
+            self.group = torch.distributed.new_group(backend="gloo")
+
+    def start(self, run: Run, folder: Path, info: dict[str, Any]) -> Callable[[], dict[str, Any] | None]:
+        """Write (or with async_save, stage) this rank's shards of the checkpoint `folder`; returns the seal, which
+        every rank must call: rank 0's returns the manifest of the checkpoint now in place, the others' None."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        if self.pid is None:
+            self._setup(run)
+        staging = folder.parent / rundir.files.STAGING.format(folder.name, self.pid)
+        staging.mkdir(parents=True, exist_ok=True)
+        files = small_files(run)
+        state = sharded_state(run)
+        save = dcp.async_save if self.async_save else dcp.save
+        single = run.strategy.world_size == 1
+        pending = save(state, storage_writer=FileSystemWriter(staging), process_group=self.group, no_dist=single)
+        strategy, ranks = run.strategy, run.strategy.world_size
+
+        def seal() -> dict[str, Any] | None:
+            return self._seal(staging, folder, pending, files, (strategy.rank, ranks), info)
+
+        return seal
+
+    def _seal(
+        self, staging: Path, folder: Path, pending: Any, files: dict[str, bytes], where: tuple[int, int], info: dict
+    ) -> dict[str, Any] | None:
+        rank, ranks = where
+        try:
+            if isinstance(pending, Future):
+                pending.result()  # DCP raises on every rank when any rank failed to write
+            for name, data in files.items():
+                rundir.write_atomic(staging / name, data, fsync=True)
+            mine = [*files, *(p.name for p in staging.glob(f"__{rank}_*.distcp"))] + [".metadata"] * (rank == 0)
+            report: dict[str, Any] | str = {name: digest(staging / name) for name in mine}
+        except Exception as error:  # every rank still joins the gather: rank 0 must not wait for it forever
+            if ranks == 1:
+                raise
+            report = f"rank {rank}: {type(error).__name__}: {error}"
+        reports = self._gather(report, rank, ranks)
+        if rank != 0:
+            if isinstance(report, str):
+                raise RuntimeError(report)
+            return None
+        errors = [r for r in reports if isinstance(r, str)]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        entries = {name: entry for r in reports for name, entry in r.items()}
+        manifest = write_manifest(
+            staging, {**info, "format": DCP, "world_size": ranks, "files": dict(sorted(entries.items()))}
+        )
+        _into_place(staging, folder)
+        return manifest
+
+    def _gather(self, report: Any, rank: int, ranks: int) -> list[Any]:
+        if ranks == 1:
+            return [report]
+        reports: list[Any] | None = [None] * ranks if rank == 0 else None
+        torch.distributed.gather_object(report, reports, dst=0, group=self.group)
+        return reports or []
+
+
+def _into_place(staging: Path, folder: Path) -> None:
+    # the staging folder renamed to the checkpoint's name; the same step saved again (an interval save, then the end
+    # of training) replaces the older folder, kept aside until the new one is in
+    old = folder.parent / rundir.files.STAGING.format(folder.name, f"{os.getpid()}.old")
+    if folder.exists():
+        rundir.files.remove(old)
+        os.rename(folder, old)
+    os.replace(staging, folder)
+    rundir.fsync_dir(folder.parent)
+    rundir.files.remove(old)
+
+
+def checkpoint_format(format: str, options: dict[str, bool]) -> str:
+    """checkpoint.format, checked; `options`: the callback's other keywords (`async`, a Python keyword, is one)."""
+    unknown = set(options) - {"async"}
+    if unknown:
+        raise ConfigError(
+            f"checkpoint has no option {', '.join(sorted(unknown))} (format, async, interval, keep_last...)"
+        )
+    if format not in ("auto", "files", DCP):
+        raise ConfigError(
+            f"checkpoint.format={format}: auto (dcp under fsdp and spread, files otherwise), files (model.safetensors "
+            "and state.pt, gathered on rank 0) or dcp (each rank writes its own shards)"
+        )
+    return format
