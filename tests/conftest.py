@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -143,21 +144,52 @@ def launcher_for(tmp_path: Path) -> Iterator[Callable]:
     logging.root.handlers[:], logging.root.level = handlers, level
 
 
+@pytest.fixture(scope="session")
+def trained_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`trained_once(folder, *overrides)`: `folder` (made, empty) becomes the finished run folder that
+    finished_run(folder, *overrides) leaves, as a copy of the one this process trained the first time it was asked for
+    those overrides: the same files (training is seeded: the same weights, bit for bit), one training per worker
+    instead of one per caller."""
+    trained: dict[tuple[str, ...], Path] = {}
+
+    def copy(folder: Path, *overrides: str) -> Path:
+        if overrides not in trained:
+            trained[overrides] = tmp_path_factory.mktemp("trained_once")
+            finished_run(trained[overrides], *overrides)
+        shutil.copytree(trained[overrides], folder, dirs_exist_ok=True)
+        return folder
+
+    return copy
+
+
+@pytest.fixture(scope="session")
+def _lm_trained(trained_once: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worker's one TINY_LM folder that the SAE trained once (sae_lm_run) reads, copied to each module."""
+    return trained_once(tmp_path_factory.mktemp("lm_trained"), *TINY_LM)
+
+
 @pytest.fixture(scope="module")
-def sae_lm_run(lm_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished SAE (SAE_LM) on lm_run's residual stream after block 1; one per test module."""
-    directory = tmp_path_factory.mktemp("sae_lm")
-    finished_run(directory, "+experiment=sae_lm", f"source.checkpoint={lm_run}", *SAE_LM)
+def sae_lm_run(
+    lm_run: Path, _lm_trained: Path, trained_once: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A finished SAE (SAE_LM) on lm_run's residual stream after block 1; one per test module: a copy of the one the
+    worker trained on _lm_trained (the same weights as lm_run's, bit for bit), its source.checkpoint made lm_run."""
+    directory = trained_once(
+        tmp_path_factory.mktemp("sae_lm"), "+experiment=sae_lm", f"source.checkpoint={_lm_trained}", *SAE_LM
+    )
+    config = directory / ".hydra" / "config.yaml"
+    text = config.read_text(encoding="utf-8")
+    assert text.count(f"checkpoint: {_lm_trained}\n") == 1, text
+    config.write_text(text.replace(f"checkpoint: {_lm_trained}\n", f"checkpoint: {lm_run}\n"), encoding="utf-8")
     return directory
 
 
 @pytest.fixture(scope="module")
-def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def lm_run(trained_once: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A finished tiny GPT run folder (helpers.TINY_LM), as load_trained reads it: model.safetensors and
-    .hydra/config.yaml; one per test module, a source for the SAE experiments."""
-    directory = tmp_path_factory.mktemp("lm")
-    finished_run(directory, *TINY_LM)
-    yield directory
+    .hydra/config.yaml; one folder per test module (a copy of the one run the worker trained), a source for the SAE
+    experiments."""
+    yield trained_once(tmp_path_factory.mktemp("lm"), *TINY_LM)
 
 
 @pytest.fixture

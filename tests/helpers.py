@@ -55,6 +55,18 @@ CONF_DIR = ROOT / "runner" / "conf"  # the framework's groups, and config.yaml
 CONF_DIRS = [CONF_DIR, *sorted(p.parent for p in (ROOT / "experiments").rglob("conf/__init__.py"))]
 
 
+def project_modules() -> dict[str, Path]:
+    """Every module of the project's packages (runner, experiments, the launchers' plugin), dotted name -> file."""
+    found = {}
+    for package in ("runner", "experiments", "hydra_plugins/runner_launchers"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
 def config_groups() -> list[str]:
     """The config groups that have options (a YAML file directly in them), over every folder of CONF_DIRS."""
     return sorted({d.name for conf in CONF_DIRS for d in conf.iterdir() if d.is_dir() and any(d.glob("*.yaml"))})

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_LM, assert_resume_is_exact, finished_run
+from helpers import TINY_LM, assert_resume_is_exact
 from safetensors.torch import load_file
 
 from experiments.sae.sources import cache as cache_module
@@ -198,9 +198,11 @@ def test_an_interrupted_write_is_continued_from_its_last_whole_shard(
     assert sum(forwards) >= 2500
 
 
-def test_a_source_trained_on_a_stream_writes_its_cache_from_that_stream(compose_cfg: Callable, tmp_path: Path) -> None:
+def test_a_source_trained_on_a_stream_writes_its_cache_from_that_stream(
+    compose_cfg: Callable, tmp_path: Path, trained_once: Callable
+) -> None:
     source = tmp_path / "stream_lm"
     source.mkdir()
-    finished_run(source, *TINY_LM, "data=text_stream", "data.block=4")
+    trained_once(source, *TINY_LM, "data=text_stream", "data.block=4")  # test_sae_lm's stream_lm_run: trained once
     run = build(compose_cfg(*_sae(source, tmp_path / "acts")))
     assert len(run.train_loader.dataset) == 2500 and (tmp_path / "acts" / "manifest.json").exists()

@@ -202,11 +202,10 @@ def test_a_checkpoint_without_the_buffer_s_state_still_resumes(
 
 
 @pytest.fixture(scope="module")
-def stream_lm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny GPT trained on data=text_stream: its training inputs, which the buffer reads, are a stream."""
-    directory = tmp_path_factory.mktemp("stream_lm")
-    finished_run(directory, *TINY_LM, "data=text_stream", "data.block=4")
-    return directory
+def stream_lm_run(trained_once: Callable, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT trained on data=text_stream: its training inputs, which the buffer reads, are a stream (the worker's
+    one training of it, copied: test_sae_cache trains the same)."""
+    return trained_once(tmp_path_factory.mktemp("stream_lm"), *TINY_LM, "data=text_stream", "data.block=4")
 
 
 @pytest.mark.parametrize("source_data", ["windows", "stream"])

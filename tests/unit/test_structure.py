@@ -1,33 +1,20 @@
 """The shape of the code: imports point one way (no cycle, found by parsing every import, including those inside
-functions and under TYPE_CHECKING), and every module imports on its own, first, in a fresh process."""
+functions and under TYPE_CHECKING). That every module imports on its own, first, in a fresh process is checked in the
+e2e tier (tests/e2e/test_structure.py: a subprocess)."""
 
 from __future__ import annotations
 
 import ast
-import json
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, project_modules
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("runner", "experiments", "hydra_plugins/runner_launchers")
-
-
-def _modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join(parts)] = path
-    return found
-
-
-MODULES = _modules()
+MODULES = project_modules()
 
 
 def _imports(module: str, path: Path) -> set[str]:
@@ -46,6 +33,12 @@ def _imports(module: str, path: Path) -> set[str]:
             if name and name != module:
                 targets.add(name)
     return targets
+
+
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    """Every project module's imports (_imports), parsed once for the tests of this module."""
+    return {module: _imports(module, path) for module, path in MODULES.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -74,7 +67,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_no_import_cycle() -> None:
-    graph = {module: _imports(module, path) for module, path in MODULES.items()}
+    graph = _graph()
     assert graph["runner.train"] >= {"runner.build", "runner.loop"}  # the parser sees real edges
     assert "runner.rundir" in graph["runner.ckpt.files"]  # `from runner import ConfigError, rundir`
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
@@ -83,7 +76,7 @@ def test_no_import_cycle() -> None:
 def test_the_framework_imports_nothing_of_the_experiments() -> None:
     # runner/ is a framework that ships without its examples: a task reaches it through the hooks it declares (the
     # runner.renamed, runner.folders and runner.tools entry point groups), never by being imported from it
-    graph = {module: _imports(module, path) for module, path in MODULES.items()}
+    graph = _graph()
     assert "experiments.sae.coders.base" in graph["experiments.sae.coders.activations"]  # the parser sees the task's
     upward = {m: sorted(t for t in targets if t.startswith("experiments")) for m, targets in graph.items()}
     assert {m: t for m, t in upward.items() if m.startswith("runner") and t} == {}
@@ -91,7 +84,7 @@ def test_the_framework_imports_nothing_of_the_experiments() -> None:
 
 def test_the_sae_coders_import_nothing_above_them() -> None:
     # the coder is the recipe: its tools (export, feature pages, folder loading) bind to it from above
-    graph = {module: _imports(module, path) for module, path in MODULES.items()}
+    graph = _graph()
     coders = [m for m in MODULES if m.startswith("experiments.sae.coders")]
     below = [*coders, "experiments.sae.objectives", "experiments.sae.metrics"]  # the losses and the metrics' math
     above = {m: sorted(t for t in graph[m] if t.startswith("experiments") and t not in below) for m in below}
@@ -104,56 +97,8 @@ def test_run_and_the_leaf_modules_know_nothing_of_the_loop() -> None:
     leaves += ["runner.validation"]
     leaves += [m for m in MODULES if m.startswith(("runner.callbacks", "runner.ckpt", "runner.log"))]
     for module in leaves:
-        assert "runner.loop" not in _imports(module, MODULES[module]), f"{module} imports runner.loop"
-        assert "runner.build" not in _imports(module, MODULES[module]), f"{module} imports runner.build"
-
-
-# Run by a fresh interpreter with torch and Hydra only: each module is imported first in a forked child of it, where no
-# project module is loaded yet, so an import-order dependency (a cycle hidden by who imported first) fails. Forking
-# the test worker itself, with everything the tier has loaded, took three times as long.
-_FORK_EACH = """
-import importlib, json, os, sys
-import hydra, torch  # the heavy third-party packages, imported once
-failures = {}
-for module in sys.argv[1:]:
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        for loaded in [m for m in sys.modules if m.split(".")[0] in ("runner", "experiments", "hydra_plugins")]:
-            del sys.modules[loaded]
-        try:
-            importlib.import_module(module)
-            code, message = 0, b""
-        except BaseException as error:
-            code, message = 1, f"{type(error).__name__}: {error}".encode()
-        os.write(write, message)
-        os._exit(code)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        message = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        failures[module] = message
-print(json.dumps(failures))
-"""
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_every_module_imports_alone_in_a_fresh_process(tmp_path: Path) -> None:
-    # and a module that fails alone is reported, with its error: the check can fail
-    (tmp_path / "fails_alone.py").write_text("raise ImportError('needs runner.build imported first')\n")
-    done = subprocess.run(
-        [sys.executable, "-c", _FORK_EACH, *MODULES, "fails_alone"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    failures = json.loads(done.stdout.strip().splitlines()[-1])
-    assert failures == {"fails_alone": "ImportError: needs runner.build imported first"}
+        assert "runner.loop" not in _graph()[module], f"{module} imports runner.loop"
+        assert "runner.build" not in _graph()[module], f"{module} imports runner.build"
 
 
 def test_the_command_chooses_openmp_s_wait_policy_before_anything_imports_torch() -> None:
