@@ -98,7 +98,8 @@ class SpliceEval(Callback):
         if batches > len(self.ablated):  # the clean and ablated models over the batches not measured yet
             more = range(len(self.ablated), batches)
             working = functools.partial(run.working, "ablations")
-            self.ablated.extend(self.source.costs(self.ablations, working, self.clean, more))
+            with phase("splice ablations"):
+                self.ablated.extend(self.source.costs(self.ablations, working, self.clean, more))
         ablated = self.ablated.means(batches)
         clean = ablated["clean"]
         family, hook_of = members(run.task), getattr(run.task, "hook_of", {})
@@ -145,9 +146,11 @@ class SpliceEval(Callback):
         else:
             self.source = SourceModel(self.checkpoint, self.module, run.device, *where[2:])
             frozen = None
+        # the data's validation rows are the activations of the batches the splice reads, when it read as many
+        same_rows = frozen is not None and self.source.data.limit_val_batches == self.limit_batches
         # the source's own split, read at every validation: sized as validation is (debug=fast's two batches)
         self.source.data.limit_val_batches = self.limit_batches
-        if frozen is not None and self.limit_batches is None:  # the data's validation rows are these activations
+        if same_rows:
             acts = frozen.val.tensors[0].to(run.device)
         else:
             acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])

@@ -55,12 +55,16 @@ def frozen_source(
     inputs: dict | None,
     target: str | Sequence[str] | None,
     shard: str | None = None,
+    limit: float | int | None = None,
 ) -> Frozen:
     """The model of run `checkpoint` (or a transformers model reading `inputs`: experiments.sae.sources.pretrained),
     frozen, on the CPU, hooked at `module` (and a transcoder's `target`: rows [module's | target's], from one forward);
     its validation activations; and the coder's widths (model_args). Refused: a source without a validation split,
     and a `d` (model.d_in) that is not the hooked module's width."""
     source = SourceModel(checkpoint, module, "cpu", trusted_targets, skip_positions, inputs, target, shard)
+    # data.limit_val_batches counts the source's batches, whose forwards are the work: the rows validation reads come
+    # from that many (debug=fast's two), as the splice's losses do (callbacks.sae_splice.limit_batches)
+    source.data.limit_val_batches = limit
     if source.data.val_loader() is None:
         raise ConfigError(
             f"the source run {checkpoint} has no validation split, which the SAE validates (and splices) on: "
@@ -128,7 +132,8 @@ class LiveActivations(DataModule):
                 f"(2 x data.batch_size={loader.get('batch_size')}): half of it is refilled at a time"
             )
         where = (checkpoint, module, d, trusted_targets, skip_positions, inputs, target, shard)
-        self.frozen = frozen_source(*where)  # the splice callback reuses it (run.data)
+        # the splice callback reuses it (run.data)
+        self.frozen = frozen_source(*where, loader.pop("limit_val_batches", None))
         source, val, model_args = self.frozen
         train = HookedActivations(ActivationBuffer(source, buffer_size, loader.get("seed", 0)), samples_per_epoch)
         super().__init__({"train": train, "val": val}, **loader)
@@ -186,7 +191,8 @@ class CachedActivations(DataModule):
     ) -> None:
         check_whole(cache_rows, "data.cache_rows")
         check_whole(cache_shard_rows, "data.cache_shard_rows")
-        self.frozen = frozen_source(checkpoint, module, d, trusted_targets, skip_positions, inputs, target)
+        limit = loader.pop("limit_val_batches", None)
+        self.frozen = frozen_source(checkpoint, module, d, trusted_targets, skip_positions, inputs, target, None, limit)
         source, val, model_args = self.frozen
         train: Dataset = _NoRows()
         if cache is not None:
@@ -231,7 +237,8 @@ class SourceWindows(DataModule):
         target: str | Sequence[str] | None = None,
         **loader,
     ) -> None:
-        self.frozen = frozen_source(checkpoint, module, d, trusted_targets, skip_positions, inputs, target)
+        limit = loader.pop("limit_val_batches", None)
+        self.frozen = frozen_source(checkpoint, module, d, trusted_targets, skip_positions, inputs, target, None, limit)
         source, val, model_args = self.frozen
         loader["tokens_per_sample"] = source.data.tokens_per_sample
         super().__init__({"train": source.data.splits["train"], "val": val}, **loader)
