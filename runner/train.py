@@ -16,12 +16,12 @@ from runner.build import build
 from runner.ckpt.callback import Checkpoint
 from runner.ckpt.dcp import open_checkpoint
 from runner.ckpt.files import newest_valid
-from runner.ckpt.state import model_weights, restore
-from runner.ckpt.weights import save_weights, weight_parts
+from runner.ckpt.state import restore
+from runner.ckpt.stream import save_final_weights
 from runner.log.info import run_info, run_metadata
 from runner.loop import fit
 from runner.run import Callback, Run, StopReason
-from runner.rundir import CHECKPOINTS, CONFIG, MODEL, MODEL_PART, RUN_INFO, SUMMARY, set_aside, write_atomic, write_json
+from runner.rundir import CHECKPOINTS, CONFIG, MODEL, RUN_INFO, SUMMARY, set_aside, write_atomic, write_json
 from runner.short_run import short_run
 from runner.sweeps.job import SweepJob
 from runner.timeline import TIMELINE, TRAINING, phase
@@ -186,13 +186,10 @@ def _write_run_info(run: Run, cfg: DictConfig, run_dir: Path, manifest: dict[str
 
 
 def _write_outputs(run: Run, run_dir: Path, summary: dict[str, Any]) -> None:
-    # The weights are gathered on every rank (a collective under FSDP); rank 0 writes them and summary.json.
+    # The weights are gathered tensor by tensor on every rank (a collective under FSDP) while rank 0 streams each into
+    # the files; rank 0 writes summary.json.
     with phase("final save"):
-        weights = model_weights(run)
-        if run.strategy.is_main:
-            save_weights(weights, run_dir / MODEL)
-            for name, part in weight_parts(run.task, weights).items():
-                save_weights(part, run_dir / MODEL_PART.format(name))
+        save_final_weights(run, run_dir)
     summary["startup"] = TIMELINE.table()
     if run.strategy.is_main:
         write_json(run_dir / SUMMARY, summary)

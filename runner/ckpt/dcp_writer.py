@@ -5,8 +5,9 @@ crash clean-up of runner.rundir.staged_in finds it): DCP's shards, then its own 
 files it wrote, rank 0 gathers the hashes, writes the manifest last and renames the folder into place. A kill at any
 moment leaves a staging folder that no reader takes for a checkpoint, and the earlier checkpoints as they were.
 
-With `async`, DCP's async_save copies the shards to CPU memory and returns; the writing and the sealing go on in the
-callback's writer thread, over a gloo group of their own (the training's collectives keep the default one).
+With `async`, DCP's async_save copies the shards into CPU memory kept from one save to the next and returns; the
+writing and the sealing go on in the callback's writer thread, over a gloo group of their own (the training's
+collectives keep the default one).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ShardedWriter:
         self.async_save = async_save
         self.group: Any = None
         self.pid: int | None = None
+        self.stager: Any = None
 
     def _setup(self, run: Run) -> None:
         # collective, at the first save (every rank saves at the same step): rank 0's pid names the staging
@@ -60,6 +62,13 @@ class ShardedWriter:
         self.pid = run.strategy.gather(os.getpid())[0]
         if run.strategy.world_size > 1:
             self.group = torch.distributed.new_group(backend="gloo")
+        if self.async_save:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # One stager for the run: it keeps the CPU copies of the shards from one save to the next and only copies
+            # into them (async_save's own stager would allocate and fault in all of them at every save, in the step)
+            pinned = run.device.type == "cuda"
+            self.stager = DefaultStager(StagingOptions(pinned, False, False, pinned))
 
     def start(self, run: Run, folder: Path, info: dict[str, Any]) -> Callable[[], dict[str, Any] | None]:
         """Write (or with async_save, stage) this rank's shards of the checkpoint `folder`; returns the seal, which
@@ -73,9 +82,13 @@ class ShardedWriter:
         staging.mkdir(parents=True, exist_ok=True)
         files = small_files(run)
         state = sharded_state(run)
-        save = dcp.async_save if self.async_save else dcp.save
-        single = run.strategy.world_size == 1
-        pending = save(state, storage_writer=FileSystemWriter(staging), process_group=self.group, no_dist=single)
+        single, writer = run.strategy.world_size == 1, FileSystemWriter(staging)
+        if self.async_save:
+            pending = dcp.async_save(
+                state, storage_writer=writer, process_group=self.group, async_stager=self.stager, no_dist=single
+            )
+        else:
+            pending = dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=single)
         strategy, ranks = run.strategy, run.strategy.world_size
 
         def seal() -> dict[str, Any] | None:

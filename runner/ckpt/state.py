@@ -117,6 +117,7 @@ INERT = (
     "init_strict",
 )
 ABSENT = "<absent>"
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # optimizer settings a resume keeps as built
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -188,6 +189,10 @@ def restore(run: Run, contents: tuple, allow_changes: bool = False) -> dict[str,
     else:
         run.strategy.load_model_state(run.task, weights)  # FSDP: each rank keeps its shards of the full tensors
         run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
+    for group, built in zip(run.optimizer.param_groups, fresh, strict=True):
+        # how this process runs the optimizer, not where training stands: fused is off for FSDP's shards and on for
+        # one process's tensors (runner.build), and the precision's step follows what was built here
+        group.update({k: built[k] for k in IMPLEMENTATION if k in built})
     run.schedule.load_state_dict(state["schedule"])
     if any(k.startswith("optimizer.") for k in config):
         old, new = (manifest["config"].get("optimizer", {}).get("lr"), run.settings.config["optimizer"].get("lr"))

@@ -36,7 +36,12 @@ def save_weights(model: torch.nn.Module | dict[str, torch.Tensor], path: str | P
     # older run's are), never a record that disagrees with good weights.
     record.unlink(missing_ok=True)
     rundir.write_atomic(path, data, fsync=True)
-    rundir.write_atomic(record, f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode(), fsync=True)
+    write_record(path, hashlib.sha256(data).hexdigest())
+
+
+def write_record(path: Path, sha256: str) -> None:
+    """The sha256 record beside the weights file `path` (RECORD), in `sha256sum` format."""
+    rundir.write_atomic(path.with_name(path.name + RECORD), f"{sha256}  {path.name}\n".encode(), fsync=True)
 
 
 def weight_parts(task: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

@@ -22,17 +22,27 @@ class FSDP(DDP):
     default every submodule that owns parameters itself (Linear, Embedding, norms); the task is the root and holds the
     rest (naming the task's own class makes it the only unit). Checkpoints hold full, unsharded tensors in the format
     of one process: a checkpoint is portable to another world size or to one process.
+
+    `replicate` > 1 (distributed=hsdp; auto: one per node) is HSDP: a 2-D mesh of `replicate` groups, each sharding
+    the model over its world_size / replicate ranks, the groups replicas of one another.
     """
 
     checkpoint_format = "dcp"  # each rank writes its own shards (runner.ckpt.dcp)
 
     def __init__(
-        self, device: str = "auto", reshard_after_forward: bool = True, units: list[str] | None = None
+        self,
+        device: str = "auto",
+        reshard_after_forward: bool = True,
+        units: list[str] | None = None,
+        replicate: int | str = 1,
     ) -> None:
         super().__init__(device)
         self.reshard_after_forward, self.units = reshard_after_forward, set(units or ())
+        self.replicate = _replicas(replicate, self.world_size, self.local_world_size)
         # reshard_after_forward=false keeps gathered parameters from forward to backward: FSDP1's SHARD_GRAD_OP
-        self.strategy = "fsdp (full shard)" if reshard_after_forward else "fsdp (shard grads and optimizer state)"
+        mode = "full shard" if reshard_after_forward else "shard grads and optimizer state"
+        shards = f"{self.replicate} replicas x {self.world_size // self.replicate} shards"
+        self.strategy = f"fsdp ({mode})" if self.replicate == 1 else f"hsdp ({shards}, {mode})"
 
     def _is_unit(self, module: nn.Module) -> bool:
         if self.units:
@@ -56,7 +66,13 @@ class FSDP(DDP):
                     param.data = param.data.contiguous()
             for tensor in task.state_dict().values():  # every rank starts from rank 0's weights, as under DDP
                 torch.distributed.broadcast(tensor, src=0)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # HSDP: shard within a group of world/replicate ranks (a node), replicate across the groups; FSDP2 reduces
+        # gradients over both dimensions, and a DTensor's reductions (norms, full_tensor) know the mesh
+        if self.replicate > 1:
+            shape = (self.replicate, self.world_size // self.replicate)
+            mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Bottom-up (reversed pre-order: children first), as fully_shard requires: a unit's group leaves out the
         # parameters of the units inside it.
         for module in reversed(list(task.modules())):
@@ -107,6 +123,19 @@ class FSDP(DDP):
             for i, s in state["state"].items()
         }
         optimizer.load_state_dict({**state, "state": per_param})
+
+
+def _replicas(replicate: int | str, world_size: int, local_world_size: int) -> int:
+    # distributed.replicate: how many copies of the sharded model (auto: one per node); one process has one
+    if world_size == 1:
+        return 1
+    count = world_size // max(local_world_size, 1) if replicate == "auto" else replicate
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1 or world_size % count:
+        raise ConfigError(
+            f"distributed.replicate={replicate}: the number of replicas of the sharded model must divide the "
+            f"{world_size} ranks (auto: one per node, {world_size} // {local_world_size} ranks per node)"
+        )
+    return count
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
