@@ -28,6 +28,7 @@ from runner.param_groups import param_groups
 from runner.progress import TrainingProgress
 from runner.run import Best, Run, Settings, State
 from runner.timeline import phase
+from runner.validation import share
 
 
 def seed_everything(seed: int) -> None:
@@ -275,6 +276,7 @@ def _settings(
         compiled=compiled,
         recomputed=recomputed,
         short_run_tolerance=tolerance,
+        val_during_training=share(trainer.get("val_during_training"), "trainer.val_during_training"),
     )
 
 

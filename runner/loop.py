@@ -15,7 +15,7 @@ from runner.config.monitors import wanted
 from runner.data import batch_size_of, device_batches, tokens_of, with_last
 from runner.run import Run, StopReason
 from runner.timeline import phase
-from runner.validation import evaluate_loader
+from runner.validation import batches_of, evaluate_loader
 
 
 @dataclass
@@ -207,18 +207,25 @@ def weights_version(task: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in tensors)
 
 
-def evaluate(run: Run) -> dict[str, float]:
-    """One pass over the run's validation loader: evaluate_loader with the run's task, precision and ranks."""
+def evaluate(run: Run, during_training: bool = False) -> dict[str, float]:
+    """One pass over the run's validation loader (the first trainer.val_during_training of it `during_training`):
+    evaluate_loader with the run's task, precision and ranks."""
     working = functools.partial(run.working, "validation")
-    return evaluate_loader(run.task, run.val_loader, run.precision, run.device, run.strategy.all_sum, working)
+    total, share = len(run.val_loader), run.settings.val_during_training if during_training else None
+    batches = batches_of(total, share) if share is not None else None
+    metrics = evaluate_loader(
+        run.task, run.val_loader, run.precision, run.device, run.strategy.all_sum, working, batches
+    )
+    if batches is None or batches == total:  # the whole split: the final pass need not evaluate these weights again
+        run.evaluated = weights_version(run.task)
+    return metrics
 
 
 def validate(run: Run) -> dict[str, float]:
     """A validation during training: callbacks around evaluate(), then the best value and plateau schedules."""
     for cb in run.callbacks:
         cb.on_validation_start(run)
-    metrics = evaluate(run)
-    run.evaluated = weights_version(run.task)
+    metrics = evaluate(run, during_training=not run.progress.finished)
     for cb in reversed(run.callbacks):  # unwinds on_validation_start: EMA swaps its weights back after the others
         cb.on_validation_end(run, metrics)
     # After the callbacks, so that the best value and a plateau schedule may follow a metric one of them adds.

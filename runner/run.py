@@ -181,6 +181,7 @@ class Settings:
     compiled: str | None = None  # what torch.compile compiles ("3 x Block (inductor, mode default)"); None: eager
     recomputed: str | None = None  # the units whose activations are recomputed in backward; None: none
     short_run_tolerance: float | None = None  # runner.short_run: the gain over the run's end that says "short"
+    val_during_training: float | int | None = None  # the validation split's share read before the last validation
 
 
 ADDED_STATE = ("monitored",)  # State's fields an older checkpoint may lack; any other missing one is a corrupt file

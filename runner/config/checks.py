@@ -36,6 +36,7 @@ TRAINER_KEYS: dict[str, Any] = {
     "log_interval": Any,
     "max_nonfinite_steps": int,
     "stop_check_interval": Any,
+    "val_during_training": float | int | None,
     "peak_flops": float | None,
     "short_run_tolerance": float | None,
 }

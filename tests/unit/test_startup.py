@@ -4,20 +4,25 @@ training sized apart from the last, no second pass over weights validation has j
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_LM, finished_run, jsonl, summary
+from helpers import TINY_LM, finished_run, jsonl, make_run, summary
 
 from experiments.sae.evals.splice import SpliceEval
 from experiments.sae.sources import costs
 from experiments.sae.sources.source import SourceModel
 from runner import ConfigError
-from runner.loop import weights_version
+from runner.loop import fit, weights_version
+from runner.precision import FP32
+from runner.run import Callback, Run, StopReason
 from runner.timeline import TRAINING, Timeline
 from runner.train import train
+from runner.validation import batches_of, evaluate_loader, share
 
 SMALL = ["source.layer=1", "model.n_latents=64", "model.k=4", "data.batch_size=64", "data.buffer_size=512"]
 SMALL += ["data.samples_per_epoch=1024", "trainer.max_duration=8st", "trainer.val_interval=4st", "logger=[jsonl]"]
@@ -156,3 +161,42 @@ def test_an_sae_run_builds_its_source_once_and_says_where_its_time_went(
         assert row["val/ce_zero_ablated"] == pytest.approx(want["zero"]["ce"], rel=1e-6)
     assert rows[0]["val/ce_clean"] != rows[1]["val/ce_clean"]
     assert run.state.metrics["val/ce_clean"] == rows[1]["val/ce_clean"]
+
+
+class Validations(Callback):
+    """Each validation's metrics by step; asks to stop (as early stopping would) after the one at `stop_at`."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.seen: dict[int, dict[str, float]] = {}
+        self.stop_at = stop_at
+
+    def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
+        self.seen[run.progress.step] = dict(metrics)
+        if run.progress.step == self.stop_at:
+            run.request_stop(StopReason.EARLY_STOPPING)
+
+
+def _loss_over(run: Run, batches: int) -> float:
+    return evaluate_loader(run.task, itertools.islice(run.val_loader, batches), FP32(), torch.device("cpu"))["val/loss"]
+
+
+@pytest.mark.parametrize("stop_at", [None, 8])
+def test_validations_before_the_last_read_their_share_and_the_run_ends_on_the_whole_split(stop_at: int | None) -> None:
+    seen = Validations(stop_at)
+    run = make_run(callbacks=[seen], max_duration="20st", val_interval="8st")
+    run.settings = dataclasses.replace(run.settings, val_during_training=1)  # one of the split's two batches
+    assert len(run.val_loader) == 2
+    calls: list[int] = []
+    original = run.task.validation_step
+    run.task.validation_step = lambda batch: calls.append(1) or original(batch)
+    fit(run)
+    # at 8 (and 16) the first batch; at 20, the end of the run, both; the final pass only where the run stopped early
+    assert len(calls) == (1 + 1 + 2 if stop_at is None else 1 + 2)
+    assert sorted(seen.seen) == ([8, 16, 20] if stop_at is None else [8])
+    if stop_at is not None:  # the weights of step 8 are the run's last: the same ones, over one batch and over both
+        assert seen.seen[8]["val/loss"] == pytest.approx(_loss_over(run, 1), rel=1e-12)
+        assert seen.seen[8]["val/loss"] != run.state.metrics["val/loss"]
+    assert run.state.metrics["val/loss"] == pytest.approx(_loss_over(run, 2), rel=1e-12)
+    with pytest.raises(ConfigError, match="val_during_training"):
+        share(0, "trainer.val_during_training")
+    assert [batches_of(8, v) for v in (None, 0.25, 0.01, 3, 1.0)] == [8, 2, 1, 3, 8]

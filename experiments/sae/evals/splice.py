@@ -19,6 +19,7 @@ from runner.config.trust import buildable
 from runner.load import TRUSTED_TARGETS
 from runner.run import Callback
 from runner.timeline import phase
+from runner.validation import batches_of, share
 
 PROVIDES = (
     "ce_clean",
@@ -63,12 +64,7 @@ class SpliceEval(Callback):
         clean_cache_mb: float = 1024,
         during_training: float | int | None = None,
     ) -> None:
-        if during_training is not None and (during_training <= 0 or isinstance(during_training, bool)):
-            raise ConfigError(
-                f"callbacks.sae_splice.during_training={during_training!r}: a fraction of the validation batches "
-                "(0.25), a number of them (2), or null for all"
-            )
-        self.during = during_training
+        self.during = share(during_training, "callbacks.sae_splice.during_training")
         self.checkpoint, self.module, self.trusted_targets = checkpoint, module, list(trusted_targets)
         self.limit_batches = limit_batches
         self.skip, self.inputs, self.target, self.shard = skip_positions, inputs, target, shard
@@ -132,9 +128,7 @@ class SpliceEval(Callback):
         # runner.evaluate, which has no progress), the first `during` of them before.
         total = len(self.source.data.val_loader())
         progress = getattr(run, "progress", None)
-        if self.during is None or progress is None or progress.finished:
-            return total
-        return min(total, max(1, round(self.during * total) if self.during < 1 else int(self.during)))
+        return total if progress is None or progress.finished else batches_of(total, self.during)
 
     def _ablate(self, run) -> None:
         # Once a run: the source model on the run's device, and the replacements that ablate (zero and mean ablation
