@@ -227,6 +227,7 @@ def main() -> None:
     """Run every contender on every world size, print the table and the targets."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--device", choices=["cpu"], default="cpu", help="gloo on the CPU: the table is a CPU's")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=13)
     parser.add_argument("--steps", type=int, default=20)
@@ -247,7 +248,7 @@ def main() -> None:
     print(f"GPT {args.width} x {args.layers}, {args.steps} steps, a checkpoint every {args.interval}, fsdp on gloo")
     print(table(rows))
     print("\n".join(targets(rows)))
-    write_json(args.json, {"machine": machine(), "rows": rows, "targets": targets(rows)})
+    write_json(args.json, {"machine": machine(), "device": args.device, "rows": rows, "targets": targets(rows)})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Where a short SAE run's time goes: `+experiment=sae_lm` against a hand-written loop of the same job.
 
-    python benchmarks/startup_sae.py --lm LM_RUN [--steps 300] [--reps 3] [--threads 2] [--json out.json]
+    python benchmarks/startup_sae.py --lm LM_RUN [--steps 300] [--reps 3] [--threads 2] [--layer 2] [--json out.json]
+        [--lm-args model.n_layer=2 ...]
 
 Contenders, each a fresh process, repetitions interleaved (the order rotates), on the CPU:
   hand         a hand-written script: load the GPT of --lm, hook the residual stream after block 2 (positions from the
@@ -31,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, spawn, summary, write_json  # noqa: E402
 
 CONTENDERS = ("hand", "runner", "runner_once")
-RING, BATCH, LAYER = 65536, 1024, 2
+RING, BATCH = 65536, 1024
 
 
-def hand(lm: str, steps: int, out: str) -> None:
+def hand(lm: str, steps: int, out: str, layer: int) -> None:
     """The hand-written loop; writes its phases to `out`."""
     from runner.timeline import process_age_s
 
@@ -49,7 +50,7 @@ def hand(lm: str, steps: int, out: str) -> None:
     gpt, cfg = load_trained(lm)
     gpt.eval().requires_grad_(False)
     text = build_data(cfg)
-    block = gpt.get_submodule(f"blocks.{LAYER}")
+    block = gpt.get_submodule(f"blocks.{layer}")
 
     class Done(Exception):
         pass
@@ -71,7 +72,12 @@ def hand(lm: str, steps: int, out: str) -> None:
             handle.remove()
         return captured[0]
 
-    windows = iter(text.train_loader())
+    def endless() -> object:
+        loader = text.train_loader()
+        while True:  # epoch after epoch, as the ring's refills need
+            yield from loader
+
+    windows = endless()
 
     def fill(n: int) -> torch.Tensor:
         parts, have = [], 0
@@ -142,25 +148,29 @@ def hand(lm: str, steps: int, out: str) -> None:
     )
 
 
-def measure(contender: str, lm: str, steps: int, threads: int, tmp: Path) -> dict:
+def measure(contender: str, lm: str, args: argparse.Namespace, tmp: Path) -> dict:
     """One fresh process of `contender`; its wall time and its startup table."""
+    steps, threads = args.steps, args.threads
     run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{contender}-")) / "run"
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if contender == "hand":
         out = run_dir.parent / "hand.json"
         command = [sys.executable, __file__, "--worker", "--lm", lm, "--steps", str(steps), "--out", str(out)]
+        command += ["--layer", str(args.layer)]
     else:
         out = run_dir / "summary.json"
         once = ["trainer.val_interval=1dur"] if contender == "runner_once" else []
         command = [sys.executable, "-m", "runner", "+experiment=sae_lm", f"source.checkpoint={lm}"]
         command += [f"trainer.max_duration={steps}st", f"run_dir={run_dir}", f"threads={threads}", *once]
+        command += [f"source.layer={args.layer}"]
     return spawn(command, out, env=env, log=run_dir.parent / "log.txt")
 
 
-def train_lm(tmp: Path) -> str:
-    """The lm preset's GPT, trained here when --lm is not given."""
+def train_lm(tmp: Path, overrides: list[str]) -> str:
+    """The lm preset's GPT (with `overrides`), trained here when --lm is not given."""
     run_dir = tmp / "lm"
-    subprocess.run([sys.executable, "-m", "runner", "+experiment=lm", "logger=none", f"run_dir={run_dir}"], check=True)
+    command = [sys.executable, "-m", "runner", "+experiment=lm", "logger=none", f"run_dir={run_dir}", *overrides]
+    subprocess.run(command, check=True)
     return str(run_dir)
 
 
@@ -189,20 +199,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layer", type=int, default=2, help="the block whose output the SAE reads (source.layer)")
+    parser.add_argument("--device", choices=["cpu"], default="cpu", help="the CPU only: the table is a CPU's")
+    parser.add_argument("--lm-args", nargs="*", default=[], help="overrides of the GPT trained without --lm")
     parser.add_argument("--json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return hand(args.lm, args.steps, args.out)
+        return hand(args.lm, args.steps, args.out, args.layer)
     runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
-        lm = args.lm or train_lm(tmp)
+        lm = args.lm or train_lm(tmp, args.lm_args)
         for rep in range(args.reps):
             for contender in CONTENDERS[rep % 3 :] + CONTENDERS[: rep % 3]:
-                runs[contender].append(measure(contender, lm, args.steps, args.threads, tmp))
-    results = {"machine": machine(), "steps": args.steps, "reps": args.reps, "contenders": {}}
+                runs[contender].append(measure(contender, lm, args, tmp))
+    results = {"machine": machine(), "device": args.device, "steps": args.steps, "reps": args.reps, "contenders": {}}
     for contender, reps in runs.items():
         phases: dict[str, list[float]] = {}
         for r in reps:

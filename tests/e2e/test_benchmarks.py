@@ -24,6 +24,15 @@ SMOKE = {
     # past the first epoch (64 steps on tiny): the losses check covers each contender's reshuffle at an epoch's start
     "overhead": ["--steps", "70", "--warmup", "10", "--reps", "1", "--sizes", "tiny"],
     "startup": ["--steps", "3", "--reps", "1"],
+    # a 4-step 2-block GPT on one stdlib package, then 4 SAE steps of each contender on blocks.1
+    "startup_sae": [
+        *("--steps", "4", "--reps", "1", "--threads", "1", "--layer", "1", "--lm-args"),
+        *("model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=2"),
+        *("trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
+        f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
+    ],
+    # a 2-block GPT of width 64 over 2 ranks, a checkpoint every 2 of its 4 steps, in each format
+    "checkpoint_dcp": ["--ranks", "2", "--width", "64", "--layers", "2", "--steps", "4", "--interval", "2"],
     # two log windows of digits (the steady state is the second), fused and not
     "fused": ["--only", "digits", "--steps", "20", "--reps", "1"],
     # Matryoshka on BatchTopK codes: the most SAE code on one path (TopK is the default's, trained by other tests)
@@ -189,6 +198,24 @@ def test_startup_smoke(runs: dict[str, Future]) -> None:
         assert 0 < row["to_first_step_s"]["median"] < row["wall_s"]["median"]
     assert 0 < result["imports_hydra_s"]["median"] <= result["imports_all_s"]["median"]
     assert result["compose_compose_s"]["median"] > 0
+
+
+def test_startup_sae_smoke(runs: dict[str, Future]) -> None:
+    result = runs["startup_sae"].result()
+    for name in ("hand", "runner", "runner_once"):
+        row = result["contenders"][name]
+        assert 0 < row["training_s"]["median"] < row["wall_s"]["median"], (name, row)
+        assert 0 < row["metrics"]["val/fve"]["median"] <= 1 and row["metrics"]["val/ce_spliced"]["median"] > 0
+    phases = dict(result["contenders"]["runner"]["phases"])
+    assert {"validation", "splice setup", "source model", "buffer fill", "first step"} <= set(phases), phases
+
+
+def test_checkpoint_dcp_smoke(runs: dict[str, Future]) -> None:
+    rows = {row["format"]: row for row in runs["checkpoint_dcp"].result()["rows"]}
+    assert {"files", "dcp"} <= set(rows), rows
+    assert all(row["hwm_mb"] > 0 for row in rows.values()), rows
+    for name in ("files", "dcp", "dcp_async"):
+        assert rows[name]["saves"] >= 2 and rows[name]["wait_per_save_s"] > 0 and rows[name]["resume_s"] > 0, rows
 
 
 def test_fused_smoke(runs: dict[str, Future]) -> None:
