@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.sae.coders.multi import combined, from_every_rank, members, spread_over_ranks
+from experiments.sae.evals.ground_truth import KEYS, score_sae
 from experiments.sae.metrics import feature_recovery, relative_error
 from runner import ConfigError
 from runner.config.trust import buildable
@@ -32,12 +33,15 @@ def _fetch(dataset: Any, indices: list[int]) -> torch.Tensor:
 class GroundTruthRecovery(Callback):
     """Adds val/mmcs and val/recovered_<t> when the validation data knows its true features (synthetic data); for a
     transcoder on data that knows its target directions, the decoder is scored against those, and val/encoder_mmcs
-    scores the encoder against the input's directions and val/skip_error a skip map against the true linear part."""
+    scores the encoder against the input's directions and val/skip_error a skip map against the true linear part.
+    Where the validation data also keeps each sample's true codes (data=synth_sae_bench), SynthSAEBench's metrics
+    too: val/gt_mcc, val/gt_f1, val/gt_precision, ... (experiments/sae/evals/ground_truth.py)."""
 
     def __init__(self, thresholds: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)) -> None:
         self.thresholds = tuple(thresholds)
         recovered = (f"val/recovered_{t:g}" for t in self.thresholds)
-        self.provides = ("val/mmcs", *recovered, "val/encoder_mmcs", "val/skip_error")
+        benchmark = (f"val/gt_{k}" for k in KEYS)
+        self.provides = ("val/mmcs", *recovered, "val/encoder_mmcs", "val/skip_error", *benchmark)
 
     def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
         """Score the decoder against the truth (metrics added here are logged with the validation's row)."""
@@ -54,7 +58,11 @@ class GroundTruthRecovery(Callback):
     def _scores(self, sae, dataset: Any) -> dict[str, float]:
         device, targets = sae.W_dec.device, getattr(dataset, "true_targets", None)
         if not getattr(sae, "transcoder", False):
-            return feature_recovery(sae.W_dec.detach(), dataset.true_features.to(device), self.thresholds)
+            scores = feature_recovery(sae.W_dec.detach(), dataset.true_features.to(device), self.thresholds)
+            if hasattr(dataset, "truth_batches"):
+                benchmark = score_sae(sae, dataset.true_features, dataset.truth_batches())
+                scores.update({f"gt_{k}": v for k, v in benchmark.items()})
+            return scores
         if targets is None:  # a transcoder on data whose target directions are unknown: nothing to score
             return {}
         scores = feature_recovery(sae.W_dec.detach(), targets.to(device), self.thresholds)

@@ -6,7 +6,9 @@ transcoder), runner's run or an SAE folder of SAELens or sparsify attached to th
 SAEBench's (experiments/sae/evals/). `replacement` (not among the defaults) reads a coder set as runner.attribute
 does: a cross-layer transcoder's run, or one transcoder's run per block given one after another (RUN0 RUN1 ...;
 several runs: replacement alone, the default then); it gives the mean and spread of circuit-tracer's replacement and
-completeness scores of `prompts` held-out prompts of `prompt_tokens` tokens. Writes DIR/eval.json and DIR/index.html
+completeness scores of `prompts` held-out prompts of `prompt_tokens` tokens. `ground_truth` (an SAE of
+data=synth_sae_bench) gives SynthSAEBench's MCC, uniqueness, precision, recall, F1, explained variance, shrinkage and
+dead latents on `tokens` fresh samples of the run's own synthetic world. Writes DIR/eval.json and DIR/index.html
 (default: SAE/evals, the first run's). `tokens` positions are read for the core metrics (the source model's losses on
 the first `splice_tokens`), `probe_tokens` of held-out Python source for probing; `--limit` reads 20,000 and 4
 prompts (a quick look, not a figure to quote). Exit codes: 0, or 2 with a one-line message."""
@@ -19,7 +21,7 @@ from typing import Any
 
 from experiments.sae.coders.clt import CrossLayerTranscoder
 from experiments.sae.evals.replacement import load_circuits
-from experiments.sae.evals.run import EVALS, SINGLE, dumps, evaluate
+from experiments.sae.evals.run import EVALS, ONE_CODER, SINGLE, dumps, evaluate
 from runner import ConfigError
 from runner.load import Attach, load_model, trusted_here
 from runner.log.console import ConsoleLogger
@@ -42,7 +44,8 @@ DEFAULTS: dict[str, Any] = {
 }
 LIMIT = {"tokens": 20_000, "splice_tokens": 10_000, "probe_tokens": 50_000, "prompts": 4}
 USAGE = (
-    "usage: python -m runner.sae_eval SAE [RUN ...] [evals=[core,probing,absorption,replacement]] [tokens=1e6] "
+    "usage: python -m runner.sae_eval SAE [RUN ...] [evals=[core,probing,absorption,replacement,ground_truth]] "
+    "[tokens=1e6] "
     "[splice_tokens=2e5] [probe_tokens=3e5] [prompts=16] [prompt_tokens=32] [out=DIR] [device=cpu] [--limit] "
     "[source=MODEL hook=NAME module=MODULE target=MODULE]"
 )
@@ -65,7 +68,7 @@ def _options(argv: list[str]) -> tuple[list[Path], dict[str, Any]]:
     if not isinstance(evals, list) or not evals or any(e not in EVALS for e in evals):
         raise ConfigError(f"evals={options['evals']!r}: give some of {', '.join(EVALS)}, e.g. evals=[core,probing]")
     options["evals"] = tuple(dict.fromkeys(evals))
-    single = [e for e in options["evals"] if e in SINGLE]
+    single = [e for e in options["evals"] if e in ONE_CODER]
     if len(paths) > 1 and single:
         raise ConfigError(
             f"{len(paths)} runs name a coder set (one transcoder per block), which evals=[replacement] alone reads; "
@@ -91,7 +94,7 @@ def _coders(paths: list[Path], options: dict[str, Any], device: str) -> tuple[An
         circuits = load_circuits(paths, trusted, device, options["prompts"], options["prompt_tokens"])
     model, cfg = load_model(paths[0], trusted, Attach.of(options))
     coder = getattr(model, "coder", model)  # an end-to-end run's coder (experiments/sae/end_to_end.py)
-    if not any(e in SINGLE for e in evals):
+    if not any(e in ONE_CODER for e in evals):
         return None, cfg, circuits
     if not hasattr(coder, "reconstruct"):
         clt = isinstance(coder, CrossLayerTranscoder)

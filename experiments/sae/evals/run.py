@@ -22,8 +22,10 @@ from runner import ConfigError
 from runner.rundir import write_atomic, write_json
 from runner.tools.published import plain
 
-EVALS = ("core", "probing", "absorption", "replacement")
-SINGLE = EVALS[:3]  # the evaluations of one coder; replacement reads a set
+EVALS = ("core", "probing", "absorption", "replacement", "ground_truth")
+SINGLE = EVALS[:3]  # the default evaluations of one coder; replacement reads a set
+# ground_truth: an SAE of synthetic data against its true features and codes
+ONE_CODER = (*SINGLE, "ground_truth")
 
 
 def source_of(cfg: DictConfig, device: torch.device) -> SourceModel:
@@ -33,7 +35,7 @@ def source_of(cfg: DictConfig, device: torch.device) -> SourceModel:
         raise ConfigError(
             "the SAE's run read activations from a file or a generator, not a model: the evaluations splice it into "
             "its source model and read that model's text (an SAE of +experiment=sae_lm or sae_hf, or an imported "
-            "one with source=)"
+            "one with source=); an SAE of data=synth_sae_bench is scored by evals=[ground_truth]"
         )
     return hooked_source(data, device)
 
@@ -55,7 +57,8 @@ def evaluate(
     out/index.html; the results. What they say of the coder's source comes from `quoted`, the run's config as plain
     data (runner.tools.published.quoted_config; default: `cfg`'s), never a resolver's value."""
     started = time.perf_counter()
-    source = source_of(cfg, torch.device(device))
+    # ground_truth regenerates the run's own synthetic data: the others read a source model
+    source = source_of(cfg, torch.device(device)) if set(evals) - {"ground_truth"} else None
     if sae is not None:
         sae.to(device)
     coder = circuits.describe() if sae is None else _describe(sae, plain(cfg) if quoted is None else quoted)
@@ -78,6 +81,10 @@ def evaluate(
             from experiments.sae.evals.replacement import replacement  # noqa: PLC0415
 
             result["evals"]["replacement"] = replacement(circuits, source, progress)
+        elif name == "ground_truth":
+            from experiments.sae.evals.ground_truth import ground_truth  # noqa: PLC0415
+
+            result["evals"]["ground_truth"] = ground_truth(sae, cfg, tokens, device, progress)
     result["seconds"] = round(time.perf_counter() - started, 2)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "eval.json", _finite(result))
