@@ -1,5 +1,5 @@
-"""What replacing modules' outputs costs a frozen model (SourceModel.compare): its mean validation loss with each
-replacement, and the KL divergence of its next-token distribution from the clean model's, over the validation split."""
+"""What replacing modules' outputs costs a frozen model (SourceModel.compare and .costs): its mean validation loss with
+each replacement, and the KL divergence of its next-token distribution from the clean model's, per validation batch."""
 
 from __future__ import annotations
 
@@ -113,19 +113,6 @@ def batch_costs(
         if working is not None:
             working(index + 1 - batches.start, len(batches))
     return costs
-
-
-def compare(
-    run: Run,
-    loader: Collection[Any],
-    device: torch.device,
-    replacements: dict[str, Replacement],
-    working: Callable[[int, int | None], None] | None = None,
-    clean_runs: CleanRuns | None = None,
-) -> dict[str, dict]:
-    """Over the batches of `loader`, for each named replacement: the mean loss of `run` ("ce") and, when it gives
-    logits, the KL divergence from the clean model's ("kl"): batch_costs' means."""
-    return batch_costs(run, loader, device, replacements, working, clean_runs).means()
 
 
 def _kl(clean: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
