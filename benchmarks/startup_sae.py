@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,9 +38,7 @@ RING, BATCH = 65536, 1024
 
 def hand(lm: str, steps: int, out: str, layer: int) -> None:
     """The hand-written loop; writes its phases to `out`."""
-    from runner.timeline import process_age_s
-
-    launched = time.perf_counter() - (process_age_s() or 0.0)
+    launched = time.perf_counter() - _process_age_s()  # spawned by Popen, not exec'd by a shell: its own start
     import torch
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
@@ -99,8 +98,8 @@ def hand(lm: str, steps: int, out: str, layer: int) -> None:
     order, pos = torch.randperm(RING, generator=generator), 0
     filled = time.perf_counter()
     for step in range(steps):
-        if pos + BATCH > RING:  # half served: refill it and reshuffle the whole ring
-            ring[order[: RING // 2]] = fill(RING // 2)
+        if pos + BATCH > RING // 2:  # half served: refill what was served and reshuffle the whole ring
+            ring[order[:pos]] = fill(pos)
             order, pos = torch.randperm(RING, generator=generator), 0
         batch, pos = ring[order[pos : pos + BATCH]], pos + BATCH
         loss = sae.training_step(batch)["loss"]
@@ -146,6 +145,13 @@ def hand(lm: str, steps: int, out: str, layer: int) -> None:
             }
         )
     )
+
+
+def _process_age_s() -> float:
+    # seconds since this process started (Linux's /proc): the interpreter and every import counted
+    with open("/proc/self/stat", "rb") as stat, open("/proc/uptime", "rb") as uptime:
+        started_ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])
+        return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def measure(contender: str, lm: str, args: argparse.Namespace, tmp: Path) -> dict:

@@ -3,9 +3,14 @@
 import gc
 import importlib.util
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+# When the package was first imported: `python -m runner` imports it first, so the command's imports are timed from
+# here (runner.timeline). The process's own start is no measure: a shell that runs it last execs it in its own process.
+IMPORTED_AT = time.perf_counter()
 
 # Every `python -m runner.<tool>` (generate, features, evaluate, export, sae_eval, ...) gets `python -m runner`'s
 # OpenMP wait policy, chosen from the machine's load (runner/waits.py): on a busy machine runner.tools.generate ran at 4

@@ -30,7 +30,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner import ConfigError
+from runner import IMPORTED_AT, ConfigError
 from runner.config import resolvers
 from runner.distributed.env import (
     QUIET_RANK,
@@ -131,7 +131,7 @@ def main(cfg: DictConfig) -> float | None:
     """Train one run; return the best value of `monitor` so that sweepers can optimize it (runner.sweeps.job)."""
     global _cli_entered
     if _cli_entered is not None:  # the command's first job: its process start, imports and composition are its own
-        TIMELINE.command_started(config_s=time.perf_counter() - _cli_entered)
+        TIMELINE.command_started(IMPORTED_AT, config_s=time.perf_counter() - _cli_entered)
         _cli_entered = None
     hydra_cfg = HydraConfig.get()
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN

@@ -9,25 +9,12 @@ not twice), so the table's phases, the training steps and what no phase claimed 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 TRAINING = "training"  # the phase around fit(): what no nested phase claims of it is the steps themselves
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux's /proc), so that interpreter start and imports are counted too."""
-    try:
-        with open("/proc/self/stat", "rb") as stat, open("/proc/uptime", "rb") as uptime:
-            # the command name (field 2) may hold spaces: the fields after its closing parenthesis are fixed
-            started_ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])
-            up = float(uptime.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0.0, up - started_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class Timeline:
@@ -45,16 +32,13 @@ class Timeline:
         self.local.stack = []
         self.pending = False
 
-    def command_started(self, config_s: float | None = None) -> None:
-        """The command began this launch: its process's start is the launch's, and what it spent before main() ran
-        (the interpreter and imports, then Hydra's composition: `config_s`) are the first phases. The next begin()
-        keeps them."""
-        age = process_age_s()
+    def command_started(self, imported_at: float, config_s: float = 0.0) -> None:
+        """The command began this launch when runner was imported (`imported_at`, perf_counter seconds): what it spent
+        before main() ran (imports, then Hydra's composition: `config_s`) are the first phases. The next begin() keeps
+        them."""
         now = time.perf_counter()
-        config_s = config_s or 0.0
-        self.reset(now - age if age is not None else now - config_s)
-        if age is not None:
-            self.add("imports", max(0.0, age - config_s))
+        self.reset(min(imported_at, now - config_s))
+        self.add("imports", max(0.0, now - imported_at - config_s))
         self.add("config", config_s)
         self.pending = True
 

@@ -109,6 +109,9 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         ),
         "killed": lambda: killed(root),
         "corrupt": lambda: corrupt(root, runs["fsdp"]),
+        # a checkpoint in the gathered format (an older run's), resumed under the dcp default
+        "files": lambda: ranks(root, "files", 2, *two, "checkpoint.format=files"),
+        "files_to_dcp": lambda: ranks(root, split(root, runs["files"], "files_to_dcp").name, 2, *two, "resume=auto"),
     }
 
 
@@ -150,3 +153,11 @@ def test_a_damaged_shard_is_one_paragraph_naming_it_and_its_rank(runs: dict[str,
     errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "__1_0.distcp (written by rank 1) does not match its sha256" in errors[0]
+
+
+def test_a_checkpoint_in_the_gathered_format_resumes_under_the_dcp_default(runs: dict[str, Future]) -> None:
+    whole, resumed = runs["files"].result(), runs["files_to_dcp"].result()
+    assert_same_weights(resumed, whole)
+    assert metric_rows(resumed) == metric_rows(whole)
+    formats = [read_json(folder / "manifest.json").get("format") for folder in checkpoints(resumed / "checkpoints")]
+    assert formats[0] == "dcp" and formats[-1] != "dcp", formats  # newest first: written here; step 10: the old one

@@ -69,9 +69,8 @@ def test_phases_are_counted_once_each_with_nested_ones_apart(monkeypatch: pytest
 def test_a_command_counts_its_imports_and_composition(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     monkeypatch.setattr("runner.timeline.time.perf_counter", clock)
-    monkeypatch.setattr("runner.timeline.process_age_s", lambda: 6.0)
     timeline = Timeline()
-    timeline.command_started(config_s=1.5)
+    timeline.command_started(imported_at=94.0, config_s=1.5)  # runner imported 6 s ago, composed in the last 1.5
     timeline.begin()  # the run's own start keeps what the command measured
     clock.now += 2
     table = timeline.table()
