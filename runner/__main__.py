@@ -49,7 +49,7 @@ from runner.rundir import LOG, claim, unlock
 from runner.rundir.old_names import renamed_options
 from runner.rundir.refused import remove_refused
 from runner.sweeps.job import objective, parallel_jobs, sweep_job, threads_per_job
-from runner.timeline import TIMELINE
+from runner.timeline import command_started
 from runner.train import train
 
 gc.enable()
@@ -131,7 +131,7 @@ def main(cfg: DictConfig) -> float | None:
     """Train one run; return the best value of `monitor` so that sweepers can optimize it (runner.sweeps.job)."""
     global _cli_entered
     if _cli_entered is not None:  # the command's first job: its process start, imports and composition are its own
-        TIMELINE.command_started(IMPORTED_AT, config_s=time.perf_counter() - _cli_entered)
+        command_started(IMPORTED_AT, config_s=time.perf_counter() - _cli_entered)
         _cli_entered = None
     hydra_cfg = HydraConfig.get()
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN

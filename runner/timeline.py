@@ -48,6 +48,15 @@ class Timeline:
             self.reset()
         self.pending = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a launcher (joblib, submitit) pickles the job's function with what it refers to: the phases travel, the
+        # per-thread stacks cannot and need not
+        return {k: v for k, v in self.__dict__.items() if k != "local"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.local = threading.local()
+
     def _stack(self) -> list[list[Any]]:
         if not hasattr(self.local, "stack"):
             self.local.stack = []
@@ -105,6 +114,12 @@ class Timeline:
 
 
 TIMELINE = Timeline()
+
+
+def command_started(imported_at: float, config_s: float = 0.0) -> None:
+    """TIMELINE.command_started: referred to by name, so that a launcher pickling the command's main() pickles no
+    Timeline."""
+    TIMELINE.command_started(imported_at, config_s)
 
 
 def phase(name: str) -> contextlib.AbstractContextManager[None]:

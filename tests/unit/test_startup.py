@@ -199,3 +199,13 @@ def test_validations_before_the_last_read_their_share_and_the_run_ends_on_the_wh
     with pytest.raises(ConfigError, match="val_during_training"):
         share(0, "trainer.val_during_training")
     assert [batches_of(8, v) for v in (None, 0.25, 0.01, 3, 1.0)] == [8, 2, 1, 3, 8]
+
+
+def test_a_timeline_travels_with_a_pickled_job() -> None:
+    # joblib and submitit pickle the command's main() with the globals it names
+    import pickle
+
+    timeline = pickle.loads(pickle.dumps(Timeline()))
+    with timeline.phase("build"):
+        pass
+    assert set(timeline.table()["phases"]) == {"build"}
