@@ -192,6 +192,8 @@ def _build(cfg: DictConfig) -> Run:
         )
     progress = _progress(trainer, data, train_loader, epoch, dist.world_size)
     settings = _settings(cfg, progress, data, compiled, recomputed)
+    with phase("callbacks"):
+        callbacks = _callbacks(cfg, quiet=not dist.is_main)
     run = Run(
         task=task,
         optimizer=optimizer,
@@ -204,18 +206,13 @@ def _build(cfg: DictConfig) -> Run:
         state=State(progress=progress, best=Best(cfg.get("mode", "min")), meter=Meter(progress, flops_per_token, peak)),
         forward=forward,
         data=data,
-        callbacks=_with_phase("callbacks", _callbacks, cfg, quiet=not dist.is_main),
+        callbacks=callbacks,
     )
     check_monitors(run, getattr(data, "no_val_split", None))  # a data module of your own need not say
     check_monitored_metrics(run, metric_names)
     # Loggers last: they create files in the run folder, and a run that cannot start should leave none behind.
     run.loggers = _named(cfg.get("logger"), "logger") if dist.is_main else []
     return run
-
-
-def _with_phase(name: str, make: Any, *args: Any, **kwargs: Any) -> Any:
-    with phase(name):
-        return make(*args, **kwargs)
 
 
 def _loaders(cfg: DictConfig, data: Any, dist: Any) -> tuple[Any, Any, int | None]:

@@ -211,12 +211,14 @@ def evaluate(run: Run, during_training: bool = False) -> dict[str, float]:
     """One pass over the run's validation loader (the first trainer.val_during_training of it `during_training`):
     evaluate_loader with the run's task, precision and ranks."""
     working = functools.partial(run.working, "validation")
-    total, share = len(run.val_loader), run.settings.val_during_training if during_training else None
-    batches = batches_of(total, share) if share is not None else None
+    share = run.settings.val_during_training if during_training else None
+    # a loader of unknown length (a data module of your own may give one) is read whole: its share is not known
+    total = len(run.val_loader) if hasattr(run.val_loader, "__len__") else None
+    batches = batches_of(total, share) if total is not None else None
     metrics = evaluate_loader(
         run.task, run.val_loader, run.precision, run.device, run.strategy.all_sum, working, batches
     )
-    if batches is None or batches == total:  # the whole split: the final pass need not evaluate these weights again
+    if batches == total:  # the whole split: the final pass need not evaluate these weights again
         run.evaluated = weights_version(run.task)
     return metrics
 
