@@ -20,6 +20,7 @@ from runner.ckpt.files import ADAPTER, ADAPTERS_ONLY, bare_names
 from runner.ckpt.state import model_weights
 from runner.ckpt.weights import RECORD, save_weights, weight_parts, write_record
 from runner.run import Run
+from runner.rundir.files import new_file
 
 # safetensors' names of torch's dtypes, in the order its files lay them out: the widest first (every tensor's bytes
 # stay aligned to its element size), then by name
@@ -75,8 +76,7 @@ class StreamedFile:
         # never a record that disagrees with good weights
         self.path.with_name(self.path.name + RECORD).unlink(missing_ok=True)
         self.tmp.unlink(missing_ok=True)
-        # a file made here, never one already there nor a symlink's target (as runner.rundir.write_atomic)
-        self.file = open(self.tmp, "wb", opener=lambda p, f: os.open(p, f | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+        self.file = open(self.tmp, "wb", opener=new_file)  # as runner.rundir.write_atomic's
         self.sha256 = hashlib.sha256()
         self._write(header)
 

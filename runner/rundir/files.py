@@ -78,7 +78,7 @@ def write_atomic(path: str | Path, data: bytes, fsync: bool = False) -> Path:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)  # left by a killed process of the same pid, or planted: a link is removed, not followed
     try:
-        with open(tmp, "wb", opener=_new_file) as f:
+        with open(tmp, "wb", opener=new_file) as f:
             f.write(data)
             if fsync:
                 f.flush()
@@ -95,9 +95,10 @@ def write_atomic(path: str | Path, data: bytes, fsync: bool = False) -> Path:
     return path
 
 
-def _new_file(path: str, flags: int) -> int:
-    # a file made here, never one already there nor a symlink's target: a folder handed over by someone else (a run
-    # folder is data) cannot carry the bytes elsewhere; the rename then replaces a link at `path`, never follows it
+def new_file(path: str, flags: int) -> int:
+    """open()'s opener for a temporary file made here, never one already there nor a symlink's target."""
+    # a folder handed over by someone else (a run folder is data) cannot carry the bytes elsewhere; the rename then
+    # replaces a link at the final path, never follows it
     return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
