@@ -144,11 +144,11 @@ class SpliceEval(Callback):
         same_rows = frozen is not None and self.source.data.limit_val_batches == self.limit_batches
         # the source's own split, read at every validation: sized as validation is (debug=fast's two batches)
         self.source.data.limit_val_batches = self.limit_batches
-        if same_rows:
-            acts = frozen.val.tensors[0].to(run.device)
+        if same_rows:  # averaged where they are (the CPU): only the mean goes to the run's device
+            mean = frozen.val.tensors[0].mean(0).to(run.device)
         else:
-            acts = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()])
-        means = dict(zip(self.source.names, acts.mean(0).split(list(self.source.widths.values())), strict=True))
+            mean = torch.cat([self.source.activations(b) for b in self.source.data.val_loader()]).mean(0)
+        means = dict(zip(self.source.names, mean.split(list(self.source.widths.values())), strict=True))
         targets = self.source.targets
         if targets:  # a transcoder replaces its target: that is the module ablated
             means = {name: means[name] for name in targets}
