@@ -36,7 +36,10 @@ def fail(error: Exception, code: int) -> NoReturn:
 
 def _say(error: Exception) -> None:
     rank = environment()["rank"]
-    print(f"error{f' on rank {rank}' if rank else ''}: {error}", file=sys.stderr)
+    # One write with its newline: torchrun starts workers unbuffered (python -u), where print's text and newline
+    # are two writes and another rank's line can land between them
+    sys.stderr.write(f"error{f' on rank {rank}' if rank else ''}: {error}\n")
+    sys.stderr.flush()
 
 
 def failed(cfg: DictConfig, error: Exception, wall_time_s: float) -> float | None:
