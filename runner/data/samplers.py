@@ -26,9 +26,13 @@ class EpochOrder(torch.utils.data.Sampler):
         self.epoch = 0 if self.repeat else epoch
 
     def __iter__(self) -> Iterator[int]:
+        return iter(self.order() if not self.shuffle else self.order().tolist())
+
+    def order(self) -> range | torch.Tensor:
+        """The epoch's order, sliceable and never a list: a generated dataset's epoch may be 200M samples."""
         if not self.shuffle:
-            return iter(range(self.n))
-        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+            return range(self.n)
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
 
     def __len__(self) -> int:
         return self.n
@@ -101,12 +105,15 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         yield from self.last_step
 
     def __iter__(self) -> Iterator[list[int]]:
-        order, start, w, r = list(self.sampler), 0, self.world_size, self.rank
+        # sliced batch by batch: a list of a whole epoch's indices took seconds and gigabytes for 200M samples
+        order = self.sampler.order() if isinstance(self.sampler, EpochOrder) else list(self.sampler)
+        start, w, r = 0, self.world_size, self.rank
         for i, size in enumerate(self._chunks()):
             base, extra = divmod(size, w)
             first = start + r * base + min(r, extra)
             if i >= self.skip:
-                yield order[first : first + base + (r < extra)]
+                batch = order[first : first + base + (r < extra)]
+                yield batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
             start += size
 
     def __len__(self) -> int:
