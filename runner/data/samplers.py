@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from runner import ConfigError, check_whole
@@ -28,11 +29,11 @@ class EpochOrder(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator[int]:
         return iter(self.order() if not self.shuffle else self.order().tolist())
 
-    def order(self) -> range | torch.Tensor:
+    def order(self) -> range | np.ndarray:
         """The epoch's order, sliceable and never a list: a generated dataset's epoch may be 200M samples."""
         if not self.shuffle:
             return range(self.n)
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).numpy()
 
     def __len__(self) -> int:
         return self.n
@@ -113,7 +114,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
             first = start + r * base + min(r, extra)
             if i >= self.skip:
                 batch = order[first : first + base + (r < extra)]
-                yield batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
+                yield batch.tolist() if isinstance(batch, np.ndarray) else list(batch)
             start += size
 
     def __len__(self) -> int:

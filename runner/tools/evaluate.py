@@ -114,12 +114,15 @@ def _measured(model: Any, cfg: Any, loader: Any, split: str, device: str) -> dic
     precision = _precision(cfg.get("precision"), device)
     progress = ConsoleLogger()  # a long pass prints where it is every 30 s (none for a pass shorter than that)
     working = functools.partial(progress.working, split)
-    metrics = evaluate_loader(model, loader, precision, torch.device(device), working=working)
-    if split == "val":
-        # What a metric callback reads of a run (its task, device, validation loader, progress): there is no Run here.
-        run = SimpleNamespace(task=model, device=torch.device(device), val_loader=loader, working=progress.working)
-        for callback in measuring_callbacks(cfg):
-            callback.on_validation_end(run, metrics)
+    try:
+        metrics = evaluate_loader(model, loader, precision, torch.device(device), working=working)
+        if split == "val":
+            # What a metric callback reads of a run (its task, device, validation loader, progress): there is no Run.
+            run = SimpleNamespace(task=model, device=torch.device(device), val_loader=loader, working=progress.working)
+            for callback in measuring_callbacks(cfg):
+                callback.on_validation_end(run, metrics)
+    finally:
+        progress.close()  # a pass cut short by an error: its heartbeat thread stops with it
     return metrics
 
 

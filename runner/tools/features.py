@@ -224,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         names, said = publish_names(quoted_config(run_dir, cfg), run_dir, options["model_name"], options["sae_set"])
         out = output_folder(run_dir, options["out"] or None, "features", "out=")
         started = time.perf_counter()
+        console = ConsoleLogger()  # each phase's progress: a line every 10 s in a terminal, 30 s elsewhere
         try:
             out.mkdir(parents=True, exist_ok=True)
             (out / MANIFEST).unlink(missing_ok=True)  # until this build is whole, no page here is served as whole
-            working = ConsoleLogger().working  # each phase's progress: a line every 10 s in a terminal, 30 s elsewhere
+            working = console.working
             pages = model.features(
                 cfg,
                 run_dir,
@@ -246,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, DiskFull) as error:
             kept = "any pages there may be incomplete (the same command writes them whole)"
             raise write_failed(error, f"making the feature pages in {out}", kept) from None
+        finally:
+            console.close()  # a pass cut short by an error: its heartbeat thread stops, not beats on in this process
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,11 @@ def test_a_full_disk_during_the_pages_says_so_and_a_rerun_writes_them(
     args = [str(sae_run), "tokens=64", f"out={out}"]
     refused(features.main, args, capsys, "disk full: making the feature pages in .*run the same command again")
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+    # the pass cut short stops its progress heartbeat: in a notebook it would print "running for ..." for ever
+    beating = [t for t in threading.enumerate() if t.name == "console-heartbeat"]
+    for thread in beating:
+        thread.join(timeout=5)
+    assert not [t for t in beating if t.is_alive()]
     monkeypatch.undo()
     assert features.main(args) == 0
     assert (out / "data" / "index.js").is_file()

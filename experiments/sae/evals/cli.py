@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         except (OSError, DiskFull) as error:
             raise write_failed(error, f"writing the evaluation to {out}", "run the same command again") from None
+        finally:
+            console.close()  # a pass cut short by an error: its heartbeat thread stops with it
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
