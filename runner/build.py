@@ -232,8 +232,9 @@ def _loaders(cfg: DictConfig, data: Any, dist: Any) -> tuple[Any, Any, int | Non
 def _task(cfg: DictConfig, data: Any, dist: Any) -> nn.Module:
     """The model on this rank's device: shaped by its data, started from init_from's weights, adapted to fine-tune."""
     task = instantiate(cfg.model, **decided_by_data(cfg.model, data, dist)).to(dist.device)
-    if cfg.get("init_from"):
-        load_weights(task, cfg.init_from, strict=cfg.get("init_strict", True), say=dist.is_main)
+    if cfg.get("init_from"):  # FSDP reads each rank's slices once it has sharded; an adapter wraps weights read now
+        load = load_weights if _on(cfg, "finetune") else getattr(dist, "init_from", load_weights)  # one's own: whole
+        load(task, cfg.init_from, strict=cfg.get("init_strict", True), say=dist.is_main)
     return instantiate(cfg.finetune).apply(task) if _on(cfg, "finetune") else task  # adapts init_from's weights
 
 

@@ -4,9 +4,11 @@ model it reads (`Attach`). Every tool's CLI parses into an Attach, and the Pytho
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from runner import ConfigError
 from runner.build import build_data, decided_by_data, user_errors
+from runner.ckpt.sliced import load_sliced
 from runner.ckpt.weights import load_weights
 from runner.config import trust
 from runner.config.checks import check_keys, check_types
@@ -27,6 +30,19 @@ from runner.rundir import CONFIG, MODEL, read_run_config
 TRUSTED_TARGETS = ("experiments", "runner.data")
 # A project's own settings for runner's tools, in the folder they are launched from (`runner init` writes it)
 PROJECT = "runner.yaml"
+# How load_trained shards the models it builds, inside sharded_loads (a sharded source: its callers do not pass it)
+_SHARD: contextvars.ContextVar[Callable[[nn.Module], Any] | None] = contextvars.ContextVar("shard", default=None)
+
+
+@contextlib.contextmanager
+def sharded_loads(shard: Callable[[nn.Module], Any]) -> Iterator[None]:
+    """Inside it, load_trained shards each model it builds with `shard` (FSDP2's fully_shard: collective) before
+    reading its weights, and each rank reads only the slices of them its shards hold (runner.ckpt.sliced)."""
+    token = _SHARD.set(shard)
+    try:
+        yield
+    finally:
+        _SHARD.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +202,11 @@ def load_trained(
     decided = decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
     with user_errors():
         model = instantiate(source.model, **decided)
+    shard = _SHARD.get()
+    if shard is not None:
+        shard(model)
     try:
-        load_weights(model, weights, strict=True, what=what)
+        (load_weights if shard is None else load_sliced)(model, weights, strict=True, what=what)
     except ConfigError as error:  # a truncated file or weights of another architecture
         raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
     return model.eval().requires_grad_(False), source

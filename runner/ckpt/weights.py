@@ -82,21 +82,25 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 def _recorded(file: Path, data: bytes) -> bytes:
     """`data` (the bytes of `file`) if they match the sha256 in the file's record, or if it has none."""
+    check_record(file, hashlib.sha256(data).hexdigest())
+    return data
+
+
+def check_record(file: Path, actual: str) -> None:
+    """Refuse `file` if `actual` (its sha256) is not the one in its record; a file without a record passes."""
     record = file.with_name(file.name + RECORD)
     try:
         expected = record.read_text(encoding="utf-8").split()[0]
     except FileNotFoundError:
-        return data  # a user's file, or an older run's
+        return  # a user's file, or an older run's
     except (OSError, ValueError, IndexError) as error:
         raise CheckpointError(f"{file}: its checksum record {record} cannot be read ({error})") from None
-    actual = hashlib.sha256(data).hexdigest()
     if actual != expected:
         raise CheckpointError(
             f"{file} does not match the sha256 recorded in {record.name} when it was written (expected {expected}, "
             f"got {actual}): the file is corrupted (or replaced). Use a good copy, or write it again from the run's "
             "newest checkpoint (resume=auto writes a finished run's final files again)"
         )
-    return data
 
 
 def load_weights(
@@ -110,23 +114,39 @@ def load_weights(
     """
     weights = read_weights(path)
     own = bare_names(model.state_dict())
+    shapes = {k: tuple(v.shape) for k, v in weights.items()}
+    usable, report = fitting({k: tuple(v.shape) for k, v in own.items()}, shapes, path, strict, what)
+    with torch.no_grad():
+        for name in usable:
+            own[name].copy_(weights[name])
+    return said(usable, len(own), path, what, say, report)
+
+
+def fitting(
+    own: dict[str, tuple], found: dict[str, tuple], path: str | Path, strict: bool, what: str
+) -> tuple[list[str], dict[str, list[str]]]:
+    """The names of the weights `found` (name -> shape) that fit the model's `own`, and the report of the missing,
+    unexpected and shape-mismatched names; with `strict` any of them is an error (`what` names the setting in it)."""
     report = {
-        "missing": sorted(set(own) - set(weights)),
-        "unexpected": sorted(set(weights) - set(own)),
-        "shape_mismatch": sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape),
+        "missing": sorted(set(own) - set(found)),
+        "unexpected": sorted(set(found) - set(own)),
+        "shape_mismatch": sorted(k for k in set(own) & set(found) if own[k] != found[k]),
     }
     problems = {k: v for k, v in report.items() if v}
     if problems and strict:
         details = "; ".join(f"{k}: {v[:5]}{' ...' if len(v) > 5 else ''}" for k, v in problems.items())
         hint = " Set init_strict=false to load the tensors that fit and keep the others as initialised."
         raise CheckpointError(f"{what}={path} does not fit the model ({details}).{hint if what == 'init_from' else ''}")
-    usable = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
-    with torch.no_grad():
-        for name, tensor in usable.items():
-            own[name].copy_(tensor)
+    return [k for k in found if k in own and own[k] == found[k]], report
+
+
+def said(usable: list[str], total: int, path: str | Path, what: str, say: bool, report: dict) -> dict:
+    """Print what was loaded (`say`: rank 0 does; init_from always, another setting only when something did not fit)
+    and return `report` (fitting's)."""
+    problems = {k: v for k, v in report.items() if v}
     if say and (what == "init_from" or problems):
         print(
-            f"{what}: loaded {len(usable)} of {len(own)} tensors from {path}"
+            f"{what}: loaded {len(usable)} of {total} tensors from {path}"
             + "".join(f"; {k}: {len(v)}" for k, v in problems.items()),
             file=sys.stderr,
         )

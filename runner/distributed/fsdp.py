@@ -43,11 +43,18 @@ class FSDP(DDP):
         mode = "full shard" if reshard_after_forward else "shard grads and optimizer state"
         shards = f"{self.replicate} replicas x {self.world_size // self.replicate} shards"
         self.strategy = f"fsdp ({mode})" if self.replicate == 1 else f"hsdp ({shards}, {mode})"
+        self.pending: tuple[str, bool, bool] | None = None  # init_from, read once wrap has sharded the task
 
     def _is_unit(self, module: nn.Module) -> bool:
         if self.units:
             return type(module).__name__ in self.units
         return any(True for _ in module.parameters(recurse=False))
+
+    def init_from(self, task: nn.Module, path: str, strict: bool = True, say: bool = True) -> None:
+        """Load init_from's weights once wrap has sharded the task, each rank reading only its shards' slices."""
+        if self.world_size == 1:
+            return super().init_from(task, path, strict, say)
+        self.pending = (path, strict, say)
 
     def wrap(self, task: nn.Module) -> Callable[[Any], dict[str, torch.Tensor]]:
         """Shard the task in place (before the optimizer is built: its parameters become DTensor shards); training_step
@@ -79,6 +86,11 @@ class FSDP(DDP):
             if module is not task and self._is_unit(module):
                 fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(task, mesh=mesh)  # the root keeps its own parameters gathered until backward needs them
+        if self.pending is not None:  # every rank read the same weights: rank 0's broadcast init is overwritten
+            from runner.ckpt.sliced import load_sliced
+
+            path, strict, say = self.pending
+            load_sliced(task, path, strict=strict, say=say)
         # The loop calls these methods, not forward(): FSDP must run its pre-forward (gather) and post-forward hooks
         # around them. Validation calls task.validation_step directly, so it gathers too.
         for method in ("training_step", "validation_step"):

@@ -34,6 +34,12 @@ class Single:
     def __init__(self, device: str = "auto") -> None:
         self.device = pick_device(device)
 
+    def init_from(self, task: nn.Module, path: str, strict: bool = True, say: bool = True) -> None:
+        """Load init_from's weights into the task, whole, now (FSDP: each rank its own slices, once wrap shards it)."""
+        from runner.ckpt.weights import load_weights
+
+        load_weights(task, path, strict=strict, say=say)
+
     def wrap(self, task: nn.Module) -> Callable[[Any], dict[str, torch.Tensor]]:
         """The training forward: one process calls training_step directly."""
         return task.training_step

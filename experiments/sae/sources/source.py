@@ -20,7 +20,7 @@ from experiments.sae.sources.replacements import (
     Splice,  # noqa: F401 - where callers import it from
     as_splice,
 )
-from experiments.sae.sources.sharded import batch_slice, every_slice, sharded
+from experiments.sae.sources.sharded import batch_slice, every_slice, sharded, sharded_build
 from runner import ConfigError
 from runner.data import batch_size_of, to_device
 from runner.load import TRUSTED_TARGETS
@@ -59,7 +59,8 @@ class SourceModel(FrozenModel):
             )
         hook_points(module)  # before the model loads (minutes for a large one): a module not given is said at once
         self.key = source_key(checkpoint, module, trusted_targets, skip_positions, inputs, target, shard)
-        super().__init__(checkpoint, device, trusted_targets, inputs)
+        with sharded_build(shard, device, checkpoint) as device:  # a run's model: sharded before its weights are read
+            super().__init__(checkpoint, device, trusted_targets, inputs)
         modules = dict(self.model.named_modules())
         self.names, self.target = hook_points(module), target
         self.targets = [] if target is None else targets_of(target, self.names)
