@@ -232,8 +232,9 @@ class Checkpoint(Callback):
         except BaseException as error:  # surfaced in the training thread by check()
             self.error = error
             if is_disk_full(error):  # one paragraph for the CLI (exit 2: runner.rundir.DiskFull says why not 75)
+                where = f" ({error.filename})" if getattr(error, "filename", None) else ""  # a rank's shards
                 self.error = disk_full(
-                    f"saving checkpoint {folder}", f"the earlier checkpoints in {self.dir} are intact"
+                    f"saving checkpoint {folder}{where}", f"the earlier checkpoints in {self.dir} are intact"
                 )
 
     def _manifests(self) -> list[dict[str, Any]]:

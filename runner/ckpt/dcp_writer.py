@@ -12,6 +12,7 @@ collectives keep the default one).
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 from collections.abc import Callable
@@ -75,6 +76,7 @@ class ShardedWriter:
         every rank must call: rank 0's returns the manifest of the checkpoint now in place, the others' None."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.api import CheckpointException
 
         if self.pid is None:
             self._setup(run)
@@ -88,7 +90,10 @@ class ShardedWriter:
                 state, storage_writer=writer, process_group=self.group, async_stager=self.stager, no_dist=single
             )
         else:
-            pending = dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=single)
+            try:
+                pending = dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=single)
+            except (Exception, CheckpointException) as error:  # on every rank when any failed: the seal says whose
+                pending = error
         strategy, ranks = run.strategy, run.strategy.world_size
 
         def seal() -> dict[str, Any] | None:
@@ -99,22 +104,28 @@ class ShardedWriter:
     def _seal(
         self, staging: Path, folder: Path, pending: Any, files: dict[str, bytes], where: tuple[int, int], info: dict
     ) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
+
         rank, ranks = where
+        failure: BaseException | None = None
         try:
+            if isinstance(pending, BaseException):
+                raise pending
             if isinstance(pending, Future):
                 pending.result()  # DCP raises on every rank when any rank failed to write
             for name, data in files.items():
                 rundir.write_atomic(staging / name, data, fsync=True)
             mine = [*files, *(p.name for p in staging.glob(f"__{rank}_*.distcp"))] + [".metadata"] * (rank == 0)
             report: dict[str, Any] | str = {name: digest(staging / name) for name in mine}
-        except Exception as error:  # every rank still joins the gather: rank 0 must not wait for it forever
+        except (Exception, CheckpointException) as error:  # every rank still joins the gather: rank 0 waits for it
+            failure = _own(error, rank, folder)
             if ranks == 1:
-                raise
-            report = f"rank {rank}: {type(error).__name__}: {error}"
+                raise failure from None
+            report = f"rank {rank}: {type(failure).__name__}: {str(failure).splitlines()[0]}"
         reports = self._gather(report, rank, ranks)
+        if failure is not None:  # a rank's own full disk is its paragraph; the others stop as stopped by it
+            raise failure
         if rank != 0:
-            if isinstance(report, str):
-                raise RuntimeError(report)
             return None
         errors = [r for r in reports if isinstance(r, str)]
         if errors:
@@ -132,6 +143,18 @@ class ShardedWriter:
         reports: list[Any] | None = [None] * ranks if rank == 0 else None
         torch.distributed.gather_object(report, reports, dst=0, group=self.group)
         return reports or []
+
+
+def _own(error: BaseException, rank: int, folder: Path) -> BaseException:
+    # DCP raises the same CheckpointException on every rank, holding each failed rank's (exception, traceback): the
+    # rank whose own write found its disk full raises that, naming its shards' file (the paragraph the CLI prints,
+    # exit 2); the others raise the DCP error, and stop as stopped by that rank (runner.distributed.stopping)
+    failures = getattr(error, "failures", None)
+    own = failures.get(rank, (None,))[0] if isinstance(failures, dict) else None  # (not DCP's: said as it is)
+    if isinstance(own, OSError | rundir.DiskFull) and rundir.is_disk_full(own):
+        code = own.errno if isinstance(own, OSError) and own.errno else errno.ENOSPC
+        return OSError(code, os.strerror(code), f"rank {rank}'s shards {folder / f'__{rank}_0.distcp'}")
+    return error
 
 
 def _into_place(staging: Path, folder: Path) -> None:
