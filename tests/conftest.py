@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
 import logging
 import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import yaml
 
 if not torch.cuda.is_available():
     # Triton's kernels (experiments/sae/coders/kernels.py) run in its interpreter on the CPU, against the torch path;
@@ -31,7 +35,8 @@ from helpers import (
 )
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf._utils import get_yaml_loader
 
 from runner.build import build
 from runner.run import Run
@@ -73,6 +78,33 @@ def _one_thread_and_e2e_runs_in_the_background(
     yield
     stop_runs()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _yaml_parsed_once() -> Iterator:
+    """Hydra parses every option file again at each composition (about 25 a config, and the unit tier composes
+    thousands of times): a file's YAML is parsed once and copied after, keyed by the text itself, so an edited file
+    is parsed anew. A path (a run folder's config, read by runner's own code) is read as it always is."""
+    load = OmegaConf.load
+    parsed: dict[str, Any] = {}
+
+    def cached(file_: Any) -> DictConfig | ListConfig:
+        if not hasattr(file_, "read"):
+            return load(file_)
+        text = file_.read()
+        text = text.decode() if isinstance(text, bytes) else text  # a zipped package's file
+        if text not in parsed:
+            loaded = load(io.StringIO(text))  # its errors exactly as OmegaConf gives them
+            parsed[text] = yaml.load(io.StringIO(text), Loader=get_yaml_loader())
+            return loaded
+        obj = copy.deepcopy(parsed[text])
+        if obj is None:  # OmegaConf.load's own cases: an empty file, a lone word
+            return OmegaConf.create()
+        return OmegaConf.create({obj: None} if isinstance(obj, str) else obj)
+
+    OmegaConf.load = staticmethod(cached)
+    yield
+    OmegaConf.load = staticmethod(load)
 
 
 @pytest.fixture(scope="session", autouse=True)
