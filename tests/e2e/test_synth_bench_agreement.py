@@ -1,6 +1,7 @@
 """runner's SynthSAEBench against SAELens's own (its venv, .venv-saelens, in a subprocess): with the same seed the
-generator gives the same feature dictionary, probabilities, magnitudes and samples bit for bit (torch.equal), and
-the metrics equal sae_lens/synthetic/evals.py's on the same weights and samples."""
+generator gives the same feature dictionary, probabilities, magnitudes and samples bit for bit (torch.equal), children
+scaled by their parents included, and the metrics equal sae_lens/synthetic/evals.py's on the same weights and
+samples."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ cfg = SyntheticModelConfig(
     num_features=c["num_features"], hidden_dim=c["d"],
     firing_probability=ZipfianFiringProbabilityConfig(exponent=c["zipf_exponent"], max_prob=0.4, min_prob=5e-4),
     hierarchy=HierarchyConfig(total_root_nodes=c["roots"], branching_factor=branching, max_depth=c["depth"],
-        mutually_exclusive_portion=c["mutually_exclusive"], compensate_probabilities=c["compensate"]),
+        mutually_exclusive_portion=c["mutually_exclusive"], compensate_probabilities=c["compensate"],
+        scale_children_by_parent=c.get("scale_children_by_parent", False)),
     orthogonalization=OrthogonalizationConfig(num_steps=c["ortho_steps"], lr=c["ortho_lr"]),
     correlation=LowRankCorrelationConfig(rank=c["rank"], correlation_scale=c["correlation_scale"]),
     std_firing_magnitudes=FoldedNormalMagnitudeConfig(mean=c["std_magnitude"][0], std=c["std_magnitude"][1]),
@@ -84,6 +86,10 @@ BENCH = {  # SynthSAEBench-16k's settings on a smaller world (the full one's ort
 }
 # random branching and a drawn half of the parents exclusive: the hierarchy's own random draws
 RANDOM_TREES = {**BENCH, "branching": [2, 5], "mutually_exclusive": 0.5, "compensate": False, "seed": 11}
+# the published world's own settings (create_synth_bench_16k_model.py: children scaled by their parents, a bias of
+# norm 0.5, seed 42) on the smaller world; and the scaling under random trees with half the parents exclusive
+PUBLISHED = {**BENCH, "scale_children_by_parent": True, "bias": 0.5, "seed": 42}
+SCALED_TREES = {**RANDOM_TREES, "scale_children_by_parent": True}
 
 
 def _saelens(script: str, *args: str) -> str:
@@ -92,11 +98,16 @@ def _saelens(script: str, *args: str) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("world", [BENCH, RANDOM_TREES], ids=["bench", "random_trees"])
+@pytest.mark.parametrize(
+    "world",
+    [BENCH, RANDOM_TREES, PUBLISHED, SCALED_TREES],
+    ids=["bench", "random_trees", "published", "scaled_trees"],
+)
 def test_the_generator_equals_saelens_bit_for_bit(world: dict, tmp_path: Path) -> None:
     _saelens(GENERATE, json.dumps({**world, "sample_seed": 123, "n": 1024}), str(tmp_path / "saelens.pt"))
     theirs = torch.load(tmp_path / "saelens.pt")
     ours = SynthBench(**{k: v for k, v in world.items()})
+    assert ours.hierarchy.scale_by_parent == world.get("scale_children_by_parent", False)
     x, codes = ours.sample_with_codes(1024, torch.Generator().manual_seed(123))
     mine = {"features": ours.features, "bias": ours.bias, "probs": ours.probs, "means": ours.means}
     mine.update({"stds": ours.stds, "x": x, "codes": codes})

@@ -43,11 +43,35 @@ def test_children_fire_only_under_their_parent_and_exclusive_siblings_never_toge
     assert on[:, list(h.parent)].any()
 
 
+def test_scaling_by_the_parent_multiplies_a_child_by_its_parent_over_the_parents_mean_down_the_chain() -> None:
+    # root 0 -> children 1, 2; 1 -> 3, 4; 2 -> 5, 6; no exclusive groups, so no random draws
+    plain = Hierarchy(7, roots=1, branching=2, depth=2, mutually_exclusive=0.0, seed=0)
+    scaled = Hierarchy(7, roots=1, branching=2, depth=2, mutually_exclusive=0.0, seed=0, scale_by_parent=True)
+    assert scaled.children == {0: [1, 2], 1: [3, 4], 2: [5, 6]}
+    means = torch.tensor([2.0, 4.0, 5.0, 1.0, 1.0, 1.0, 1.0])
+    codes = torch.tensor([[3.0, 2.0, 0.0, 4.0, 0.0, 1.0, 0.0], [0.0, 2.0, 1.0, 4.0, 1.0, 1.0, 1.0]])
+    g = torch.Generator().manual_seed(0)
+    # feature 1: 2 * 3/2 = 3; feature 3: 4 * (its parent's scaled 3) / 4 = 3; 5 under the silent 2: 0; row 2: no root
+    expected = torch.tensor([[3.0, 3.0, 0.0, 3.0, 0.0, 0.0, 0.0], [0.0] * 7])
+    assert torch.equal(scaled.apply(codes, g, means), expected)
+    assert torch.equal(plain.apply(codes, g), torch.tensor([[3.0, 2.0, 0.0, 4.0, 0.0, 0.0, 0.0], [0.0] * 7]))
+
+
+def test_scaling_by_the_parent_changes_magnitudes_never_which_features_fire() -> None:
+    worlds = [SynthBench(**SMALL, seed=1, scale_children_by_parent=flag) for flag in (False, True)]
+    plain, scaled = (w.sample_with_codes(4096, torch.Generator().manual_seed(0))[1] for w in worlds)
+    assert torch.equal(plain > 0, scaled > 0)  # the same draws: the exclusive groups' winners too
+    roots = list(range(4))
+    assert torch.equal(plain[:, roots], scaled[:, roots])
+    children = list(worlds[1].hierarchy.parent)
+    assert not torch.equal(plain[:, children], scaled[:, children])
+
+
 def test_activations_are_the_codes_through_the_directions_plus_the_bias_and_reproducible() -> None:
     world = SynthBench(**SMALL, seed=2)
     x, codes = world.sample_with_codes(64, torch.Generator().manual_seed(5))
     torch.testing.assert_close(x, codes @ world.features + world.bias)
-    assert torch.allclose(world.features.norm(dim=1), torch.ones(256)) and world.bias.norm() == pytest.approx(1.0)
+    assert torch.allclose(world.features.norm(dim=1), torch.ones(256)) and world.bias.norm() == pytest.approx(0.5)
     again = SynthBench(**SMALL, seed=2).sample(64, torch.Generator().manual_seed(5))
     assert torch.equal(x, again)
     assert not torch.equal(x, SynthBench(**SMALL, seed=3).sample(64, torch.Generator().manual_seed(5)))

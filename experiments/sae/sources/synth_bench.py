@@ -29,7 +29,8 @@ from runner.data import TensorData
 class SynthBench:
     """The world: N unit directions in d dims (`features`), their firing probabilities, magnitudes, correlation and
     hierarchy, all drawn from `seed` as SAELens's SyntheticModel draws them (hierarchy seed + 3, correlation
-    seed + 4, dictionary seed, std magnitudes seed + 1). `sample` makes activations on the generator's device."""
+    seed + 4, dictionary seed, std magnitudes seed + 1). `scale_children_by_parent` multiplies each child's magnitude
+    by its parent's over the parent's mean. `sample` makes activations on the generator's device."""
 
     targets = linear_map = None  # SAE data: no transcoder target (experiments.sae.sources.synthetic's _Truth)
 
@@ -45,19 +46,21 @@ class SynthBench:
         depth: int = 3,
         mutually_exclusive: float = 1.0,
         compensate: bool = True,
+        scale_children_by_parent: bool = False,  # what a saved run config without the key was drawn with
         rank: int = 25,
         correlation_scale: float = 0.1,
         ortho_steps: int = 100,
         ortho_lr: float = 3e-4,
         mean_magnitude: Sequence[float] = (5.0, 4.0),
         std_magnitude: Sequence[float] = (0.5, 0.5),
-        bias: float = 1.0,
-        seed: int = 0,
+        bias: float = 0.5,
+        seed: int = 42,
     ) -> None:
         _check(num_features, d, max_prob, min_prob, rank, roots, depth, mutually_exclusive, mean_magnitude)
         self.hierarchy = None
         if roots > 0:
-            self.hierarchy = Hierarchy(num_features, roots, branching, depth, mutually_exclusive, seed + 3)
+            trees = num_features, roots, branching, depth, mutually_exclusive, seed + 3
+            self.hierarchy = Hierarchy(*trees, scale_by_parent=scale_children_by_parent)
         self.factor, diag = low_rank_correlation(num_features, rank, correlation_scale, seed + 4)
         self.diag_sqrt = diag.sqrt()
         self.features, self.bias = dictionary(num_features, d, bias, seed)
@@ -146,7 +149,7 @@ class SynthBenchValidation(TensorData):
 
 @buildable("splits")
 def synth_bench_splits(
-    n_train: int = 200_000_000, n_val: int = 16_384, seed: int = 0, world_seed: int = 2026, **world
+    n_train: int = 200_000_000, n_val: int = 16_384, seed: int = 0, world_seed: int = 42, **world
 ) -> dict[str, Dataset]:
     """Train (generated on the fly, batch by batch from (seed, position)) and validation (fixed, with its true codes;
     none for n_val=0) splits of SynthSAEBench activations, in the world drawn from `world_seed`."""

@@ -23,7 +23,9 @@ _LOSER = -1e9  # the score of an inactive sibling when a winner is drawn
 class Hierarchy:
     """A forest of `roots` trees over the first features, built breadth first (features 0..roots-1 are the roots, then
     the next level's children in order), each parent with `branching` children (an int, or [low, high] drawn per
-    parent) down to `depth`; a `mutually_exclusive` share of the parents (drawn) let at most one child fire."""
+    parent) down to `depth`; a `mutually_exclusive` share of the parents (drawn) let at most one child fire. With
+    `scale_by_parent` a child's magnitude is multiplied by its parent's over the parent's mean magnitude (SAELens's
+    scale_children_by_parent on every parent) instead of passing through unchanged."""
 
     def __init__(
         self,
@@ -35,8 +37,10 @@ class Hierarchy:
         seed: int,
         me_min_depth: int = 0,
         me_max_depth: int | None = None,
+        scale_by_parent: bool = False,
     ) -> None:
         rng = random.Random(seed)
+        self.scale_by_parent = scale_by_parent
         self.parent: dict[int, int] = {}
         self.children: dict[int, list[int]] = {}
         self.level: dict[int, int] = {}
@@ -114,12 +118,22 @@ class Hierarchy:
                     factors[kid] *= 1.0 + max(0.0, total - p) / node_prob
         return factors
 
-    def apply(self, codes: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Gate children on their parents and draw one winner in each exclusive group, level by level."""
+    def apply(self, codes: torch.Tensor, generator: torch.Generator, means: torch.Tensor | None = None) -> torch.Tensor:
+        """Gate (or, with scale_by_parent, scale by parent / the parent's mean in `means`) children on their parents
+        and draw one winner in each exclusive group, level by level."""
+        if self.scale_by_parent and means is None:
+            raise ValueError("a hierarchy that scales children by their parents needs the mean magnitudes (means)")
         out = codes.clone()
         for (feats, parents), group in zip(self.gated, self.groups, strict=True):
             if feats.numel() > 0:
-                out[:, feats] = out[:, feats] * (out[:, parents] > 0)
+                parent = out[:, parents]
+                if self.scale_by_parent:
+                    # SAELens's factor, op for op: parent / its mean where the parent fired, else 0; the parent is
+                    # already scaled by its own parent (levels run top down), so a chain multiplies
+                    scale = torch.where(parent > 0, parent / means[parents], torch.zeros_like(parent))
+                    out[:, feats] = out[:, feats] * scale
+                else:
+                    out[:, feats] = out[:, feats] * (parent > 0)
             if group[0].numel() > 0:
                 self._exclude(out, *group, generator)
         return out
@@ -232,5 +246,5 @@ def sample_codes(
     codes = torch.zeros(n, len(probs), device=device, dtype=means.dtype)
     codes[fires] = (means[cols] + deltas).relu()
     if hierarchy is not None:
-        codes = hierarchy.apply(codes, generator).relu()
+        codes = hierarchy.apply(codes, generator, means).relu()
     return codes
