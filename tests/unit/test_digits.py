@@ -24,6 +24,15 @@ def test_digits_load_and_stratified_split():
         assert abs(np.sum(y[val] == cls) - share * len(val)) <= 1
 
 
+def test_each_load_gets_arrays_of_its_own():
+    # the table is parsed once a process: a caller that scales or relabels its arrays must not change the next load's
+    x, y = digits.load_digits()
+    x *= 0
+    y[:] = -1
+    again_x, again_y = digits.load_digits()
+    assert again_x.max() == 1.0 and again_y.min() == 0
+
+
 def test_missing_scikit_learn_says_how_to_fix_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r'pip install -e "\.\[examples\]"'):
