@@ -10,9 +10,7 @@ by name instead of failing as a TypeError deep inside torch.
 from __future__ import annotations
 
 import difflib
-import inspect
 import math
-import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -22,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import ConfigError
 from runner.config.hints import check_value, fits, plain_value, set_at, typed
 from runner.config.resolvers import check_interpolations
+from runner.config.signatures import parameters_of
 from runner.config.trust import HYDRA_KEYS
 from runner.optimizers import MAX_NS_STEPS
 
@@ -92,46 +91,6 @@ def _components(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
                 yield from _components(node._get_node(key), f"{path}.{key}" if path else key)
 
 
-def _signature(target: str, path: str) -> tuple[set[str] | None, dict[str, tuple[Any, Any]]]:
-    """The keyword parameters of the callable `target` names (None if it takes **kwargs that cannot be followed, or
-    cannot be inspected), and {parameter: (its type hint, its default)} where those can be read. A runner or
-    experiments class whose **kwargs go to its base classes' __init__ (a data module of DataModule's loader options,
-    an SAE of the base SAE's) takes theirs too."""
-    from hydra._internal.utils import _locate
-
-    try:
-        obj = _locate(target)
-    except Exception as error:
-        raise ConfigError(
-            f"{path}._target_={target} cannot be imported ({str(error).splitlines()[0]}): check its spelling, or "
-            f"choose another {path.split('.')[0]} option"
-        ) from None
-    try:
-        inits = [c.__init__ for c in obj.__mro__ if "__init__" in c.__dict__] if inspect.isclass(obj) else [obj]
-    except Exception:  # instantiation will say what is wrong with the target itself
-        return None, {}
-    accepted: set[str] = set()
-    hinted: dict[str, tuple[Any, Any]] = {}
-    for init in inits:
-        if inits[0] is not init and not getattr(init, "__module__", "").startswith(("runner.", "experiments.")):
-            return None, hinted  # **kwargs handed to code not ours (nn.Module, a library): anything may be read
-        try:
-            params = inspect.signature(init).parameters.values()
-        except (TypeError, ValueError):
-            return None, hinted
-        try:
-            hints = typing.get_type_hints(init)
-        except Exception:  # an annotation that names what only a type checker imports: no types from this one
-            hints = {}
-        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
-        for p in named:
-            hinted.setdefault(p.name, (hints.get(p.name, Any), p.default))
-        accepted |= {p.name for p in named}
-        if not any(p.kind == p.VAR_KEYWORD for p in params):
-            return accepted, hinted
-    return None, hinted
-
-
 # Component keys runner reads itself, before it calls the target (runner/build.py).
 RUNNER_READS = {"optimizer": ("lr_scale",)}
 
@@ -163,7 +122,7 @@ def _targets(cfg: DictConfig) -> Iterator[tuple[str, DictConfig, set[str] | None
             continue
         target = OmegaConf.select(node, "_target_")
         if isinstance(target, str):
-            yield path, node, *_signature(target, path)
+            yield path, node, *parameters_of(target, path)
 
 
 # ---- types ----------------------------------------------------------------------------------------------------------
