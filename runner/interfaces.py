@@ -45,6 +45,10 @@ class Task(Protocol):
         """runner.compile (compile=...) in place of compiling the task: compile a frozen model it holds; what it
         compiled, for the startup table."""
 
+    def advice(self, metrics: dict[str, float]) -> list[str]:
+        """runner.train at the end, with the final metrics: what they say to change (summary.json's `advice`, each
+        printed under the final table)."""
+
     distribute: bool  # runner.distributed.spread's wrap: True where the task spreads its modules over ranks
     parts: dict[str, str]  # runner.train at the end: part name -> weights prefix; each part gets its own weights file
 
@@ -69,6 +73,7 @@ TASK_HOOKS = (  # the Task's optional hooks, in the order above
     "logged",
     "flops_per_token",
     "compile_frozen",
+    "advice",
     "distribute",
     "parts",
     "export",

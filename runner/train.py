@@ -51,6 +51,8 @@ def summarize(run: Run, samples_at_start: int = 0, tokens_at_start: int = 0) -> 
         "compile_time_s": run.state.meter.first_step_s if run.settings.compiled else None,
         # the monitored metric still improving at the end of a run that trained its whole max_duration; else null
         "short_run": short_run(run),
+        # what the task reads in its final metrics (an SAE whose latents never fired): lines said under the table
+        "advice": list(getattr(run.task, "advice", lambda _: [])(run.state.metrics)),
     }
 
 

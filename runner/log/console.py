@@ -225,6 +225,8 @@ class ConsoleLogger(Logger):
             self.console.print(where_time_went(summary["startup"]), soft_wrap=True, highlight=False, markup=False)
         if summary.get("short_run"):  # a line of its own: the override it suggests must not be cut
             self.console.print(summary["short_run"]["message"], soft_wrap=True, highlight=False, markup=False)
+        for line in summary.get("advice") or []:
+            self.console.print(line, soft_wrap=True, highlight=False, markup=False)
         self._print_run_dir()
 
     def _print_run_dir(self) -> None:

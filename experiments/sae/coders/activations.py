@@ -108,6 +108,13 @@ class ReLUSAE(SAE):
         super().after_optimizer_step()
         self.steps += 1
 
+    def revive_hint(self) -> str:
+        """What keeps this SAE's latents in use: its L1 silences them and no AuxK trains them back."""
+        return (
+            f"its L1 (model.l1_coeff={self.l1_coeff:g}) silences latents and ReLU codes have no AuxK to train them "
+            "back: a smaller coefficient, or a TopK SAE (model=sae_topk), keeps them in use"
+        )
+
     def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Dense ReLU codes."""
         return F.relu(pre), None

@@ -19,8 +19,40 @@ def dead_clock(dead_window: str) -> tuple[str, float]:
     return ("st" if window.unit == "st" else "sa"), window.value
 
 
+# More than this share of an SAE's latents firing on none of the validation split is said at the end of the run
+DEAD_SAID = 0.01
+
+
+def dead_advice(metrics: dict[str, float], n_latents: int, revive: str, prefix: str = "") -> list[str]:
+    """The line that says an SAE left latents unused: above DEAD_SAID of them never fired on the final validation
+    (`val/<prefix>dead_fraction`), with `revive`, what to change; none otherwise."""
+    dead = metrics.get(f"val/{prefix}dead_fraction")
+    if dead is None or dead <= DEAD_SAID:
+        return []
+    who = f"SAE {prefix.rstrip('/')}'s" if prefix else "SAE's"
+    return [
+        f"{dead:.1%} of the {who} {n_latents} latents ({round(dead * n_latents)}) never fired on the validation "
+        f"split (val/{prefix}dead_fraction): {revive}"
+    ]
+
+
 class DeadLatents:
     """The clock's buffers and counting, mixed into SAE (an nn.Module with `n_latents`, `dead_unit`, `dead_window`)."""
+
+    def advice(self, metrics: dict[str, float], prefix: str = "") -> list[str]:
+        """Said at the end of the run (runner.train): the latents that never fired on the validation split, when
+        more than 1% of them, with what trains them back."""
+        return dead_advice(metrics, self.n_latents, self.revive_hint(), prefix)
+
+    def revive_hint(self) -> str:
+        """What trains dead latents back, for this SAE's settings."""
+        if getattr(self, "auxk_coeff", 0) > 0:
+            window = f"model.dead_window={self.dead_window:g}{self.dead_unit}"
+            return (
+                f"AuxK (model.auxk_coeff={self.auxk_coeff:g}) trains latents silent for {window}: a shorter window or "
+                "a larger coefficient brings them back sooner, as does a longer trainer.max_duration"
+            )
+        return "nothing in this SAE trains a latent that stopped firing: a TopK SAE (model=sae_topk) has AuxK for that"
 
     def _register_clock(self, n_latents: int) -> None:
         # Per latent: steps (or samples) since it last fired, and the running counters that measure it.

@@ -146,6 +146,10 @@ class MultiSAE(nn.Module):
         for name in self.mine:
             self.saes[name].after_optimizer_step()
 
+    def advice(self, metrics: dict[str, float]) -> list[str]:
+        """Each SAE's own end-of-run advice, read under its prefix (SAE.advice)."""
+        return [line for name, sae in self.saes.items() for line in sae.advice(metrics, prefix=f"{name}/")]
+
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each SAE the last logged row, under its own prefix (SAE.logged)."""
         for name in self.mine:

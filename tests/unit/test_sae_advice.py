@@ -1,0 +1,54 @@
+"""An SAE run that leaves latents unused says so at its end: summary.json's `advice` and a line under the final table
+name the share that never fired on the validation split and what trains them back, for the SAE's own settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from helpers import summary
+
+from experiments.sae.coders.activations import ReLUSAE, TopKSAE
+from experiments.sae.coders.dead import dead_advice
+from runner.train import train
+
+
+def test_more_than_one_percent_never_firing_is_said_with_its_count_and_the_remedy() -> None:
+    (line,) = dead_advice({"val/dead_fraction": 0.25}, 64, "do this")
+    assert line == "25.0% of the SAE's 64 latents (16) never fired on the validation split (val/dead_fraction): do this"
+    assert dead_advice({"val/dead_fraction": 0.01}, 64, "do this") == []  # 1% and under: nothing said
+    assert dead_advice({"val/fve": 0.9}, 64, "do this") == []  # never validated: nothing known
+    (member,) = dead_advice({"val/wide/dead_fraction": 0.5}, 8, "x", prefix="wide/")  # a family's member
+    assert member.startswith("50.0% of the SAE wide's 8 latents (4) never fired")
+    assert "(val/wide/dead_fraction)" in member
+
+
+def test_the_remedy_is_the_sae_s_own() -> None:
+    topk = TopKSAE(d_in=8, n_latents=16, k=2, dead_window="10st", auxk_coeff=0.25)
+    assert "model.auxk_coeff=0.25" in topk.revive_hint() and "model.dead_window=10st" in topk.revive_hint()
+    off = TopKSAE(d_in=8, n_latents=16, k=2, auxk_coeff=0.0)
+    assert "nothing in this SAE trains a latent" in off.revive_hint()
+    relu = ReLUSAE(d_in=8, n_latents=16, l1_coeff=3.0)
+    assert "model.l1_coeff=3" in relu.revive_hint() and "no AuxK" in relu.revive_hint()
+
+
+def test_a_relu_sae_whose_l1_silences_latents_says_so_at_the_end(
+    compose_cfg: Callable, capsys: pytest.CaptureFixture
+) -> None:
+    # an L1 this strong from the first step silences most of 64 latents on the synthetic preset's data
+    overrides = ["model=sae_relu", "model.n_latents=64", "model.l1_coeff=30", "model.l1_warmup=0st"]
+    cfg = compose_cfg("+experiment=sae", *overrides, "trainer.max_duration=30st", "data.splits.n_val=512")
+    train(cfg)
+    said = summary(cfg.run_dir)
+    (line,) = said["advice"]
+    dead = said["metrics"]["val/dead_fraction"]
+    assert dead > 0.01 and line.startswith(f"{dead:.1%} of the SAE's 64 latents ({round(dead * 64)}) never fired")
+    assert "model.l1_coeff=30" in line
+    assert line in capsys.readouterr().err.splitlines()  # under the final table, a line of its own
+
+
+def test_a_run_with_every_latent_in_use_advises_nothing(compose_cfg: Callable) -> None:
+    cfg = compose_cfg("+experiment=sae", "model.n_latents=64", "trainer.max_duration=30st", "data.splits.n_val=512")
+    train(cfg)
+    said = summary(cfg.run_dir)
+    assert said["metrics"]["val/dead_fraction"] <= 0.01 and said["advice"] == []
