@@ -3,6 +3,7 @@ name the share that never fired on the validation split and what trains them bac
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -52,3 +53,24 @@ def test_a_run_with_every_latent_in_use_advises_nothing(compose_cfg: Callable) -
     train(cfg)
     said = summary(cfg.run_dir)
     assert said["metrics"]["val/dead_fraction"] <= 0.01 and said["advice"] == []
+
+
+def test_a_family_names_each_member_and_where_its_settings_are() -> None:
+    from experiments.sae.coders.multi import MultiSAE
+
+    base = functools.partial(TopKSAE, n_latents=16, auxk_coeff=0.5)
+    own = {"relu": functools.partial(ReLUSAE, n_latents=32, l1_coeff=2.0)}
+    family = MultiSAE(d_in=8, base=base, ks=[2], saes=own)
+    metrics = {"val/k2/dead_fraction": 0.5, "val/relu/dead_fraction": 0.25, "val/dead_fraction": 0.375}
+    k2, relu = family.advice(metrics)
+    assert k2.startswith("50.0% of the SAE k2's 16 latents (8)") and "model.base.auxk_coeff=0.5" in k2
+    assert relu.startswith("25.0% of the SAE relu's 32 latents (8)") and "model.saes.relu.l1_coeff=2" in relu
+
+
+def test_a_cross_layer_transcoder_counts_every_layer_s_latents() -> None:
+    from experiments.sae.coders.clt import CrossLayerTranscoder
+
+    clt = CrossLayerTranscoder(coder=functools.partial(TopKSAE, n_latents=16, k=2), layers=3, d_in=8, d_out=8)
+    (line,) = clt.advice({"val/dead_fraction": 0.125})
+    assert line.startswith("12.5% of the cross-layer transcoder's 48 latents (6) never fired")
+    assert "model.coder.auxk_coeff" in line

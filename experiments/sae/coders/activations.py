@@ -108,10 +108,10 @@ class ReLUSAE(SAE):
         super().after_optimizer_step()
         self.steps += 1
 
-    def revive_hint(self) -> str:
+    def revive_hint(self, key: str = "model") -> str:
         """What keeps this SAE's latents in use: its L1 silences them and no AuxK trains them back."""
         return (
-            f"its L1 (model.l1_coeff={self.l1_coeff:g}) silences latents and ReLU codes have no AuxK to train them "
+            f"its L1 ({key}.l1_coeff={self.l1_coeff:g}) silences latents and ReLU codes have no AuxK to train them "
             "back: a smaller coefficient, or a TopK SAE (model=sae_topk), keeps them in use"
         )
 

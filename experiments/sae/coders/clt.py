@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from experiments.sae.coders.base import SAE
+from experiments.sae.coders.dead import dead_advice
 from experiments.sae.coders.init import every_rank, geometric_median, unit_scale
 from experiments.sae.coders.sparse import SparsePre
 from experiments.sae.objectives import batch_errors, split_statistics, unexplained
@@ -211,6 +212,12 @@ class CrossLayerTranscoder(nn.Module):
             out.update({f"{key}_{i}": value for key, value in stats.items()})
         out["silent_fraction"] = torch.stack([c.dead_mask().double().mean() for c in self.coders]).mean()
         return out
+
+    def advice(self, metrics: dict[str, float]) -> list[str]:
+        """Said at the end of the run: more than 1% of the layers' latents never firing on the validation split, with
+        what trains them back (the layers' coders share one config)."""
+        latents = sum(c.n_latents for c in self.coders)
+        return dead_advice(metrics, latents, self.coders[0].revive_hint("model.coder"), what="cross-layer transcoder")
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per layer FVE (SST about the split's mean) and L0; the loss as trained (their sum), the mean FVE and L0,

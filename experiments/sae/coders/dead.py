@@ -23,13 +23,15 @@ def dead_clock(dead_window: str) -> tuple[str, float]:
 DEAD_SAID = 0.01
 
 
-def dead_advice(metrics: dict[str, float], n_latents: int, revive: str, prefix: str = "") -> list[str]:
-    """The line that says an SAE left latents unused: above DEAD_SAID of them never fired on the final validation
-    (`val/<prefix>dead_fraction`), with `revive`, what to change; none otherwise."""
+def dead_advice(
+    metrics: dict[str, float], n_latents: int, revive: str, prefix: str = "", what: str = "SAE"
+) -> list[str]:
+    """The line that says a coder (`what`: SAE, transcoder...) left latents unused: above DEAD_SAID of them never
+    fired on the final validation (`val/<prefix>dead_fraction`), with `revive`, what to change; none otherwise."""
     dead = metrics.get(f"val/{prefix}dead_fraction")
     if dead is None or dead <= DEAD_SAID:
         return []
-    who = f"SAE {prefix.rstrip('/')}'s" if prefix else "SAE's"
+    who = f"{what} {prefix.rstrip('/')}'s" if prefix else f"{what}'s"
     return [
         f"{dead:.1%} of the {who} {n_latents} latents ({round(dead * n_latents)}) never fired on the validation "
         f"split (val/{prefix}dead_fraction): {revive}"
@@ -39,17 +41,18 @@ def dead_advice(metrics: dict[str, float], n_latents: int, revive: str, prefix: 
 class DeadLatents:
     """The clock's buffers and counting, mixed into SAE (an nn.Module with `n_latents`, `dead_unit`, `dead_window`)."""
 
-    def advice(self, metrics: dict[str, float], prefix: str = "") -> list[str]:
+    def advice(self, metrics: dict[str, float], prefix: str = "", key: str = "model") -> list[str]:
         """Said at the end of the run (runner.train): the latents that never fired on the validation split, when
-        more than 1% of them, with what trains them back."""
-        return dead_advice(metrics, self.n_latents, self.revive_hint(), prefix)
+        more than 1% of them, with what trains them back (`key`: where this SAE's settings are in the config)."""
+        what = "transcoder" if getattr(self, "transcoder", False) else "SAE"
+        return dead_advice(metrics, self.n_latents, self.revive_hint(key), prefix, what)
 
-    def revive_hint(self) -> str:
-        """What trains dead latents back, for this SAE's settings."""
+    def revive_hint(self, key: str = "model") -> str:
+        """What trains dead latents back, for this SAE's settings (under the config node `key`)."""
         if getattr(self, "auxk_coeff", 0) > 0:
-            window = f"model.dead_window={self.dead_window:g}{self.dead_unit}"
+            window = f"{key}.dead_window={self.dead_window:g}{self.dead_unit}"
             return (
-                f"AuxK (model.auxk_coeff={self.auxk_coeff:g}) trains latents silent for {window}: a shorter window or "
+                f"AuxK ({key}.auxk_coeff={self.auxk_coeff:g}) trains latents silent for {window}: a shorter window or "
                 "a larger coefficient brings them back sooner, as does a longer trainer.max_duration"
             )
         return "nothing in this SAE trains a latent that stopped firing: a TopK SAE (model=sae_topk) has AuxK for that"

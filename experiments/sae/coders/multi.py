@@ -87,13 +87,16 @@ class MultiSAE(nn.Module):
         self.hook_of: dict[str, str] = {}  # SAE name -> the module it reads, with several hooked modules
         self.columns: dict[str, tuple[int, int]] = {}  # SAE name -> its module's columns of the rows
         plan: dict[str, tuple[Callable[..., SAE], int | None]] = {}  # SAE name -> (constructor, d_in)
+        key = {name: f"model.saes.{name}" if name in (saes or {}) else "model.base" for name in makers}
+        self.settings_key: dict[str, str] = {}  # SAE name -> where its settings are in the config (advice says it)
         if not hooks:
             plan = {name: (make, d_in) for name, make in makers.items()}
+            self.settings_key = dict(key)
         start = 0
         for module, width in (hooks or {}).items():
             for name, make in makers.items():
                 member = f"{hook_name(module)}_{name}"
-                plan[member] = (make, width)
+                plan[member], self.settings_key[member] = (make, width), key[name]
                 self.hook_of[member], self.columns[member] = module, (start, start + width)
             start += width
         self.spread: Spread | None = None
@@ -148,7 +151,11 @@ class MultiSAE(nn.Module):
 
     def advice(self, metrics: dict[str, float]) -> list[str]:
         """Each SAE's own end-of-run advice, read under its prefix (SAE.advice)."""
-        return [line for name, sae in self.saes.items() for line in sae.advice(metrics, prefix=f"{name}/")]
+        return [
+            line
+            for name, sae in self.saes.items()
+            for line in sae.advice(metrics, prefix=f"{name}/", key=self.settings_key[name])
+        ]
 
     def logged(self, metrics: dict[str, float]) -> None:
         """Tell each SAE the last logged row, under its own prefix (SAE.logged)."""
