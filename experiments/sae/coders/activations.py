@@ -112,7 +112,8 @@ class ReLUSAE(SAE):
         """What keeps this SAE's latents in use: its L1 silences them and no AuxK trains them back."""
         return (
             f"its L1 ({key}.l1_coeff={self.l1_coeff:g}) silences latents and ReLU codes have no AuxK to train them "
-            "back: a smaller coefficient, or a TopK SAE (model=sae_topk), keeps them in use"
+            "back: sae_resample in callbacks=[...] restarts them, a smaller coefficient or a TopK SAE (model=sae_topk) "
+            "keeps them in use"
         )
 
     def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor, None]:
