@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from runner import rundir
 from runner.ckpt.files import DCP, FILES, CheckpointError, _matches, bare_names, digest, read_manifest
-from runner.ckpt.weights import check_record, fitting, said
+from runner.ckpt.weights import check_record, fitting, read_weights, said, unreadable
 
 
 def load_sliced(
@@ -29,8 +29,6 @@ def load_sliced(
     if (folder / "manifest.json").is_file() and name in FILES:  # a checkpoint folder, or its weights file
         manifest = _once(lambda: read_manifest(folder))
         if manifest.get("format") == DCP:  # its shards hold other slices than this world's: read whole, then sliced
-            from runner.ckpt.weights import read_weights
-
             return _copy(own, _Whole(read_weights(folder)), path, (strict, what, say))
         _once(lambda: _matches(folder, name, manifest["files"][name], **_digest(folder / name)))
         file = folder / name
@@ -40,9 +38,7 @@ def load_sliced(
     try:
         weights = safe_open(str(file), framework="pt")
     except Exception as error:  # not safetensors at all (rank 0's check would have said it is cut short)
-        raise CheckpointError(
-            f"cannot read weights from {path} ({error}); give a checkpoint folder, a run folder or a .safetensors file"
-        ) from None
+        raise unreadable(path, error) from None
     with weights:
         return _copy(own, weights, path, (strict, what, say))
 
@@ -89,10 +85,7 @@ def _digest(file: Path, given: Path | None = None) -> dict[str, Any]:
     try:
         found = digest(file)
     except OSError as error:
-        raise CheckpointError(
-            f"cannot read weights from {given or file} ({error}); give a checkpoint folder, a run folder or a "
-            ".safetensors file"
-        ) from None
+        raise unreadable(given or file, error) from None
     return {"size": found["bytes"], "sha256": found["sha256"]}
 
 

@@ -74,10 +74,15 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     except CheckpointError:
         raise
     except Exception as error:  # missing, truncated, not safetensors at all
-        raise CheckpointError(
-            f"cannot read weights from {path} ({error}); give a checkpoint folder, a run folder or a .safetensors file"
-        ) from None
+        raise unreadable(path, error) from None
     return weights
+
+
+def unreadable(path: str | Path, error: BaseException) -> CheckpointError:
+    """The error for weights at `path` that cannot be read (missing, truncated, not safetensors)."""
+    return CheckpointError(
+        f"cannot read weights from {path} ({error}); give a checkpoint folder, a run folder or a .safetensors file"
+    )
 
 
 def _recorded(file: Path, data: bytes) -> bytes:
