@@ -522,6 +522,16 @@ def explain(proc: subprocess.CompletedProcess) -> str:
     return f"--- rc={proc.returncode}\n--- stdout:\n{proc.stdout[-3000:]}\n--- stderr:\n{proc.stderr[-3000:]}"
 
 
+def worker_exit_codes(stderr: str) -> list[int]:
+    """The workers' exit codes in torchrun's failure table, sorted."""
+    return sorted(int(code) for code in re.findall(r"exitcode\s+: (-?\d+) \(pid", stderr))
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The lines the ranks said their errors on ("error: ..." and "error on rank N: ...")."""
+    return [line for line in stderr.splitlines() if line.startswith("error")]
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """`proc`, which must have exited 0."""
     assert proc.returncode == 0, explain(proc)

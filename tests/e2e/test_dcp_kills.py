@@ -6,7 +6,6 @@ checkpoint whole and nothing half-visible, and resume=auto continues from it to 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,7 +15,18 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from helpers import DIGITS_DDP, TORCHRUN, assert_same_weights, child_env, explain, ok, python, summary
+from helpers import (
+    DIGITS_DDP,
+    TORCHRUN,
+    assert_same_weights,
+    child_env,
+    error_lines,
+    explain,
+    ok,
+    python,
+    summary,
+    worker_exit_codes,
+)
 
 # 20 steps of 2 x 16 samples, a checkpoint every 10, all kept
 FSDP = [*DIGITS_DDP, "distributed=fsdp", "data.batch_size=16", "trainer.max_duration=20st"]
@@ -92,9 +102,8 @@ def test_the_whole_job_killed_mid_async_save_leaves_the_previous_checkpoint_to_r
 def test_a_full_disk_on_rank_1_alone_exits_2_with_one_paragraph_naming_its_file(runs: dict[str, Future]) -> None:
     outcome = runs["disk_full"].result()
     failed = outcome["failed"]
-    codes = sorted(int(c) for c in re.findall(r"exitcode\s+: (-?\d+) \(pid", failed.stderr))
-    assert failed.returncode != 0 and codes == [2, 2], explain(failed)
-    errors = [line for line in failed.stderr.splitlines() if line.startswith("error")]
+    assert failed.returncode != 0 and worker_exit_codes(failed.stderr) == [2, 2], explain(failed)
+    errors = error_lines(failed.stderr)
     assert len(errors) == 2, failed.stderr[-4000:]
     for said in ("[rank0]:", "[rank1]:", "runner/__main__.py"):  # torchrun's own traceback only, no worker's
         assert said not in failed.stderr, failed.stderr[-4000:]

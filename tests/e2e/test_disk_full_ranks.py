@@ -7,14 +7,23 @@ ChildFailedError): what is sure is each worker's code in its failure table."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from helpers import DIGITS_DDP, assert_same_weights, explain, metric_rows, ok, summary, torchrun
+from helpers import (
+    DIGITS_DDP,
+    assert_same_weights,
+    error_lines,
+    explain,
+    metric_rows,
+    ok,
+    summary,
+    torchrun,
+    worker_exit_codes,
+)
 
 # 20 steps of 2 x 16 samples with checkpoints at steps 10 and 20; rank 0's disk fills after step 12
 CHECKPOINTED = [*DIGITS_DDP, "distributed=ddp", "data.batch_size=16", "trainer.max_duration=20st"]
@@ -59,15 +68,6 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _exit_codes(stderr: str) -> list[int]:
-    # the workers' codes in torchrun's failure table
-    return sorted(int(code) for code in re.findall(r"exitcode\s+: (-?\d+) \(pid", stderr))
-
-
-def _errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("error")]
-
-
 def _no_worker_traceback(stderr: str) -> None:
     # torchrun prints a traceback of its own (ChildFailedError); no worker may
     for said in ("Connection closed by peer", "third_party/gloo", "Error executing job", "runner/__main__.py"):
@@ -76,8 +76,8 @@ def _no_worker_traceback(stderr: str) -> None:
 
 def test_a_full_disk_on_rank_0_exits_2_on_every_rank_with_one_paragraph(runs: dict[str, Future]) -> None:
     failed = runs["full_disk"].result()["failed"]
-    assert failed.returncode != 0 and _exit_codes(failed.stderr) == [2, 2], explain(failed)
-    errors = _errors(failed.stderr)
+    assert failed.returncode != 0 and worker_exit_codes(failed.stderr) == [2, 2], explain(failed)
+    errors = error_lines(failed.stderr)
     assert len(errors) == 2, failed.stderr[-4000:]
     paragraph, line = sorted(errors, reverse=True)  # "error:" sorts after "error on"
     assert paragraph.startswith("error: disk full: saving checkpoint ") and "step-00000020" in paragraph, paragraph
@@ -101,8 +101,8 @@ def test_a_file_one_rank_alone_cannot_read_stops_every_rank_with_exit_2_and_no_f
     runs: dict[str, Future],
 ) -> None:
     proc, folder = runs["one_rank_refused"].result()
-    assert proc.returncode != 0 and _exit_codes(proc.stderr) == [2, 2], explain(proc)
-    errors = sorted(_errors(proc.stderr))
+    assert proc.returncode != 0 and worker_exit_codes(proc.stderr) == [2, 2], explain(proc)
+    errors = sorted(error_lines(proc.stderr))
     assert len(errors) == 2, proc.stderr[-4000:]
     assert errors[0] == "error on rank 1: " + errors[0].split(": ", 1)[1]  # rank 1's own paragraph
     assert "1.jsonl line 6 is not JSON" in errors[0] and "one JSON object" in errors[0], errors[0]
