@@ -47,7 +47,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine, spawn  # noqa: E402
+from benchmarks.common import machine, spawn, write_json  # noqa: E402
 
 ARCHS = ("topk", "batchtopk", "jumprelu", "matryoshka", "relu")
 BATCH, LATENTS, K, SEED = 1024, 1024, 12, 0
@@ -220,8 +220,7 @@ def main() -> None:
     print(table(rows))
     if not all(r["same_batches"] for r in rows):
         print("\nwarning: SAELens's training batches differ from runner's (see same_batches in the JSON)")
-    if args.json:
-        args.json.write_text(json.dumps({"steps": args.steps, "lr": args.lr, "rows": rows, "time": time.time()}))
+    write_json(args.json, {"steps": args.steps, "lr": args.lr, "rows": rows, "time": time.time()})
 
 
 if __name__ == "__main__":
