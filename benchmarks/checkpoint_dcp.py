@@ -11,13 +11,16 @@ of `python -m runner +experiment=lm` (one thread per rank), a checkpoint every -
   none       checkpoint=none: the training's own peak, the baseline the others add to
   files      checkpoint.format=files: every tensor gathered to rank 0, which snapshots it and writes the files
   dcp        checkpoint.format=dcp: each rank writes its own shards (torch.distributed.checkpoint)
-  dcp_async  dcp with checkpoint.async=true: the loop goes on once the shards are staged in CPU memory
+  dcp_async  dcp with checkpoint.async=true: the loop goes on at once; the shards are copied to CPU memory in the
+             background, and the next optimizer step waits for the copy
 Figures, rank 0's: its peak RSS over the job (VmHWM, read at the end of training) less the baseline's, i.e. what
 checkpointing adds to its peak (VmHWM cannot be reset, so every contender is its own job); the RSS sampled every
 millisecond from a save's start until its files are sealed, less the RSS at its start; the loop's wait per checkpoint,
 from summary.json's startup table (`checkpoints`: the saves and the wait for the last one at the end) and per save as
-the median time in Checkpoint.save; the resume (the `resume` phase of a second launch, resume=auto, that loads the
-last checkpoint). The machine is shared and has 2 cores: 4 ranks oversubscribe them, and timings are noisy.
+the median time in Checkpoint.save plus, with async, the next optimizer step's wait for the copy; the steps' own
+time (summary.json's `training_s`: a background copy that slows them shows there); the resume (the `resume` phase of
+a second launch, resume=auto, that loads the last checkpoint). The machine is shared and has 2 cores: 4 ranks
+oversubscribe them, and timings are noisy.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ CONTENDERS = {
     "dcp": ["checkpoint.format=dcp"],
     "dcp_async": ["checkpoint.format=dcp", "checkpoint.async=true"],
 }
+
+
+ENV: dict[str, str] = {}  # the jobs' extra environment (--malloc-arena-max)
 
 
 def rss_mb(field: str = "VmRSS") -> float:
@@ -101,6 +107,13 @@ class Probe(Checkpoint):
             self._close()  # files: the other ranks' part ends with the gather
         return folder
 
+    def on_before_optimizer_step(self, run: Run) -> None:
+        """The wait for an async save's background copy, added to that save's wait."""
+        started = time.perf_counter()
+        super().on_before_optimizer_step(run)
+        if self.saves:
+            self.saves[-1]["wait_s"] += time.perf_counter() - started
+
     def _finish(self, folder: Path, write: Any) -> None:
         super()._finish(folder, write)
         self._close()
@@ -140,7 +153,7 @@ def overrides(width: int, layers: int, steps: int) -> list[str]:
 
 def launch(ranks: int, args: list[str], run_dir: Path) -> dict[str, Any]:
     """One torchrun job; its summary.json and rank 0's probe."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", **ENV}
     command = [*torchrun(ranks), "-m", "runner", *args, f"hydra.run.dir={run_dir}"]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -162,6 +175,8 @@ def contender(ranks: int, name: str, base: list[str], root: Path) -> dict[str, A
     key = "callbacks.peak" if name == "none" else "checkpoint"
     job = launch(ranks, [*base, *CONTENDERS[name], f"+{key}.out={run_dir}"], run_dir)
     row: dict[str, Any] = {"ranks": ranks, "format": name, "hwm_mb": job["probe"]["hwm_mb"]}
+    # the steps' own time (no phase: checkpoints and validation apart): a background copy that slows them shows here
+    row["training_s"] = job["summary"]["startup"]["training_s"]
     if name == "none":
         return row
     saves = job["probe"]["saves"]
@@ -184,19 +199,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The figures as a markdown table, each checkpointing contender against its world's baseline and files."""
     lines = [
         "| ranks | format | rank-0 peak RSS MiB | + over no checkpoint | RSS rise in a save | wait per save s | "
-        "`checkpoints` phase s (count) | resume s | checkpoint MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "`checkpoints` phase s (count) | steps s | resume s | checkpoint MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = {r["ranks"]: r["hwm_mb"] for r in rows if r["format"] == "none"}
     for r in rows:
         if r["format"] == "none":
-            lines.append(f"| {r['ranks']} | none | {r['hwm_mb']:.0f} | - | - | - | - | - | - |")
+            lines.append(f"| {r['ranks']} | none | {r['hwm_mb']:.0f} | - | - | - | - | {r['training_s']:.2f} | - | - |")
             continue
         r["added_mb"] = r["hwm_mb"] - base[r["ranks"]]
         lines.append(
             f"| {r['ranks']} | {r['format']} | {r['hwm_mb']:.0f} | {r['added_mb']:.0f} | "
             f"{r['rise_during_save_mb']:.0f} | {r['wait_per_save_s']:.3f} | {r['checkpoints_phase_s']:.2f} "
-            f"({r['checkpoints_phase_count']}) | {r['resume_s']:.2f} | {r['checkpoint_mb']:.0f} |"
+            f"({r['checkpoints_phase_count']}) | {r['training_s']:.2f} | {r['resume_s']:.2f} | "
+            f"{r['checkpoint_mb']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -233,8 +249,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--interval", type=int, default=5)
     parser.add_argument("--dir", help="where the runs go (default: a temporary folder)")
+    parser.add_argument(
+        "--malloc-arena-max",
+        type=int,
+        help="MALLOC_ARENA_MAX for every job: glibc gives each thread that allocates an arena of its own, and what "
+        "the save's threads (staging, DCP's writer, the seal) free stays in theirs",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.malloc_arena_max:
+        ENV["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
     base = overrides(args.width, args.layers, args.steps)
     probed = ["checkpoint._target_=benchmarks.checkpoint_dcp.Probe", f"checkpoint.interval={args.interval}st"]
     probed += ["checkpoint.keep_last=1"]
@@ -246,9 +270,12 @@ def main() -> None:
                 print(f"{ranks} ranks, {name}: {rows[-1]}", file=sys.stderr, flush=True)
     print(f"{machine()}; load average at the end {os.getloadavg()[0]:.1f}")
     print(f"GPT {args.width} x {args.layers}, {args.steps} steps, a checkpoint every {args.interval}, fsdp on gloo")
+    print(f"environment: {ENV or 'as given'}")
     print(table(rows))
     print("\n".join(targets(rows)))
-    write_json(args.json, {"machine": machine(), "device": args.device, "rows": rows, "targets": targets(rows)})
+    write_json(
+        args.json, {"machine": machine(), "device": args.device, "env": ENV, "rows": rows, "targets": targets(rows)}
+    )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ class Checkpoint(Callback):
 
     Keeps the `keep_last` newest checkpoints and, apart from them, the `keep_best` best by `monitor`; `save_last`
     maintains a `last` symlink to the newest. Saving blocks the loop only while tensors are copied to CPU buffers;
-    serialisation, checksums, fsync and rotation run in a background thread, one save at a time.
+    serialisation, checksums, fsync and rotation run in a background thread, one save at a time. With format=dcp and
+    async, the copy itself overlaps the next step's forward and backward (runner.ckpt.dcp_writer).
     """
 
     monitor_off = "checkpoint.keep_best=0 (no best checkpoint kept apart; the newest ones still are)"
@@ -124,6 +125,14 @@ class Checkpoint(Callback):
         if p.ticked(self.interval) or ends or (fresh is not None and self._among_best(fresh)):
             with phase("checkpoints"):  # what the loop waits for: the snapshot, and the save before still writing
                 self.save(run, fresh)
+                if ends:  # what runs after the loop may change the weights (restore_best, EMA's at the end)
+                    self.sharded.staged()
+
+    def on_before_optimizer_step(self, run: Run) -> None:
+        """An async save's copy of the shards, still under way in the background, ends before the step changes them."""
+        if self.sharded.staging is not None:
+            with phase("checkpoints"):
+                self.sharded.staged()
 
     def on_fit_end(self, run: Run) -> None:
         """Wait for the last save and surface its error, if any; no rank leaves before it is on disk."""

@@ -5,9 +5,11 @@ crash clean-up of runner.rundir.staged_in finds it): DCP's shards, then its own 
 files it wrote, rank 0 gathers the hashes, writes the manifest last and renames the folder into place. A kill at any
 moment leaves a staging folder that no reader takes for a checkpoint, and the earlier checkpoints as they were.
 
-With `async`, DCP's async_save copies the shards into CPU memory kept from one save to the next and returns; the
-writing and the sealing go on in the callback's writer thread, over a gloo group of their own (the training's
-collectives keep the default one).
+With `async`, the loop goes on at once: DCP's stager copies the shards into CPU memory kept from one save to the next
+in a thread of its own, while the next step's forward and backward run; that step's optimizer step waits for the copy
+(staged()), as it is the first to change the parameters and the optimizer's state. The buffers, which a forward may
+change (a norm's running statistics, an SAE's firing counts), are copied at the save. The writing and the sealing go
+on in the callback's writer thread, over a gloo group of their own (the training's collectives keep the default one).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class ShardedWriter:
         self.group: Any = None
         self.pid: int | None = None
         self.stager: Any = None
+        self.staging: Future | None = None  # the copy of an async save's shards, until the loop has waited for it
 
     def _setup(self, run: Run) -> None:
         # collective, at the first save (every rank saves at the same step): rank 0's pid names the staging
@@ -69,7 +72,14 @@ class ShardedWriter:
             # One stager for the run: it keeps the CPU copies of the shards from one save to the next and only copies
             # into them (async_save's own stager would allocate and fault in all of them at every save, in the step)
             pinned = run.device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(pinned, False, False, pinned))
+            self.stager = DefaultStager(StagingOptions(pinned, False, True, pinned))
+
+    def staged(self) -> None:
+        """Wait until the async save in flight has copied the shards (before anything changes the parameters or the
+        optimizer's state); a failed copy is the seal's to report."""
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            staging.exception()
 
     def start(self, run: Run, folder: Path, info: dict[str, Any]) -> Callable[[], dict[str, Any] | None]:
         """Write (or with async_save, stage) this rank's shards of the checkpoint `folder`; returns the seal, which
@@ -84,11 +94,14 @@ class ShardedWriter:
         staging.mkdir(parents=True, exist_ok=True)
         files = small_files(run)
         state = sharded_state(run)
+        if self.async_save:
+            state["model"] = _buffers_copied(state["model"], run.task)
         single, writer = run.strategy.world_size == 1, FileSystemWriter(staging)
         if self.async_save:
-            pending = dcp.async_save(
+            response = dcp.async_save(
                 state, storage_writer=writer, process_group=self.group, async_stager=self.stager, no_dist=single
             )
+            self.staging, pending = response.staging_completion, response.upload_completion
         else:
             try:
                 pending = dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=single)
@@ -143,6 +156,19 @@ class ShardedWriter:
         reports: list[Any] | None = [None] * ranks if rank == 0 else None
         torch.distributed.gather_object(report, reports, dst=0, group=self.group)
         return reports or []
+
+
+def _buffers_copied(model: dict[str, Any], task: torch.nn.Module) -> dict[str, Any]:
+    # a buffer of the state (by its storage) copied now: the forward before the next optimizer step may change it
+    buffers = {buffer.data_ptr() for buffer in task.buffers() if buffer.numel()}
+    return {
+        name: value.clone() if isinstance(value, torch.Tensor) and _local(value).data_ptr() in buffers else value
+        for name, value in model.items()
+    }
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def _own(error: BaseException, rank: int, folder: Path) -> BaseException:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import pickle
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from runner.ckpt.dcp import open_checkpoint
 from runner.ckpt.files import CheckpointError, checkpoints, manifest_checksum, newest_valid, read_manifest, verify
 from runner.ckpt.weights import read_weights
 from runner.distributed.strategies import Single
+from runner.run import Callback, Run
 from runner.train import train
 
 DIGITS = ("+experiment=digits", "trainer.max_duration=12st", "trainer.val_interval=4st", "logger=jsonl")
@@ -128,3 +130,42 @@ def test_an_unknown_format_or_option_is_a_config_error(tmp_path: Path) -> None:
         Checkpoint(str(tmp_path), format="torch")
     with pytest.raises(ConfigError, match="no option asynch"):
         Checkpoint(str(tmp_path), asynch=True)
+
+
+class _KeepAt(Callback):
+    """The task's state dict (weights and buffers) as it is at the end of step `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.state = step, {}
+
+    def on_step_end(self, run: Run) -> None:
+        if run.progress.step == self.step:
+            self.state = {k: v.detach().clone() for k, v in run.task.state_dict().items()}
+
+
+def test_an_async_save_holds_its_own_step_while_the_next_steps_train(
+    compose_cfg: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the background copy slowed past the next steps' forward and backward: the optimizer step waits for it, and the
+    # buffers that the forward changes (the SAE's firing counts) were copied at the save
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage = DefaultStager._stage
+
+    def slow(self: DefaultStager, state: dict, **kwargs: object) -> dict:
+        time.sleep(0.5)
+        return stage(self, state, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", slow)
+    overrides = ["+experiment=sae", "trainer.max_duration=8st", "trainer.val_interval=8st", "data.batch_size=256"]
+    overrides += ["data.splits.n_val=256", "model.dead_window=2st", "checkpoint.format=dcp", "checkpoint.async=true"]
+    overrides += ["checkpoint.interval=4st", "checkpoint.keep_last=5", "callbacks=none", "logger=none"]
+    kept = _KeepAt(4)
+    run = train(compose_cfg(*overrides, run_dir=tmp_path / "run"), extra_callbacks=[kept])
+    saved = read_weights(tmp_path / "run" / "checkpoints" / "step-00000004")
+    assert saved.keys() == kept.state.keys() and "since_fired" in "".join(saved)
+    assert all(torch.equal(saved[k], kept.state[k]) for k in saved), [
+        k for k in saved if not torch.equal(saved[k], kept.state[k])
+    ]
+    final = {k: v for k, v in run.task.state_dict().items()}
+    assert any(not torch.equal(final[k], kept.state[k]) for k in saved)  # the steps after the save did change them
