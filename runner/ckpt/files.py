@@ -166,11 +166,14 @@ def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
 
 def digest(path: Path) -> dict[str, Any]:
     """A file's manifest entry: its size and sha256 (read in chunks, not loaded)."""
-    sha256, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            sha256.update(chunk)
-            size += len(chunk)
+    # one 1 MiB buffer read into again and again: a fresh chunk a read would take twice its size at the turn (the old
+    # one still held), in the arena of whichever thread hashes (a checkpoint writer's, beside the training's memory)
+    sha256, size, buffer = hashlib.sha256(), 0, bytearray(1 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            sha256.update(view[:count])
+            size += count
     return {"bytes": size, "sha256": sha256.hexdigest()}
 
 
