@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import random
 import sys
@@ -18,6 +19,7 @@ from torch import nn
 
 from runner import ConfigError
 from runner.callbacks.time_limit import TimeLimit
+from runner.ckpt.sliced import built
 from runner.ckpt.weights import load_weights
 from runner.config.checks import check_config
 from runner.config.monitors import check_monitored_metrics, check_monitors, validation_metrics
@@ -166,17 +168,16 @@ def _build(cfg: DictConfig) -> Run:
     with phase("data"):
         data = instantiate(cfg.data)
         train_loader, val_loader, epoch = _loaders(cfg, data, dist)
-    trainer = cfg.trainer
-    if trainer.max_nonfinite_steps < 1:
+    if (trainer := cfg.trainer).max_nonfinite_steps < 1:
         raise ConfigError(f"trainer.max_nonfinite_steps must be >= 1, got {trainer.max_nonfinite_steps}")
     with phase("model"):
         task = _task(cfg, data, dist)
-    if not hasattr(task, "validation_step"):
-        val_loader = None  # validation_step is optional: a task without one is never validated
+    val_loader = val_loader if hasattr(task, "validation_step") else None  # a task without one is never validated
     precision = instantiate(cfg.precision, device=dist.device)
     precision.cast(task)  # before anything runs or wraps the model: bf16_true stores its parameters in bf16
+    empty = any(p.is_meta for p in task.parameters())  # built empty, FSDP's wrap reads them: checked after it
     with phase("validation check"):  # one validation batch: which metrics validation gives, for the monitors
-        metric_names = validation_metrics(task, val_loader, precision, dist.device)
+        metric_names = set() if empty else validation_metrics(task, val_loader, precision, dist.device)
     # Activation checkpointing before DDP/FSDP wrap the units, compile after (runner/compile.py says why); both in
     # place, so the state-dict keys stay the eager model's.
     recomputed = instantiate(cfg.activation_checkpointing).apply(task) if _on(cfg, "activation_checkpointing") else None
@@ -185,6 +186,8 @@ def _build(cfg: DictConfig) -> Run:
     # After init_from: DDP and FSDP start every rank from rank 0's weights. Before the optimizer: FSDP replaces the
     # parameters with shards, which the optimizer must hold.
     forward = dist.wrap(task)
+    if empty:  # without gradients: an FSDP forward that no backward follows would leave them unreduced
+        metric_names = torch.no_grad()(validation_metrics)(task, val_loader, precision, dist.device)
     compiled = instantiate(cfg.compile).apply(task) if _on(cfg, "compile") else None
     with phase("optimizer"):
         optimizer = _optimizer(
@@ -231,11 +234,15 @@ def _loaders(cfg: DictConfig, data: Any, dist: Any) -> tuple[Any, Any, int | Non
 
 def _task(cfg: DictConfig, data: Any, dist: Any) -> nn.Module:
     """The model on this rank's device: shaped by its data, started from init_from's weights, adapted to fine-tune."""
-    task = instantiate(cfg.model, **decided_by_data(cfg.model, data, dist)).to(dist.device)
-    if cfg.get("init_from"):  # FSDP reads each rank's slices once it has sharded; an adapter wraps weights read now
-        load = load_weights if _on(cfg, "finetune") else getattr(dist, "init_from", load_weights)  # one's own: whole
-        load(task, cfg.init_from, strict=cfg.get("init_strict", True), say=dist.is_main)
-    return instantiate(cfg.finetune).apply(task) if _on(cfg, "finetune") else task  # adapts init_from's weights
+    make = functools.partial(instantiate, cfg.model, **decided_by_data(cfg.model, data, dist))
+    path, strict, finetune = cfg.get("init_from"), cfg.get("init_strict", True), _on(cfg, "finetune")
+    # an init that the file overwrites draws nothing from the run's random streams; FSDP's gets no storage (sliced)
+    empty = not finetune and getattr(dist, "empty_init", lambda strict: False)(strict)
+    task = built(make, dist.device, empty) if path and strict else make().to(dist.device)
+    if path:  # FSDP reads each rank's slices once it has sharded; an adapter wraps weights read now
+        load = load_weights if finetune else getattr(dist, "init_from", load_weights)  # one's own: whole
+        load(task, path, strict=strict, say=dist.is_main)
+    return instantiate(cfg.finetune).apply(task) if finetune else task  # adapts init_from's weights
 
 
 def _progress(trainer: DictConfig, data: Any, train_loader: Any, epoch: int | None, world: int) -> TrainingProgress:

@@ -7,18 +7,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from runner import ConfigError
 from runner.build import build_data, decided_by_data, user_errors
-from runner.ckpt.sliced import load_sliced
+from runner.ckpt.sliced import built, load_sliced
 from runner.ckpt.weights import load_weights
 from runner.config import trust
 from runner.config.checks import check_keys, check_types
@@ -34,10 +36,14 @@ PROJECT = "runner.yaml"
 _SHARD: contextvars.ContextVar[Callable[[nn.Module], Any] | None] = contextvars.ContextVar("shard", default=None)
 
 
+CPU = torch.device("cpu")  # where load_trained builds a model (a sharded one: its buffers; shard moves them)
+
+
 @contextlib.contextmanager
 def sharded_loads(shard: Callable[[nn.Module], Any]) -> Iterator[None]:
-    """Inside it, load_trained shards each model it builds with `shard` (FSDP2's fully_shard: collective) before
-    reading its weights, and each rank reads only the slices of them its shards hold (runner.ckpt.sliced)."""
+    """Inside it, load_trained builds each model with its parameters on the meta device, shards it with `shard`
+    (FSDP2's fully_shard, then runner.ckpt.sliced.materialize: collective) and each rank reads only the slices of the
+    weights its shards hold (runner.ckpt.sliced)."""
     token = _SHARD.set(shard)
     try:
         yield
@@ -198,17 +204,18 @@ def load_trained(
         check_types(source)
     except ConfigError as error:
         raise ConfigError(f"{config} cannot be rebuilt: {error}") from None
-    # A key the data decided (an SAE's d_in) is null in the saved config: the data decides it again
-    decided = decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
-    with user_errors():
-        model = instantiate(source.model, **decided)
     shard = _SHARD.get()
-    if shard is not None:
-        shard(model)
-    try:
-        (load_weights if shard is None else load_sliced)(model, weights, strict=True, what=what)
-    except ConfigError as error:  # a truncated file or weights of another architecture
-        raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
+    with torch.random.fork_rng(devices=[]):  # its data and init, overwritten, draw nothing from the caller's streams
+        # A key the data decided (an SAE's d_in) is null in the saved config: the data decides it again
+        decided = decided_by_data(source.model, build_data(source)) if _has_null(source.model) else {}
+        with user_errors():  # sharded: its parameters on the meta device, until `shard` gives each rank its shards
+            model = built(functools.partial(instantiate, source.model, **decided), CPU, empty=shard is not None)
+        if shard is not None:
+            shard(model)
+        try:
+            (load_weights if shard is None else load_sliced)(model, weights, strict=True, what=what)
+        except ConfigError as error:  # a truncated file or weights of another architecture
+            raise ConfigError(f"cannot load {weights} into the model of {config}: {error}") from None
     return model.eval().requires_grad_(False), source
 
 

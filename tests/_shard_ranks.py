@@ -1,19 +1,22 @@
 """Run under torchrun with 2 or 4 gloo ranks (tests/e2e/test_sharded_source.py): a source model sharded over the ranks
 (source.shard=fsdp) gives the activations and the spliced losses of the whole model, each rank holding 1/world of its
-parameters and reading only its slices of the weights file; an FSDP init_from reads its slices the same way. argv[1]:
-the finished GPT run. Exits non-zero on the first broken expectation."""
+parameters and reading only its slices of the weights file; an FSDP init_from, its task's parameters built on the
+meta device, reads its slices the same way. argv[1]: the finished GPT run. Exits non-zero on the first broken
+expectation."""
 
-import copy
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 
 from experiments.sae.sources.sharded import source_parameters
 from experiments.sae.sources.source import SourceModel
 from runner.ckpt import sliced
+from runner.ckpt.sliced import built
 from runner.distributed.fsdp import FSDP
+from runner.rundir import read_run_config
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,16 +71,23 @@ for batch in list(sharded.data.val_loader())[:3]:
 halve = ("blocks.1", lambda out: out * 0.5)
 got, want = sharded.compare({"clean": None, "halved": halve}), whole.compare({"clean": None, "halved": halve})
 assert got == want, (rank, got, want)
-# an FSDP init_from: the model (weights changed) sharded by the strategy's wrap, then each rank reads its slices
-task, read[0] = copy.deepcopy(whole.model).requires_grad_(True), 0
-for param in task.parameters():
-    param.data.zero_()
-strategy = FSDP(device="cpu")
+# an FSDP init_from: the task built with its parameters on the meta device, sharded by the strategy's wrap, given
+# storage for its shards, then each rank reads its slices
+strategy, read[0] = FSDP(device="cpu"), 0
+assert strategy.empty_init(strict=True) and not strategy.empty_init(strict=False)
+config = read_run_config(Path(sys.argv[1]))
+task = built(lambda: instantiate(config.model), torch.device("cpu"), empty=True)
+assert all(p.is_meta for p in task.parameters()) and torch.equal(task.rope, whole.model.rope)
 strategy.init_from(task, str(Path(sys.argv[1]) / "model.safetensors"), say=False)
 assert read[0] == 0  # nothing read before the model is sharded
 strategy.wrap(task)
 assert 0 < read[0] <= file_bytes / world + 4096, (rank, read[0], file_bytes)
+assert task.head.weight is task.embed.weight  # tied: one sharded Parameter
 for name, tensor in task.state_dict().items():
     assert torch.equal(tensor.full_tensor(), whole.model.state_dict()[name]), (rank, name)
+assert torch.equal(task.rope, whole.model.rope)  # the constructor's, on every rank (not in the file)
+with torch.no_grad():  # and it computes what the whole model does
+    batch = next(iter(whole.data.val_loader()))
+    assert torch.equal(task.validation_step(batch)["loss"], whole.model.validation_step(batch)["loss"]), rank
 print(f"rank {rank}: ok")
 dist.destroy_process_group()

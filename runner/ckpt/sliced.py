@@ -2,20 +2,28 @@
 model), each rank reading from the safetensors file only the rows its own shards hold (safe_open's slices). Nothing
 is read whole on every rank but the tensors that are not sharded (buffers, a model of one rank). One rank checks the
 file against its sha256 (its checkpoint's manifest or its record), in chunks, and tells the others: the ranks
-together read the file once, plus one rank's check. A distributed checkpoint's weights are still read whole on each
-rank (runner.ckpt.dcp.full_weights), then sliced."""
+together read the file once, plus one rank's check. A distributed checkpoint's are read by DCP's own load, each rank
+reading the chunks of its files that its shards overlap.
+
+Such a model is built with its parameters on the meta device (`built`: no storage, no random init), sharded, and only
+then given storage for its own shards (`materialize`): no rank initialises or reads a whole parameter. Its buffers are
+built as usual (a rotary table or a causal mask is computed by the constructor and is in no file)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from runner import rundir
-from runner.ckpt.files import DCP, FILES, CheckpointError, _matches, bare_names, digest, read_manifest
-from runner.ckpt.weights import check_record, fitting, read_weights, said, unreadable
+from runner.ckpt.files import DCP, FILES, CheckpointError, _matches, bare_names, digest, read_manifest, verify
+from runner.ckpt.weights import check_record, fitting, said, unreadable
 
 
 def load_sliced(
@@ -28,8 +36,8 @@ def load_sliced(
     own = bare_names(model.state_dict(keep_vars=True))
     if (folder / "manifest.json").is_file() and name in FILES:  # a checkpoint folder, or its weights file
         manifest = _once(lambda: read_manifest(folder))
-        if manifest.get("format") == DCP:  # its shards hold other slices than this world's: read whole, then sliced
-            return _copy(own, _Whole(read_weights(folder)), path, (strict, what, say))
+        if manifest.get("format") == DCP:  # its shards are another world's: DCP reads the chunks this rank's overlap
+            return _distributed(own, folder, path, (strict, what, say))
         _once(lambda: _matches(folder, name, manifest["files"][name], **_digest(folder / name)))
         file = folder / name
     else:
@@ -43,13 +51,74 @@ def load_sliced(
         return _copy(own, weights, path, (strict, what, say))
 
 
+def built(make: Callable[[], nn.Module], device: torch.device, empty: bool = False) -> nn.Module:
+    """A model whose weights are all read from a file next: built without moving the caller's random streams (its
+    init is overwritten), on `device`; with `empty`, its parameters on the meta device and its buffers on `device`."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if empty:
+            try:
+                with _parameters_on_meta():
+                    model = make()
+            except Exception:  # a constructor that reads its parameters' values (.item()) builds only with storage
+                empty = False
+        if not empty:
+            return make().to(device)
+    with torch.no_grad():  # buffers are set through the module, which keeps their persistence
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
+    return model
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    # every parameter a module registers goes to the meta device; a parameter met again (a tied head and embedding)
+    # is the one meta Parameter already registered, kept as it is: the tie stays one object
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            moved = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            moved.__dict__.update(param.__dict__)
+            module._parameters[name] = moved
+
+    nn.Module.register_parameter = on_meta
+    try:
+        with _Unfilled():
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+# In-place writes of values (nn.init's fills) that a tensor on the meta device has no values for
+_FILLS = {"normal_", "uniform_", "fill_", "zero_", "copy_", "erfinv_", "mul_", "add_", "div_", "clamp_", "exponential_"}
+
+
+class _Unfilled(TorchFunctionMode):
+    # nn.init's fills of a meta parameter skipped, not dispatched: some (normal_) would load torch's Python meta
+    # kernels and sympy, ~120 MB of host memory for a process that never needed them, and change nothing
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        target = args[0] if args else (kwargs or {}).get("tensor")  # nn.init's functions name theirs
+        if getattr(func, "__name__", None) in _FILLS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **(kwargs or {}))
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give storage on `device` to the parameters of `model` still on the meta device (after sharding: each rank's
+    shards only), uninitialised: the weights read next fill them. Each stays the same Parameter, ties included."""
+    with torch.no_grad():
+        for param in model.parameters():  # a tied parameter once
+            if param.is_meta:
+                empty = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                torch.utils.swap_tensors(param, empty)
+
+
 def _copy(own: dict[str, torch.Tensor], weights: Any, path: Path, how: tuple[bool, str, bool]) -> dict[str, list]:
     # the weights that fit, each rank's slices of them copied into its shards; the report, as load_weights gives it
     strict, what, say = how
-    found = {
-        k: tuple(weights[k].shape if isinstance(weights, dict) else weights.get_slice(k).get_shape())
-        for k in weights.keys()
-    }  # noqa: SIM118 - safe_open is not a dict
+    found = {k: tuple(weights.get_slice(k).get_shape()) for k in weights.keys()}  # noqa: SIM118 - not a dict
     usable, report = fitting({k: tuple(v.shape) for k, v in own.items()}, found, path, strict, what)
     with torch.no_grad():
         for key in usable:
@@ -71,13 +140,29 @@ def _read_into(target: torch.Tensor, weights: Any, key: str) -> None:
         local.copy_(weights.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
 
 
-class _Whole(dict):
-    # weights already read whole, with safe_open's two readers: a tensor indexes by slices as its get_slice does
-    def get_tensor(self, key: str) -> torch.Tensor:
-        return self[key]
+def _distributed(
+    own: dict[str, torch.Tensor], folder: Path, path: Path, how: tuple[bool, str, bool]
+) -> dict[str, list]:
+    # a distributed checkpoint's model, read by DCP's own load in place into each rank's shards (a DTensor takes only
+    # the chunks of the files that its local shard overlaps), checked by one rank; the report, as load_weights gives it
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    def get_slice(self, key: str) -> torch.Tensor:
-        return self[key]
+    from runner.ckpt.dcp import safe_planner, safe_reader
+
+    strict, what, say = how
+    _once(lambda: verify(folder))  # every file of it against its sha256
+    metadata = safe_reader(folder).read_metadata().state_dict_metadata
+    tensors = {k: v for k, v in metadata.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    saved = {k.removeprefix("model."): v.size for k, v in tensors.items()}
+    names = bare_names({name: name for name in saved})  # the bare model's name -> the name it is saved under
+    found = {bare: tuple(saved[name]) for bare, name in names.items()}
+    usable, report = fitting({k: tuple(v.shape) for k, v in own.items()}, found, path, strict, what)
+    several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    with torch.no_grad():
+        target = {"model": {names[key]: own[key] for key in usable}}
+        dcp.load(target, storage_reader=safe_reader(folder), planner=safe_planner(), no_dist=not several)
+    return said(usable, len(own), path, what, say, report)
 
 
 def _digest(file: Path, given: Path | None = None) -> dict[str, Any]:

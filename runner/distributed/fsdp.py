@@ -45,16 +45,22 @@ class FSDP(DDP):
         self.strategy = f"fsdp ({mode})" if self.replicate == 1 else f"hsdp ({shards}, {mode})"
         self.pending: tuple[str, bool, bool] | None = None  # init_from, read once wrap has sharded the task
 
-    def _is_unit(self, module: nn.Module) -> bool:
-        if self.units:
-            return type(module).__name__ in self.units
-        return any(True for _ in module.parameters(recurse=False))
+    def _is_unit(self, module: nn.Module, tied: set[int]) -> bool:
+        own = list(module.parameters(recurse=False))
+        if any(id(p) in tied for p in own):  # a unit of its own would shard one copy of a tie apart from the other
+            return False
+        return type(module).__name__ in self.units if self.units else bool(own)
 
     def init_from(self, task: nn.Module, path: str, strict: bool = True, say: bool = True) -> None:
         """Load init_from's weights once wrap has sharded the task, each rank reading only its shards' slices."""
         if self.world_size == 1:
             return super().init_from(task, path, strict, say)
         self.pending = (path, strict, say)
+
+    def empty_init(self, strict: bool = True) -> bool:
+        """Whether the task is built with its parameters on the meta device: init_from reads every one of them
+        (`strict`) into the shards, and no rank need build them whole."""
+        return strict and self.world_size > 1
 
     def wrap(self, task: nn.Module) -> Callable[[Any], dict[str, torch.Tensor]]:
         """Shard the task in place (before the optimizer is built: its parameters become DTensor shards); training_step
@@ -72,7 +78,8 @@ class FSDP(DDP):
                 if not param.is_contiguous():  # fully_shard refuses strided parameters (a transposed clone, say)
                     param.data = param.data.contiguous()
             for tensor in task.state_dict().values():  # every rank starts from rank 0's weights, as under DDP
-                torch.distributed.broadcast(tensor, src=0)
+                if not tensor.is_meta:  # a parameter without storage is read from init_from's file, below
+                    torch.distributed.broadcast(tensor, src=0)
         # HSDP: shard within a group of world/replicate ranks (a node), replicate across the groups; FSDP2 reduces
         # gradients over both dimensions, and a DTensor's reductions (norms, full_tensor) know the mesh
         if self.replicate > 1:
@@ -82,13 +89,15 @@ class FSDP(DDP):
             mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Bottom-up (reversed pre-order: children first), as fully_shard requires: a unit's group leaves out the
         # parameters of the units inside it.
+        tied = _tied(task)  # a parameter two modules hold (a GPT's head and embedding) stays with the root
         for module in reversed(list(task.modules())):
-            if module is not task and self._is_unit(module):
+            if module is not task and self._is_unit(module, tied):
                 fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(task, mesh=mesh)  # the root keeps its own parameters gathered until backward needs them
         if self.pending is not None:  # every rank read the same weights: rank 0's broadcast init is overwritten
-            from runner.ckpt.sliced import load_sliced
+            from runner.ckpt.sliced import load_sliced, materialize
 
+            materialize(task, self.device)  # a task built empty (empty_init) gets storage for its own shards only
             path, strict, say = self.pending
             load_sliced(task, path, strict=strict, say=say)
         # The loop calls these methods, not forward(): FSDP must run its pre-forward (gather) and post-forward hooks
@@ -148,6 +157,14 @@ def _replicas(replicate: int | str, world_size: int, local_world_size: int) -> i
             f"{world_size} ranks (auto: one per node, {world_size} // {local_world_size} ranks per node)"
         )
     return count
+
+
+def _tied(model: nn.Module) -> set[int]:
+    # the ids of the parameters that more than one module holds
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

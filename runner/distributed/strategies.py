@@ -40,6 +40,10 @@ class Single:
 
         load_weights(task, path, strict=strict, say=say)
 
+    def empty_init(self, strict: bool = True) -> bool:
+        """Whether a task whose weights init_from reads is built with its parameters on the meta device (FSDP)."""
+        return False
+
     def wrap(self, task: nn.Module) -> Callable[[Any], dict[str, torch.Tensor]]:
         """The training forward: one process calls training_step directly."""
         return task.training_step

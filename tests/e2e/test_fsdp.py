@@ -75,9 +75,29 @@ def resumed_in_one_process(root: Path, fsdp: Future) -> Path:
     return single(root, "resumed_one", *args)
 
 
+def initialised(root: Path, name: str, weights: Callable[[], Path], *overrides: str) -> Path:
+    """10 steps from `weights` (init_from: a run's model.safetensors or an FSDP run's distributed checkpoint), in one
+    process or on 2 FSDP ranks."""
+    init = [*DIGITS_DDP, "trainer.max_duration=10st", "checkpoint=none", f"init_from={weights()}"]
+    return (two_ranks if "distributed=fsdp" in overrides else single)(root, name, *init, *overrides)
+
+
+def step_20(fsdp: Future) -> Path:
+    """The FSDP run's step-20 checkpoint: each rank's shards, DCP's files."""
+    (run_dir,) = fsdp.result()["run_dir"]
+    return run_dir / "checkpoints" / "step-00000020"
+
+
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
-    """The module's runs (helpers.module_runs); the resumes wait for the FSDP run."""
+    """The module's runs (helpers.module_runs); the resumes wait for the FSDP run, init_from for the one-process run."""
     clipped_fsdp = [*CLIPPED, "distributed=fsdp", "data.batch_size=8", "trainer.accumulate_grad_batches=2"]
+
+    def final() -> Path:
+        return runs["one"].result() / "model.safetensors"
+
+    def dcp() -> Path:
+        return step_20(runs["fsdp"])
+
     return {
         "fsdp": lambda: fsdp_run(root),
         "clipped_fsdp": lambda: two_ranks(root, "clipped_fsdp", *clipped_fsdp),
@@ -85,6 +105,10 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "clipped_one": lambda: single(root, "clipped_one", *CLIPPED, "data.batch_size=32"),
         "resumed": lambda: resumed_under_fsdp(root, runs["fsdp"]),
         "resumed_one": lambda: resumed_in_one_process(root, runs["fsdp"]),
+        "init_fsdp": lambda: initialised(root, "init_fsdp", final, "distributed=fsdp", "data.batch_size=16"),
+        "init_one": lambda: initialised(root, "init_one", final, "data.batch_size=32"),
+        "dcp_fsdp": lambda: initialised(root, "dcp_fsdp", dcp, "distributed=fsdp", "data.batch_size=16"),
+        "dcp_one": lambda: initialised(root, "dcp_one", dcp, "data.batch_size=32"),
     }
 
 
@@ -130,3 +154,20 @@ def test_an_fsdp_checkpoint_resumes_in_one_process(runs: dict[str, Future]) -> N
     # the same global batch continues the FSDP run from step 20 to the same weights (rounding aside: see ATOL).
     (run_dir,) = runs["fsdp"].result()["run_dir"]
     assert_close_weights(runs["resumed_one"].result(), run_dir, atol=ATOL)
+
+
+def test_an_fsdp_init_from_built_without_storage_trains_as_one_process(runs: dict[str, Future]) -> None:
+    # each rank builds the task's parameters on the meta device and reads only its shards' slices of the file
+    # (tests/unit/test_meta_build.py): the same start, hence the same training, as one process reading it whole
+    fsdp, one = runs["init_fsdp"].result(), runs["init_one"].result()
+    assert "init_from: loaded" in (fsdp / "runner.log").read_text()
+    assert_close_weights(fsdp, one, atol=ATOL)
+    val, val_one = ([r["val/loss"] for r in metric_rows(d) if "val/loss" in r] for d in (fsdp, one))
+    assert len(val) == 1 and val == pytest.approx(val_one, abs=1e-5)
+
+
+def test_an_fsdp_init_from_a_distributed_checkpoint_trains_as_one_process(runs: dict[str, Future]) -> None:
+    # the 2 ranks read the checkpoint's model through DCP's own load, each into its shards (one process: whole)
+    fsdp, one = runs["dcp_fsdp"].result(), runs["dcp_one"].result()
+    assert "init_from: loaded" in (fsdp / "runner.log").read_text()
+    assert_close_weights(fsdp, one, atol=ATOL)

@@ -29,8 +29,8 @@ from runner.ckpt.files import checkpoints
 
 # 20 SGD steps of a global batch of 32 (inside the first epoch), clipped at every step: a norm computed over one mesh
 # dimension only would scale each rank's step differently and show in the weights. A checkpoint every 10, all kept.
-STEPS = [*DIGITS_DDP, "optimizer=sgd", "trainer.gradient_clip_val=0.05", "trainer.max_duration=20st"]
-STEPS += ["checkpoint.interval=10st", "checkpoint.keep_last=10"]
+TRAINED = [*DIGITS_DDP, "optimizer=sgd", "trainer.gradient_clip_val=0.05", "trainer.max_duration=20st"]
+STEPS = [*TRAINED, "checkpoint.interval=10st", "checkpoint.keep_last=10"]
 HSDP = ["distributed=hsdp", "distributed.replicate=2", "data.batch_size=8"]
 FSDP4 = ["distributed=fsdp", "data.batch_size=8"]
 GATHERED = ["+callbacks.gathered._target_=_hsdp_ranks.GatheredWeights"]  # RUN_DIR/gathered.safetensors
@@ -62,9 +62,15 @@ def step_10(run: Future) -> str:
     return f"resume={checkpoints(run.result() / 'checkpoints')[-1]}"
 
 
+def init_from(one: Future) -> list[str]:
+    """init_from the one-process run's final weights: every rank builds the task empty and reads its own block."""
+    return ["checkpoint=none", f"init_from={one.result() / 'model.safetensors'}"]
+
+
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     """The module's runs (helpers.module_runs); the resumes wait for the runs they resume."""
     fsdp2 = [*DIGITS_DDP, "distributed=fsdp", "data.batch_size=16", "trainer.max_duration=10st", *GATHERED]
+    still = [*DIGITS_DDP, "optimizer=sgd", "optimizer.lr=0.0", "trainer.max_duration=2st", *HSDP]  # weights kept
     return {
         "hsdp": lambda: ranks(root, "hsdp", 4, *STEPS, *HSDP, *GATHERED),
         "fsdp4": lambda: ranks(root, "fsdp4", 4, *STEPS, *FSDP4),
@@ -76,6 +82,9 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "fsdp_to_hsdp": lambda: ranks(root, "fsdp_to_hsdp", 4, *STEPS, *HSDP, CHANGED, step_10(runs["fsdp4"])),
         "hsdp_to_fsdp": lambda: ranks(root, "hsdp_to_fsdp", 4, *STEPS, *FSDP4, CHANGED, step_10(runs["hsdp"])),
         "hsdp_to_one": lambda: single(root, "hsdp_to_one", CHANGED, step_10(runs["hsdp"])),
+        "hsdp_init": lambda: ranks(root, "hsdp_init", 4, *TRAINED, *HSDP, *init_from(runs["one"])),
+        "fsdp4_init": lambda: ranks(root, "fsdp4_init", 4, *TRAINED, *FSDP4, *init_from(runs["one"])),
+        "hsdp_still": lambda: ranks(root, "hsdp_still", 4, *still, *init_from(runs["one"])),
     }
 
 
@@ -116,3 +125,16 @@ def test_streamed_final_weights_are_the_bytes_of_the_gathered_file(runs: dict[st
         assert streamed == (run_dir / "gathered.safetensors").read_bytes(), name
         assert (run_dir / "model.safetensors.sha256").read_text().split()[1] == "model.safetensors"
     assert weights(runs["fsdp2"].result()).keys() == weights(runs["one"].result()).keys()
+
+
+def test_an_hsdp_init_from_reads_the_file_s_weights_and_trains_as_fsdp(runs: dict[str, Future]) -> None:
+    # each rank of the 2 x 2 mesh builds the task's parameters on the meta device and reads only its block of the
+    # file: unchanged by steps of lr 0, the weights are the file's exactly; trained, they follow 4-rank FSDP's
+    file = weights(runs["one"].result())
+    still = weights(runs["hsdp_still"].result())
+    assert still.keys() == file.keys() and all(still[k].equal(file[k]) for k in file)
+    hsdp, fsdp4 = runs["hsdp_init"].result(), runs["fsdp4_init"].result()
+    assert "hsdp (2 replicas x 2 shards, full shard)" in (hsdp / "runner.log").read_text()
+    for key in ("train/grad_norm", "train/loss"):
+        assert column(hsdp, key) == pytest.approx(column(fsdp4, key), rel=1e-5), key
+    assert_close_weights(hsdp, fsdp4, atol=ATOL)

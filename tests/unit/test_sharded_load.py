@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runner.ckpt import sliced
-from runner.ckpt.files import CheckpointError
+from runner.ckpt.files import CheckpointError, read_manifest
 from runner.ckpt.weights import save_weights
 
 
@@ -134,13 +134,44 @@ def test_weights_of_another_shape_are_refused_as_load_weights_refuses_them(
         sliced.load_sliced(model, tmp_path / "w.safetensors")
 
 
-def test_weights_read_whole_are_sliced_the_same(rank: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    # a distributed checkpoint given as init_from is read whole (its shards are another world's), then sliced
+def _distributed_checkpoint(state: dict[str, torch.Tensor], folder: Path) -> Path:
+    # a sealed checkpoint.format=dcp folder of one process holding `state` as its model (no optimizer state)
+    import hashlib
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from runner.ckpt.files import manifest_checksum
+
+    dcp.save({"model": state}, checkpoint_id=folder, no_dist=True)
+    for name in ("shared.pt", "rank-0.pt"):
+        torch.save({}, folder / name)
+    files = {
+        f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+        for f in folder.iterdir()
+    }
+    manifest = {"format": "dcp", "world_size": 1, "step": 1, "files": files}
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "manifest_sha256": manifest_checksum(manifest)}))
+    return folder
+
+
+def test_a_distributed_checkpoint_is_read_by_dcp_into_the_shards_never_whole(
+    rank: tuple[int, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DCP's load plans each rank's reads from its shards' own chunks (the fake group cannot coordinate: no_dist)
+    import torch.distributed.checkpoint as dcp
+
     torch.manual_seed(1)
     weights = {k: torch.randn_like(v) if v.is_floating_point() else v + 1 for k, v in _model().state_dict().items()}
-    model = _sharded(rank, monkeypatch)
-    own = model.state_dict(keep_vars=True)
-    sliced._copy(own, sliced._Whole(weights), Path("ckpt"), (True, "init_from", False))
+    folder = _distributed_checkpoint(weights, tmp_path / "step-1")
+    model = _sharded(rank, monkeypatch, ("ok", read_manifest(folder)))  # what rank 0 read, for rank 1
+    load, targets = dcp.load, []
+    monkeypatch.setattr(dcp, "load", lambda state, **k: targets.append(state) or load(state, **{**k, "no_dist": True}))
+    monkeypatch.setattr(sliced, "safe_open", lambda *a, **k: pytest.fail("a distributed checkpoint read as a file"))
+    report = sliced.load_sliced(model, folder, say=False)
+    assert report == {"missing": [], "unexpected": [], "shape_mismatch": []}
+    sharded = [name for name, tensor in model.state_dict().items() if hasattr(tensor, "to_local")]
+    assert [name for name, t in targets[0]["model"].items() if hasattr(t, "to_local")] == sharded  # into the shards
     for name, tensor in model.state_dict().items():
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         rows = weights[name].chunk(rank[1])[rank[0]] if hasattr(tensor, "to_local") else weights[name]

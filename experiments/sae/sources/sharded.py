@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from experiments.sae.sources import pretrained
+from runner.ckpt.sliced import materialize
 
 
 def sharded(source: Any, shard: str | None) -> tuple[int, int] | None:
@@ -70,6 +71,7 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
         if module is not model and own and all(seen[id(p)] == 1 for p in own):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the root too: no backward will want them
+    materialize(model, device)  # a model built empty (runner.load.sharded_loads) gets storage for its shards only
     if hasattr(model, "validation_step"):  # a runner task's loss is its validation_step, not forward()
         register_fsdp_forward_method(model, "validation_step")
 
