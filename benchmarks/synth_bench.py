@@ -12,8 +12,8 @@ samples (SAELens draws batch i from the seed runner draws it from; the first and
 torch.equal), 1024 latents, k = 12 for TopK, BatchTopK and Matryoshka (Matryoshka's prefixes 64, 256, 1024), a target
 L0 of 12 for JumpReLU (runner's model.target_l0, SAELens's quadratic mode's target_l0), batch 1024, Adam at --lr
 (3e-3, the preset's) with 1% warmup, constant, then a linear decay to 0 over the last 20%, seed 0. ReLU + L1 has no
-L0 target in either tool: each one's L1 coefficient is set so its L0 lands near 12 (--runner-coeff, --saelens-coeff;
-the L0 reached is in the table).
+L0 target in either tool: runner's trains with model=sae_relu's own l1_coeff (0.1, what a user of the preset gets),
+SAELens's with an L1 coefficient of 4.0 (--runner-coeff, --saelens-coeff change them; the L0 reached is in the table).
 
 Not made equal (each tool's own recipe, as its users get it): the initialisation (runner: W_enc = W_dec^T at unit
 norm, fitted encoder scale, b_dec at the geometric median; SAELens: decoder rows at norm 0.1, b_dec 0), input
@@ -26,7 +26,8 @@ and ReLU, and the evaluation data the preset's validation uses (here both are sc
 Quality: both final SAEs go through one scorer, experiments/sae/evals/ground_truth.py's score_sae (SAELens's
 synthetic/evals.py definitions), on the same --eval-samples fresh samples of the world (a stream neither training
 saw): runner's from its run folder, SAELens's from the folder its save_inference_model writes (read by runner's
-SAELens reader, BatchTopK and Matryoshka at their learned thresholds as SAELens saves them). Seconds: each process's
+SAELens reader, BatchTopK and Matryoshka at their learned thresholds as SAELens saves them; a JumpReLU threshold
+SAELens left below 0 is scored at 0, counted in the row's thresholds_raised_to_0). Seconds: each process's
 wall time, launch to exit, generation of the training data included.
 """
 
@@ -61,8 +62,9 @@ RUNNER_MODELS = {
     "relu": ["model=sae_relu", f"model.n_latents={LATENTS}"],
 }
 # sparsity coefficients of the penalised architectures (runner: model.l0_coeff / model.l1_coeff; SAELens:
-# l0_coefficient of its quadratic mode / l1_coefficient), set so that L0 lands near 12 on this protocol
-RUNNER_COEFF = {"jumprelu": 0.05, "relu": 0.3}
+# l0_coefficient of its quadratic mode / l1_coefficient). runner's ReLU keeps its option's l1_coeff: 0.3, which lands
+# at L0 12 after 256 steps, drifts to L0 7 with a fifth of the latents dead by the preset's full length
+RUNNER_COEFF = {"jumprelu": 0.05}
 SAELENS_COEFF = {"jumprelu": 1.0, "relu": 4.0}
 SCORER = "experiments.sae.evals.ground_truth.score_sae"
 
@@ -88,7 +90,7 @@ def runner_command(arch: str, steps: int, lr: float, coeff: dict[str, float], ru
     extra = []
     if arch == "jumprelu":
         extra = [f"model.l0_coeff={coeff['jumprelu']}"]
-    elif arch == "relu":
+    elif arch == "relu" and "relu" in coeff:
         extra = [f"model.l1_coeff={coeff['relu']}"]
     return [
         *(sys.executable, "-m", "runner", "+experiment=synth_sae_bench", *RUNNER_MODELS[arch], *extra),
@@ -138,6 +140,25 @@ def same_batches(folder: Path, settings: dict[str, Any], steps: int) -> bool:
         torch.equal(train.__getitems__(list(range(i * BATCH, (i + 1) * BATCH)))[0], theirs[f"batch_{i}"])
         for i in {0, steps - 1}
     )
+
+
+def readable(folder: Path) -> tuple[Path, int]:
+    """SAELens's saved folder as runner's reader takes it, and how many JumpReLU thresholds had to be raised to 0."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "sae_weights.safetensors"))
+    threshold = weights.get("threshold")
+    below = 0 if threshold is None else int((threshold < 0).sum())
+    if below == 0:
+        return folder, 0
+    # SAELens trains thresholds unclamped and can leave a few a hair below 0 (-1.3e-6 seen), which runner's reader
+    # refuses; at 0 they change only codes smaller than that
+    scored = folder / "scored"
+    shutil.rmtree(scored, ignore_errors=True)
+    scored.mkdir()
+    shutil.copy(folder / "cfg.json", scored / "cfg.json")
+    save_file({**weights, "threshold": threshold.clamp_min(0)}, str(scored / "sae_weights.safetensors"))
+    return scored, below
 
 
 def score(path: Path, source: Any, samples: int) -> dict[str, Any]:
@@ -202,13 +223,16 @@ def main() -> None:
     rows = []
     for arch in args.only:
         for contender in args.contenders:  # one process at a time: one training on the machine
+            raised = 0
             if contender == "runner":
                 path, seconds = run_runner(arch, args, args.out)
                 same = True
             else:
                 path, seconds = run_saelens(arch, args, args.out, settings)
                 same = same_batches(path, settings, args.steps)
+                path, raised = readable(path)
             rows.append({"contender": contender, "arch": arch, "seconds": seconds, "same_batches": same})
+            rows[-1]["thresholds_raised_to_0"] = raised
             rows[-1].update(score(path, source, args.eval_samples))
             print(
                 f"{contender} {arch}: {seconds:.0f} s, F1 {rows[-1]['f1']:.3f}, MCC {rows[-1]['mcc']:.3f}", flush=True

@@ -4,8 +4,13 @@ SAELens's generator and metrics is tests/e2e/test_synth_bench_agreement.py."""
 
 from __future__ import annotations
 
+import importlib.util
+import types
+from pathlib import Path
+
 import pytest
 import torch
+from helpers import ROOT
 
 from experiments.sae.coders.activations import ReLUSAE
 from experiments.sae.evals.ground_truth import Scores, abs_cosines, mcc, score_sae, uniqueness
@@ -175,3 +180,36 @@ def test_the_world_is_one_whatever_the_run_seed_and_never_the_stream_of_the_sae_
     assert abs_cosines(init, worlds[0].features).max() < 0.9
     with pytest.raises(ConfigError, match="world_seed"):
         synth_bench_splits(n_train=10, n_val=0, seed=2029, world_seed=2026, **SMALL)
+
+
+def _bench() -> types.ModuleType:
+    # benchmarks/synth_bench.py, as the script its users run
+    spec = importlib.util.spec_from_file_location("synth_bench", ROOT / "benchmarks" / "synth_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_side_by_side_trains_runner_s_relu_with_its_option_s_own_l1_coefficient(tmp_path: Path) -> None:
+    # runner's ReLU row is what `model=sae_relu` gives a user of the preset, unless a coefficient is asked for
+    bench = _bench()
+    plain = bench.runner_command("relu", 6, 3e-3, bench.RUNNER_COEFF, tmp_path)
+    assert not any(arg.startswith("model.l1_coeff=") for arg in plain)
+    asked = bench.runner_command("relu", 6, 3e-3, {**bench.RUNNER_COEFF, "relu": 0.3}, tmp_path)
+    assert "model.l1_coeff=0.3" in asked
+
+
+def test_saelens_thresholds_a_hair_below_zero_are_scored_at_zero_and_counted(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    bench = _bench()
+    (tmp_path / "cfg.json").write_text("{}")
+    weights = {"W_enc": torch.ones(2, 3), "threshold": torch.tensor([0.5, -1.3e-6, 0.0])}
+    save_file(weights, str(tmp_path / "sae_weights.safetensors"))
+    folder, raised = bench.readable(tmp_path)
+    assert raised == 1 and folder != tmp_path and (folder / "cfg.json").read_text() == "{}"
+    scored = load_file(str(folder / "sae_weights.safetensors"))
+    assert torch.equal(scored["threshold"], torch.tensor([0.5, 0.0, 0.0]))
+    assert torch.equal(scored["W_enc"], weights["W_enc"])
+    save_file({"threshold": torch.tensor([0.5, 0.0])}, str(tmp_path / "sae_weights.safetensors"))
+    assert bench.readable(tmp_path) == (tmp_path, 0)  # nothing to raise: SAELens's own folder, as written
