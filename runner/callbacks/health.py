@@ -14,6 +14,7 @@ import torch
 
 from runner import ConfigError
 from runner.callbacks import needs_every_module
+from runner.distributed.fsdp import local_shard
 from runner.run import Callback, Run
 
 
@@ -63,7 +64,7 @@ class TrainingHealth(Callback):
         if not self.k:
             raise ConfigError(f"callbacks.health.every={self.every}: give it in optimizer steps, e.g. 50st")
         # Under FSDP a parameter is this rank's shard: its norms are the shard's.
-        named = [(n, _local(p)) for n, p in run.task.named_parameters() if p.requires_grad]
+        named = [(n, local_shard(p)) for n, p in run.task.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.holders = run.precision.stepped(self.params)  # where the gradients are: *_true hands them to masters
         modules = dict(run.task.named_modules())
@@ -85,7 +86,7 @@ class TrainingHealth(Callback):
     def on_before_optimizer_step(self, run: Run) -> None:
         """On a measured step: the gradient and weight norms, and the weights before the update."""
         if self._due:
-            grads = [_local(h.grad) if h.grad is not None else torch.zeros_like(h) for h in self.holders]
+            grads = [local_shard(h.grad) if h.grad is not None else torch.zeros_like(h) for h in self.holders]
             self._pending = (torch._foreach_norm(grads), torch._foreach_norm(self.params))
             self._before = [p.detach().clone() for p in self.params]
 
@@ -169,7 +170,3 @@ class TrainingHealth(Callback):
         """Restore state_dict()."""
         self.level, self.seen = dict(state["level"]), state["seen"]
         self.warned = {tuple(w) for w in state["warned"]}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -28,6 +28,7 @@ from runner import ConfigError, rundir
 from runner.ckpt.dcp import PER_RANK, SHARED, sharded_state
 from runner.ckpt.files import DCP, RANK_FILE, digest, write_manifest
 from runner.ckpt.state import training_state
+from runner.distributed.fsdp import local_shard
 from runner.run import Run
 
 
@@ -162,13 +163,9 @@ def _buffers_copied(model: dict[str, Any], task: torch.nn.Module) -> dict[str, A
     # a buffer of the state (by its storage) copied now: the forward before the next optimizer step may change it
     buffers = {buffer.data_ptr() for buffer in task.buffers() if buffer.numel()}
     return {
-        name: value.clone() if isinstance(value, torch.Tensor) and _local(value).data_ptr() in buffers else value
+        name: value.clone() if isinstance(value, torch.Tensor) and local_shard(value).data_ptr() in buffers else value
         for name, value in model.items()
     }
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def _own(error: BaseException, rank: int, folder: Path) -> BaseException:

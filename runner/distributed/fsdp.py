@@ -89,7 +89,7 @@ class FSDP(DDP):
             mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Bottom-up (reversed pre-order: children first), as fully_shard requires: a unit's group leaves out the
         # parameters of the units inside it.
-        tied = _tied(task)  # a parameter two modules hold (a GPT's head and embedding) stays with the root
+        tied = tied_parameters(task)  # a parameter two modules hold (a GPT's head and embedding) stays with the root
         for module in reversed(list(task.modules())):
             if module is not task and self._is_unit(module, tied):
                 fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
@@ -159,12 +159,17 @@ def _replicas(replicate: int | str, world_size: int, local_world_size: int) -> i
     return count
 
 
-def _tied(model: nn.Module) -> set[int]:
-    # the ids of the parameters that more than one module holds
+def tied_parameters(model: nn.Module) -> set[int]:
+    """The ids of the parameters that more than one module of `model` holds (a GPT's head and embedding)."""
     seen: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         seen[id(param)] = seen.get(id(param), 0) + 1
     return {key for key, count in seen.items() if count > 1}
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP's shards), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 
 from experiments.sae.sources import pretrained
 from runner.ckpt.sliced import materialize
+from runner.distributed.fsdp import local_shard, tied_parameters
 
 
 def sharded(source: Any, shard: str | None) -> tuple[int, int] | None:
@@ -63,12 +64,10 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     # a tied parameter (a GPT's head and embedding) must sit in one group: the root's, which holds what no unit takes
-    seen: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        seen[id(param)] = seen.get(id(param), 0) + 1
+    tied = tied_parameters(model)
     for module in reversed(list(model.modules())):  # children first, as fully_shard requires
         own = list(module.parameters(recurse=False))
-        if module is not model and own and all(seen[id(p)] == 1 for p in own):
+        if module is not model and own and not any(id(p) in tied for p in own):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the root too: no backward will want them
     materialize(model, device)  # a model built empty (runner.load.sharded_loads) gets storage for its shards only
@@ -103,5 +102,5 @@ def every_slice(rows: torch.Tensor, world: int) -> torch.Tensor:
 def source_parameters(model: nn.Module) -> dict[str, int]:
     """A sharded model's parameters (counted once, tied ones too) and the elements of them this rank holds."""
     params = list(model.parameters())
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    local = [local_shard(p) for p in params]
     return {"whole": sum(p.numel() for p in params), "on_this_rank": sum(t.numel() for t in local)}
