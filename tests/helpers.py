@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from composition import composed
+from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 from torch import nn
@@ -205,9 +206,7 @@ def compose_job(run_dir: Path, *overrides: str) -> DictConfig:
     """The job config as the CLI would see it, with ${hydra:runtime.output_dir} resolving to `run_dir`. Hydra's
     choices stay available through HydraConfig.get().runtime.choices (the compose_cfg fixture clears them)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name="config", overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True
-        )
+        cfg = composed("config", [*overrides, f"hydra.run.dir={run_dir}"])
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
     HydraConfig.instance().set_config(cfg)

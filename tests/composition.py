@@ -1,0 +1,66 @@
+"""Hydra's composition, shared between the tests' compositions that choose the same options (helpers.compose_job).
+
+Hydra composes in two stages: the overrides that choose config groups' options (`model=sae_relu`, `+experiment=sae`,
+`~logger`) make the defaults list and the merged config, then the overrides of values (`trainer.max_duration=3st`,
+`+model.nope=1`) are applied to it one by one (ConfigLoaderImpl._apply_overrides_to_config), and the hydra node's
+bookkeeping (the overrides lists, cwd, override_dirname) is written last. The first stage is most of a composition's
+~100 ms and the unit tier composes about a thousand times, mostly the same few dozen choices with other values: it is
+done once a process for each choice of options, and each composition takes a copy and runs the second stage with
+Hydra's own functions, in Hydra's order. tests/unit/test_composition.py checks the result equals Hydra's whole
+composition, errors included. Overrides of the hydra node's own values (other than the run folder) and sweeps take
+Hydra's whole path.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+from hydra import compose
+from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.core.utils import JobRuntime
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+_CHOSEN: dict[tuple, DictConfig] = {}  # (options chosen, search path, job name) -> the config Hydra composed
+_OWN = ("hydra.run.dir",)  # hydra-node values the second stage may set: written before the bookkeeping, as Hydra does
+
+
+def composed(config_name: str, overrides: list[str]) -> DictConfig:
+    """Hydra's `compose(config_name, overrides, return_hydra_config=True)` in the initialized GlobalHydra, its
+    option-choosing stage shared with earlier compositions that chose the same options."""
+    loader = GlobalHydra.instance().config_loader()
+    parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    if any(_hydra_value(o) for o in parsed) or any(o.is_sweep_override() for o in parsed):
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    repo = loader.repository  # type: ignore[attr-defined]
+    values = [o for o in parsed if isinstance(o.value(), dict) or not repo.group_exists(o.key_or_group)]
+    choices = [o.input_line for o in parsed if not any(o is v for v in values)]
+    key = (config_name, tuple(choices), tuple(s.path for s in loader.get_sources()), JobRuntime.instance().get("name"))
+    if key not in _CHOSEN:
+        _CHOSEN[key] = compose(config_name=config_name, overrides=choices, return_hydra_config=True)
+    cfg = copy.deepcopy(_CHOSEN[key])
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except OmegaConfBaseException as error:  # as ConfigLoaderImpl.load_configuration wraps them
+        raise ConfigCompositionException().with_traceback(sys.exc_info()[2]) from error
+    app = [o for o in parsed if not o.is_hydra_override()]
+    cfg.hydra.overrides.hydra = [o.input_line for o in parsed if o.is_hydra_override()]
+    cfg.hydra.overrides.task = [o.input_line for o in app]
+    cfg.hydra.runtime.cwd = os.getcwd()
+    dirname = cfg.hydra.job.config.override_dirname
+    cfg.hydra.job.override_dirname = get_overrides_dirname(
+        overrides=app, kv_sep=dirname.kv_sep, item_sep=dirname.item_sep, exclude_keys=dirname.exclude_keys
+    )
+    return cfg
+
+
+def _hydra_value(override: Override) -> bool:
+    # a value of the hydra node that Hydra reads while composing (searchpath, env_copy) or overwrites after
+    key = override.key_or_group
+    return key.startswith("hydra.") and key not in _OWN
