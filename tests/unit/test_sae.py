@@ -955,6 +955,20 @@ def test_dead_fraction_counts_latents_that_never_fire_over_the_whole_split_not_p
     assert metrics["val/silent_fraction"] == 0.0  # no training step yet: none silent for its window
 
 
+def test_a_batch_s_firing_counts_from_top_k_indices_are_the_dense_codes_counts() -> None:
+    from experiments.sae.objectives import split_statistics
+
+    # 3 rows, top 2 of 5 latents; a selected latent whose value is 0 (row 1's latent 4) did not fire
+    values = torch.tensor([[2.0, 1.0], [3.0, 0.0], [1.0, 0.5]])
+    indices = torch.tensor([[0, 3], [3, 4], [1, 0]])
+    dense = torch.zeros(3, 5).scatter(1, indices, values)
+    target = torch.randn(3, 4)
+    sparse, whole = (split_statistics(target, target, v, i, 5) for v, i in ((values, indices), (dense, None)))
+    assert sparse["firing_rate"].tolist() == whole["firing_rate"].tolist() == [2 / 3, 1 / 3, 0.0, 2 / 3, 0.0]
+    assert sparse["l0"].item() == whole["l0"].item() == 5 / 3
+    assert sparse["firing_rate"].dtype == sparse["l0"].dtype == torch.float64
+
+
 def test_auxk_reconstructs_the_residual_without_the_decoder_bias_a_second_time() -> None:
     # The residual x - recon already holds b_dec once (recon = codes @ W_dec + b_dec); the dead latents' reconstruction
     # of it must not add b_dec again (a bug of the field's reference code).
