@@ -12,6 +12,7 @@ built as usual (a rotary table or a causal mask is computed by the constructor a
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,23 +73,41 @@ def built(make: Callable[[], nn.Module], device: torch.device, empty: bool = Fal
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    # every parameter a module registers goes to the meta device; a parameter met again (a tied head and embedding)
-    # is the one meta Parameter already registered, kept as it is: the tie stays one object
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            moved = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-            moved.__dict__.update(param.__dict__)
-            module._parameters[name] = moved
-
-    nn.Module.register_parameter = on_meta
+    # Every parameter a module registers in this thread goes to the meta device; a parameter met again (a tied head
+    # and embedding) is the one meta Parameter already registered, kept as it is: the tie stays one object. The
+    # patch of nn.Module is process-wide while any thread builds on meta, but acts only in the threads that asked
+    # (a data loader's thread or a notebook's other cell building a model meanwhile gets real parameters).
+    global _original, _open
+    with _patch_lock:
+        if _open == 0:
+            _original = nn.Module.register_parameter
+            nn.Module.register_parameter = _register  # type: ignore[method-assign]
+        _open += 1
+    _on_meta.depth = getattr(_on_meta, "depth", 0) + 1
     try:
-        with _Unfilled():
+        with _Unfilled():  # a torch function mode: this thread's alone
             yield
     finally:
-        nn.Module.register_parameter = register
+        _on_meta.depth -= 1
+        with _patch_lock:
+            _open -= 1
+            if _open == 0:
+                nn.Module.register_parameter, _original = _original, None  # type: ignore[method-assign]
+
+
+_patch_lock = threading.Lock()
+_on_meta = threading.local()  # depth: this thread's nesting of _parameters_on_meta
+_open = 0  # how many _parameters_on_meta are open, in every thread
+_original: Callable[..., None] | None = None  # nn.Module.register_parameter while patched
+
+
+def _register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    assert _original is not None  # only installed while a thread builds on meta
+    _original(module, name, param)
+    if getattr(_on_meta, "depth", 0) and param is not None and not param.is_meta:
+        moved = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        moved.__dict__.update(param.__dict__)
+        module._parameters[name] = moved
 
 
 # In-place writes of values (nn.init's fills) that a tensor on the meta device has no values for

@@ -6,6 +6,7 @@ test_sharded_load.py."""
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,8 @@ from runner.build import _task
 from runner.ckpt.sliced import built
 from runner.distributed.strategies import Single
 from runner.load import load_trained, sharded_loads
+
+register_parameter = nn.Module.register_parameter  # as torch defines it
 
 
 @pytest.fixture(params=[(0, 2), (1, 3)], ids=["rank0of2", "rank1of3"])
@@ -99,6 +102,34 @@ def test_a_model_without_storage_is_built_whole_where_its_constructor_needs_its_
 
     model = built(Scaled, torch.device("cpu"), empty=True)
     assert not model.weight.is_meta and torch.isfinite(model.scale).all()
+
+
+def test_a_model_another_thread_builds_meanwhile_gets_real_parameters() -> None:
+    inside, other_built = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):  # builds its parameter on meta, then holds the meta build open for the other thread
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2, 2))
+            inside.set()
+            assert other_built.wait(10)
+
+    meanwhile: list[nn.Module] = []
+
+    def other() -> None:
+        assert inside.wait(10)
+        meanwhile.append(nn.Linear(3, 3))
+        other_built.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    model = built(Waits, torch.device("cpu"), empty=True)
+    thread.join()
+    assert model.weight.is_meta
+    assert not meanwhile[0].weight.is_meta and torch.isfinite(meanwhile[0].weight).all()
+    assert nn.Module.register_parameter is register_parameter  # put back once no build is open
+    after = nn.Linear(2, 2)
+    assert not after.weight.is_meta
 
 
 def _cfg(compose_cfg: Callable[..., DictConfig], lm_run: Path, *overrides: str) -> DictConfig:
