@@ -201,7 +201,7 @@ def open_checkpoint(folder: str | Path, strategy: Any) -> tuple[Any, dict[str, A
     manifest = read_manifest(folder)
     if manifest.get("format", "files") != DCP:
         return load_checkpoint(folder)
-    errors = strategy.gather(_check_share(folder, strategy.rank, strategy.world_size))
+    errors = strategy.gather(check_share(folder, strategy.rank, strategy.world_size))
     if any(errors):
         raise CheckpointError(next(e for e in errors if e))
     state = load_state_file(folder, SHARED, manifest)
@@ -209,8 +209,9 @@ def open_checkpoint(folder: str | Path, strategy: Any) -> tuple[Any, dict[str, A
     return Shards(folder, manifest), {**state, **{k: [v] for k, v in own.items()}}, manifest
 
 
-def _check_share(folder: Path, rank: int, ranks: int) -> str | None:
-    # this rank's share of the files checked against their sha256: None, or what is wrong
+def check_share(folder: Path, rank: int, ranks: int) -> str | None:
+    """This rank's share of a checkpoint's files (every ranks-th from the rank-th) checked against their sha256:
+    None, or what is wrong."""
     try:
         verify(folder, (rank, ranks))
     except CheckpointError as error:

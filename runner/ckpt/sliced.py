@@ -23,7 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from runner import rundir
-from runner.ckpt.files import DCP, FILES, CheckpointError, _matches, bare_names, digest, read_manifest, verify
+from runner.ckpt.files import DCP, FILES, CheckpointError, _matches, bare_names, digest, read_manifest
 from runner.ckpt.weights import check_record, fitting, said, unreadable
 
 
@@ -170,18 +170,39 @@ def _distributed(
     from runner.ckpt.dcp import safe_planner, safe_reader
 
     strict, what, say = how
-    _once(lambda: verify(folder))  # every file of it against its sha256
+    _checked_in_shares(folder)
     metadata = safe_reader(folder).read_metadata().state_dict_metadata
     tensors = {k: v for k, v in metadata.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     saved = {k.removeprefix("model."): v.size for k, v in tensors.items()}
     names = bare_names({name: name for name in saved})  # the bare model's name -> the name it is saved under
     found = {bare: tuple(saved[name]) for bare, name in names.items()}
     usable, report = fitting({k: tuple(v.shape) for k, v in own.items()}, found, path, strict, what)
-    several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     with torch.no_grad():
         target = {"model": {names[key]: own[key] for key in usable}}
-        dcp.load(target, storage_reader=safe_reader(folder), planner=safe_planner(), no_dist=not several)
+        dcp.load(target, storage_reader=safe_reader(folder), planner=safe_planner(), no_dist=_world()[1] == 1)
     return said(usable, len(own), path, what, say, report)
+
+
+def _checked_in_shares(folder: Path) -> None:
+    # every file of a distributed checkpoint against its sha256, the ranks splitting the files as a resume's
+    # open_checkpoint does (each reads its share); every rank raises the first error any rank found
+    from runner.ckpt.dcp import check_share
+
+    rank, ranks = _world()
+    errors: list[str | None] = [None] * ranks
+    found = check_share(folder, rank, ranks)
+    if ranks > 1:
+        torch.distributed.all_gather_object(errors, found)
+    errors[rank] = found
+    if any(errors):
+        raise CheckpointError(next(e for e in errors if e))
+
+
+def _world() -> tuple[int, int]:
+    # (this rank, ranks) of the default group; (0, 1) in one process
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def _digest(file: Path, given: Path | None = None) -> dict[str, Any]:

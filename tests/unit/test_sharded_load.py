@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from runner.ckpt import sliced
+from runner.ckpt.dcp import check_share
 from runner.ckpt.files import CheckpointError, read_manifest
 from runner.ckpt.weights import save_weights
 
@@ -176,3 +177,35 @@ def test_a_distributed_checkpoint_is_read_by_dcp_into_the_shards_never_whole(
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         rows = weights[name].chunk(rank[1])[rank[0]] if hasattr(tensor, "to_local") else weights[name]
         assert torch.equal(local, rows), name
+
+
+def test_the_ranks_split_the_checking_of_a_distributed_checkpoint_and_all_refuse_a_corrupt_file(
+    rank: tuple[int, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from runner.ckpt import files
+
+    load = dcp.load  # the fake group cannot plan DCP's reads together: each rank plans its own (no_dist)
+    monkeypatch.setattr(dcp, "load", lambda state, **k: load(state, **{**k, "no_dist": True}))
+    folder = _distributed_checkpoint(_model().state_dict(), tmp_path / "step-1")
+    names = sorted(read_manifest(folder)["files"])  # .metadata, a .distcp, shared.pt, rank-0.pt
+    model = _sharded(rank, monkeypatch, ("ok", read_manifest(folder)))
+    hashed: list[str] = []
+    digest = files.digest
+    monkeypatch.setattr(files, "digest", lambda file: hashed.append(file.name) or digest(file))
+    sliced.load_sliced(model, folder, say=False)
+    assert hashed == names[rank[0] :: rank[1]] and len(names) == 4  # this rank's share, no other file
+
+    # a file of another rank's share is corrupt: that rank's finding (all_gather) is raised here too
+    other = names[(rank[0] + 1) % rank[1] :: rank[1]][0]
+    (folder / other).write_bytes((folder / other).read_bytes()[:-1])
+    theirs = check_share(folder, (rank[0] + 1) % rank[1], rank[1])
+    assert theirs and other in theirs
+
+    def gathered(out: list, found: str | None) -> None:  # what every rank found: theirs, and this rank's own
+        out[:] = [found if r == rank[0] else theirs for r in range(rank[1])]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gathered)
+    with pytest.raises(CheckpointError, match="does not match|is cut short|bytes"):
+        sliced.load_sliced(_sharded(rank, monkeypatch, ("ok", read_manifest(folder))), folder, say=False)
