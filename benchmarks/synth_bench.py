@@ -3,6 +3,7 @@
     python benchmarks/synth_bench.py [--steps 3072] [--only topk batchtopk jumprelu matryoshka relu]
         [--contenders runner saelens] [--eval-samples 65536] [--out DIR] [--json out.json]
         [--saelens-python .venv-saelens/bin/python] [--runner-coeff jumprelu=0.05 ...] [--saelens-coeff relu=5 ...]
+        [--runner-override jumprelu=model.bandwidth=0.05 ...]
 
 Each architecture is trained twice, each in a fresh process with one thread: by runner (`python -m runner
 +experiment=synth_sae_bench model=...`) and by SAELens 6 in its own virtualenv through its SyntheticSAERunner
@@ -14,6 +15,8 @@ L0 of 12 for JumpReLU (runner's model.target_l0, SAELens's quadratic mode's targ
 (3e-3, the preset's) with 1% warmup, constant, then a linear decay to 0 over the last 20%, seed 0. ReLU + L1 has no
 L0 target in either tool: runner's trains with model=sae_relu's own l1_coeff (0.1, what a user of the preset gets),
 SAELens's with an L1 coefficient of 4.0 (--runner-coeff, --saelens-coeff change them; the L0 reached is in the table).
+--runner-override ARCH=KEY=VALUE adds a Hydra override to that architecture's runner command, after all of the
+script's own (so it wins over them); each row of the JSON keeps the overrides its run was given.
 
 Not made equal (each tool's own recipe, as its users get it): the initialisation (runner: W_enc = W_dec^T at unit
 norm, fitted encoder scale, b_dec at the geometric median; SAELens: decoder rows at norm 0.1, b_dec 0), input
@@ -85,8 +88,11 @@ def train_seeds(steps: int) -> list[int]:
     return [_generator(SEED, "train", step * BATCH).initial_seed() for step in range(steps)]
 
 
-def runner_command(arch: str, steps: int, lr: float, coeff: dict[str, float], run_dir: Path) -> list[str]:
-    """`python -m runner` on the preset, with this architecture's model and the protocol's length."""
+def runner_command(
+    arch: str, steps: int, lr: float, coeff: dict[str, float], run_dir: Path, overrides: list[str] | None = None
+) -> list[str]:
+    """`python -m runner` on the preset, with this architecture's model and the protocol's length, then `overrides`
+    (Hydra's KEY=VALUE, last: they win over the script's own settings)."""
     extra = []
     if arch == "jumprelu":
         extra = [f"model.l0_coeff={coeff['jumprelu']}"]
@@ -96,6 +102,7 @@ def runner_command(arch: str, steps: int, lr: float, coeff: dict[str, float], ru
         *(sys.executable, "-m", "runner", "+experiment=synth_sae_bench", *RUNNER_MODELS[arch], *extra),
         *(f"data.splits.n_train={steps * BATCH}", f"data.batch_size={BATCH}", f"seed={SEED}", f"optimizer.lr={lr}"),
         *("trainer.val_interval=1.0dur", "checkpoint=none", "logger=[jsonl]", "threads=1", f"hydra.run.dir={run_dir}"),
+        *(overrides or []),
     ]
 
 
@@ -103,7 +110,8 @@ def run_runner(arch: str, args: argparse.Namespace, out: Path) -> tuple[Path, fl
     """Train runner's `arch`; its run folder and the process's wall seconds."""
     run_dir = out / f"runner-{arch}"
     shutil.rmtree(run_dir, ignore_errors=True)  # this benchmark's own folder: a fresh run each time
-    command = runner_command(arch, args.steps, args.lr, {**RUNNER_COEFF, **args.runner_coeff}, run_dir)
+    coeff = {**RUNNER_COEFF, **args.runner_coeff}
+    command = runner_command(arch, args.steps, args.lr, coeff, run_dir, args.runner_override.get(arch, []))
     result = spawn(command, run_dir / "summary.json", env={"WANDB_MODE": "offline"}, log=out / f"runner-{arch}.log")
     return run_dir, result["wall_s"]
 
@@ -197,6 +205,17 @@ def coefficients(values: list[str]) -> dict[str, float]:
     return {arch: float(value) for arch, value in pairs}
 
 
+def overrides(values: list[str]) -> dict[str, list[str]]:
+    """ARCH=KEY=VALUE pairs: each architecture's Hydra overrides, in the order given."""
+    out: dict[str, list[str]] = {}
+    for value in values:
+        arch, _, override = value.partition("=")
+        if arch not in ARCHS or "=" not in override:
+            raise SystemExit(f"--runner-override {value!r}: give ARCH=KEY=VALUE, ARCH one of {', '.join(ARCHS)}")
+        out.setdefault(arch, []).append(override)
+    return out
+
+
 def main() -> None:
     """Train every (contender, architecture), score each with the one scorer, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -207,11 +226,15 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=65536)
     parser.add_argument("--runner-coeff", nargs="*", default=[], help="ARCH=VALUE: runner's l0_coeff / l1_coeff")
     parser.add_argument("--saelens-coeff", nargs="*", default=[], help="ARCH=VALUE: SAELens's l0 / l1 coefficient")
+    parser.add_argument(
+        "--runner-override", nargs="*", default=[], help="ARCH=KEY=VALUE: a Hydra override of runner's ARCH run"
+    )
     parser.add_argument("--saelens-python", default=str(ROOT / ".venv-saelens" / "bin" / "python"))
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "synth_bench")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     args.runner_coeff, args.saelens_coeff = coefficients(args.runner_coeff), coefficients(args.saelens_coeff)
+    args.runner_override = overrides(args.runner_override)
     if "saelens" in args.contenders and not Path(args.saelens_python).exists():
         raise SystemExit(f"{args.saelens_python} is missing: benchmarks/peers/install.sh makes .venv-saelens")
     torch.set_num_threads(1)
@@ -232,6 +255,7 @@ def main() -> None:
                 same = same_batches(path, settings, args.steps)
                 path, raised = readable(path)
             rows.append({"contender": contender, "arch": arch, "seconds": seconds, "same_batches": same})
+            rows[-1]["overrides"] = args.runner_override.get(arch, []) if contender == "runner" else []
             rows[-1]["thresholds_raised_to_0"] = raised
             rows[-1].update(score(path, source, args.eval_samples))
             print(

@@ -199,6 +199,18 @@ def test_the_side_by_side_trains_runner_s_relu_with_its_option_s_own_l1_coeffici
     assert "model.l1_coeff=0.3" in asked
 
 
+def test_runner_overrides_go_to_their_architecture_s_command_after_the_script_s_own(tmp_path: Path) -> None:
+    bench = _bench()
+    asked = bench.overrides(["jumprelu=model.bandwidth=0.05", "relu=model.l1_coeff=0.2", "jumprelu=model.x=a=b"])
+    assert asked == {"jumprelu": ["model.bandwidth=0.05", "model.x=a=b"], "relu": ["model.l1_coeff=0.2"]}
+    plain = bench.runner_command("jumprelu", 6, 3e-3, bench.RUNNER_COEFF, tmp_path)
+    command = bench.runner_command("jumprelu", 6, 3e-3, bench.RUNNER_COEFF, tmp_path, asked["jumprelu"])
+    assert command == [*plain, "model.bandwidth=0.05", "model.x=a=b"]  # last: Hydra keeps the last value of a key
+    for bad in ("jumprelu", "jumprelu=model.bandwidth", "gated=model.bandwidth=0.05"):
+        with pytest.raises(SystemExit, match="ARCH=KEY=VALUE"):
+            bench.overrides([bad])
+
+
 def test_saelens_thresholds_a_hair_below_zero_are_scored_at_zero_and_counted(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
