@@ -39,8 +39,13 @@ def composed(config_name: str, overrides: list[str]) -> DictConfig:
     if any(_hydra_value(o) for o in parsed) or any(o.is_sweep_override() for o in parsed):
         return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
     repo = loader.repository  # type: ignore[attr-defined]
-    values = [o for o in parsed if isinstance(o.value(), dict) or not repo.group_exists(o.key_or_group)]
-    choices = [o.input_line for o in parsed if not any(o is v for v in values)]
+    values: list[Override] = []  # Hydra's config overrides; the others choose options (defaults_list.Overrides)
+    choices: list[str] = []
+    for o in parsed:
+        if isinstance(o.value(), dict) or not repo.group_exists(o.key_or_group):
+            values.append(o)
+        else:
+            choices.append(o.input_line)
     key = (config_name, tuple(choices), tuple(s.path for s in loader.get_sources()), JobRuntime.instance().get("name"))
     if key not in _CHOSEN:
         _CHOSEN[key] = compose(config_name=config_name, overrides=choices, return_hydra_config=True)

@@ -20,8 +20,9 @@ def split_statistics(
     squared error, the target's first and second moments, L0 and each latent's firing rate (codes as `activate` gives
     them: values [B, k] at `indices`, or dense)."""
     recon, target, fired = recon.double(), target.double(), values > 0
+    counts = fired.double()  # [B, k] at `indices`, or [B, n_latents]
     if indices is None:
-        rate = fired.double().mean(0)
+        rate = counts.mean(0)
     else:
         # A row's indices are distinct (its top k), so each latent's count of firing rows is a count of its index
         # among the fired ones: the exact sums of the dense [B, n_latents] matrix, without making it (B x n_latents
@@ -31,7 +32,7 @@ def split_statistics(
         "sse": (recon - target).pow(2).sum(1).mean(),
         "x_mean": target.mean(0),  # [d]: the target's (an SAE's: its inputs')
         "x_sq": target.pow(2).sum(1).mean(),
-        "l0": fired.double().sum(1).mean(),
+        "l0": counts.sum(1).mean(),
         "firing_rate": rate,  # [n_latents]: the split's mean is each latent's rate over all its rows
     }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,12 +202,18 @@ def open_checkpoint(folder: str | Path, strategy: Any) -> tuple[Any, dict[str, A
     manifest = read_manifest(folder)
     if manifest.get("format", "files") != DCP:
         return load_checkpoint(folder)
-    errors = strategy.gather(check_share(folder, strategy.rank, strategy.world_size))
-    if any(errors):
-        raise CheckpointError(next(e for e in errors if e))
+    check_shares(folder, strategy.rank, strategy.world_size, strategy.gather)
     state = load_state_file(folder, SHARED, manifest)
     own = load_state_file(folder, RANK_FILE.format(strategy.rank % manifest["world_size"]), manifest)
     return Shards(folder, manifest), {**state, **{k: [v] for k, v in own.items()}}, manifest
+
+
+def check_shares(folder: Path, rank: int, ranks: int, gather: Callable[[str | None], list[str | None]]) -> None:
+    """Every file of a distributed checkpoint against its sha256, the ranks splitting the files (each checks its
+    share); `gather` gives every rank's finding, and every rank raises the first error any rank found."""
+    errors = gather(check_share(folder, rank, ranks))
+    if any(errors):
+        raise CheckpointError(next(e for e in errors if e))
 
 
 def check_share(folder: Path, rank: int, ranks: int) -> str | None:

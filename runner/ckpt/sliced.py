@@ -167,10 +167,10 @@ def _distributed(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from runner.ckpt.dcp import safe_planner, safe_reader
+    from runner.ckpt.dcp import check_shares, safe_planner, safe_reader
 
     strict, what, say = how
-    _checked_in_shares(folder)
+    check_shares(folder, *_world(), _gathered)  # every file of it, the ranks splitting them as a resume does
     metadata = safe_reader(folder).read_metadata().state_dict_metadata
     tensors = {k: v for k, v in metadata.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     saved = {k.removeprefix("model."): v.size for k, v in tensors.items()}
@@ -183,19 +183,14 @@ def _distributed(
     return said(usable, len(own), path, what, say, report)
 
 
-def _checked_in_shares(folder: Path) -> None:
-    # every file of a distributed checkpoint against its sha256, the ranks splitting the files as a resume's
-    # open_checkpoint does (each reads its share); every rank raises the first error any rank found
-    from runner.ckpt.dcp import check_share
-
+def _gathered(found: str | None) -> list[str | None]:
+    # every rank's finding (dcp.check_shares' gather), through the default group
     rank, ranks = _world()
-    errors: list[str | None] = [None] * ranks
-    found = check_share(folder, rank, ranks)
+    out: list[str | None] = [None] * ranks
     if ranks > 1:
-        torch.distributed.all_gather_object(errors, found)
-    errors[rank] = found
-    if any(errors):
-        raise CheckpointError(next(e for e in errors if e))
+        torch.distributed.all_gather_object(out, found)
+    out[rank] = found
+    return out
 
 
 def _world() -> tuple[int, int]:
@@ -216,15 +211,15 @@ def _digest(file: Path, given: Path | None = None) -> dict[str, Any]:
 
 def _once(check: Any) -> Any:
     # `check` run by rank 0 alone, its result (or its CheckpointError) given to every rank
-    several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    if several and torch.distributed.get_rank() != 0:
+    rank, ranks = _world()
+    if rank != 0:
         outcome: list[Any] = [None]
     else:
         try:
             outcome = [("ok", check())]
         except Exception as error:  # every rank must reach the broadcast, or the others wait forever
             outcome = [("error", str(error) if isinstance(error, CheckpointError) else repr(error))]
-    if several:
+    if ranks > 1:
         torch.distributed.broadcast_object_list(outcome, src=0)
     kind, value = outcome[0]
     if kind == "error":
