@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from runner import ConfigError
-from runner.data import to_device
+from runner.data import first_rows, to_device
 from runner.interfaces import Precision
 from runner.run import Run
 from runner.validation import summarize
@@ -41,15 +41,16 @@ def check_monitors(run: Run, no_val_split: str | None = None) -> None:
 def validation_metrics(
     task: torch.nn.Module, val_loader: Iterable | None, precision: Precision, device: torch.device
 ) -> set[str]:
-    """The names validation will log, from one validation_step on the first validation batch, so that a monitor
-    naming none of them fails before training, not at the first validation. Call it on the model before DDP/FSDP
-    wrap it (a forward of an FSDP module before its first training step leaves its gradients unreduced). The RNG is
-    restored: training starts as without it."""
+    """The names validation will log, from one validation_step on the first validation batch's first two samples
+    (the names do not depend on the batch's size, the check's time does), so that a monitor naming none of them fails
+    before training, not at the first validation. Call it on the model before DDP/FSDP wrap it (a forward of an FSDP
+    module before its first training step leaves its gradients unreduced). The RNG is restored: training starts as
+    without it."""
     if val_loader is None:
         return set()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         task.eval()
-        batch = to_device(next(iter(val_loader)), device)
+        batch = to_device(first_rows(next(iter(val_loader)), 2), device)
         with precision.autocast():
             out = task.validation_step(batch)
             names = {f"val/{k}" for k in summarize(task, {k: torch.as_tensor(v) for k, v in out.items()})}

@@ -232,6 +232,27 @@ def batch_size_of(batch: Any) -> int:
     raise ValueError("cannot tell the batch size: the batch holds no tensor")
 
 
+def map_rows(batch: Any, size: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`fn` applied to every tensor of a (nested) batch whose first dimension is `size`, its samples'; the rest (a mask
+    or table the samples share, a count) as they are, and dicts, lists and tuples of their own types."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch) if batch.ndim and batch.shape[0] == size else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: map_rows(v, size, fn) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_rows(v, size, fn) for v in batch)
+    return batch
+
+
+def first_rows(batch: Any, n: int) -> Any:
+    """The batch's first `n` samples (map_rows); a batch that holds no tensor, whole."""
+    try:
+        size = batch_size_of(batch)
+    except ValueError:
+        return batch
+    return map_rows(batch, size, lambda t: t[:n])
+
+
 def tokens_of(batch: Any) -> int | None:
     """Tokens in a batch: its 'num_tokens' entry when it is a mapping that has one (counted on the host), else None."""
     if isinstance(batch, Mapping) and "num_tokens" in batch:

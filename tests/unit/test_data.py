@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.data import DataModule, TensorData
+from runner.data import DataModule, TensorData, first_rows
 from runner.data.samplers import GlobalBatchSampler
 
 # (micro-batch size, ranks, accumulation): every split of a global batch of 32
@@ -114,3 +114,13 @@ def test_lightning_sets_the_epoch_of_runners_train_loader():
     ours.batch_sampler.set_epoch(2)
     lightning_data._set_sampler_epoch(theirs, 2)  # what Lightning's fit loop calls at the start of every epoch
     assert [b[0].tolist() for b in theirs] == [b[0].tolist() for b in ours]
+
+
+def test_first_rows_cuts_the_samples_and_leaves_what_the_samples_share() -> None:
+    x, y, mask = torch.arange(15.0).view(5, 3), torch.arange(5), torch.ones(3, 3)
+    cut = first_rows({"x": x, "pair": (y, mask), "name": "digits"}, 2)
+    assert torch.equal(cut["x"], x[:2]) and torch.equal(cut["pair"][0], y[:2]) and cut["pair"][1] is mask
+    assert cut["name"] == "digits" and isinstance(cut["pair"], tuple)
+    assert torch.equal(first_rows(x[:1], 2), x[:1])  # a batch shorter than n: whole
+    words = {"text": ["a", "b", "c"]}
+    assert first_rows(words, 2) is words  # no tensor to tell the samples by: the task gets the batch as it is

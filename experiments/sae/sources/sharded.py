@@ -12,6 +12,7 @@ from torch import nn
 
 from experiments.sae.sources import pretrained
 from runner.ckpt.sliced import materialize
+from runner.data import map_rows
 from runner.distributed.fsdp import local_shard, tied_parameters
 
 
@@ -77,15 +78,9 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
 
 def batch_slice(batch: Any, rank: int, world: int, size: int) -> Any:
     """This rank's contiguous share of a batch of `size` inputs (source.shard=fsdp: each rank runs its slice)."""
-    # this rank's contiguous share of every tensor of the batch's `size` rows (windows, masks); other values (a
-    # count of tokens, which only the loss reads, and a cut-short forward never reaches it) stay as they are
-    if isinstance(batch, torch.Tensor):
-        return torch.tensor_split(batch, world)[rank] if batch.ndim and len(batch) == size else batch
-    if isinstance(batch, dict):
-        return type(batch)({k: batch_slice(v, rank, world, size) for k, v in batch.items()})
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(batch_slice(v, rank, world, size) for v in batch)
-    return batch
+    # every tensor of the batch's `size` rows (windows, masks); other values (a count of tokens, which only the loss
+    # reads, and a cut-short forward never reaches it) stay as they are
+    return map_rows(batch, size, lambda t: torch.tensor_split(t, world)[rank])
 
 
 def every_slice(rows: torch.Tensor, world: int) -> torch.Tensor:
