@@ -41,13 +41,15 @@ class GroundTruthRecovery(Callback):
         self.thresholds = tuple(thresholds)
         recovered = (f"val/recovered_{t:g}" for t in self.thresholds)
         benchmark = (f"val/gt_{k}" for k in KEYS)
-        self.provides = ("val/mmcs", *recovered, "val/encoder_mmcs", "val/skip_error", *benchmark)
+        self.provides = ("val/mmcs", *recovered, "val/encoder_mmcs", "val/skip_error", "val/true_features", *benchmark)
 
     def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
         """Score the decoder against the truth (metrics added here are logged with the validation's row)."""
         dataset = run.val_loader.dataset if run.val_loader is not None else None
         if getattr(dataset, "true_features", None) is None:
             return
+        # the dictionary size the data needs: an SAE wider than this leaves latents with no feature of their own
+        metrics["val/true_features"] = float(len(dataset.true_features))
         own = {prefix: self._scores(sae, dataset) for prefix, sae in members(run.task)}
         per_sae = from_every_rank(run, own)  # distributed=spread: each rank scored its own SAEs
         for prefix, scores in per_sae.items():

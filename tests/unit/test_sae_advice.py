@@ -31,6 +31,14 @@ def test_the_remedy_is_the_sae_s_own() -> None:
     assert "nothing in this SAE trains a latent" in off.revive_hint()
     relu = ReLUSAE(d_in=8, n_latents=16, l1_coeff=3.0)
     assert "model.l1_coeff=3" in relu.revive_hint() and "no AuxK" in relu.revive_hint()
+    from experiments.sae.coders.jumprelu import JumpReLUSAE
+
+    jump = JumpReLUSAE(d_in=8, n_latents=16, pre_act_coeff=0.001, threshold_init=1.0, dead_window="10st")
+    (line,) = jump.advice({"val/dead_fraction": 0.05}, key="model")
+    assert "model.pre_act_coeff=0.001" in line and "model.dead_window=10st" in line and "AuxK" not in line
+    assert "model.threshold_init=1" in line and "trainer.max_duration" in line
+    off = JumpReLUSAE(d_in=8, n_latents=16, pre_act_coeff=0.0).revive_hint()
+    assert "model.pre_act_coeff=0;" in off and "nothing pulls" in off
 
 
 def test_a_relu_sae_whose_l1_silences_latents_says_so_at_the_end(
@@ -74,3 +82,42 @@ def test_a_cross_layer_transcoder_counts_every_layer_s_latents() -> None:
     (line,) = clt.advice({"val/dead_fraction": 0.125})
     assert line.startswith("12.5% of the cross-layer transcoder's 48 latents (6) never fired")
     assert "model.coder.auxk_coeff" in line
+
+
+def test_latents_beyond_the_data_s_true_features_are_called_spare_not_revivable() -> None:
+    topk = TopKSAE(d_in=8, n_latents=16, k=2, auxk_coeff=0.25)
+    spare = {"val/dead_fraction": 0.5, "val/true_features": 8.0, "val/mmcs": 0.99}
+    (line,) = topk.advice(spare)
+    assert line.startswith("50.0% of the SAE's 16 latents (8) never fired")
+    assert "the data has 8 true features (val/true_features), found at MMCS 0.9900, so 8 of the latents" in line
+    assert "model.n_latents" in line and "auxk_coeff=" not in line
+    # more dead than the surplus: some latents a feature could use were lost, and AuxK's remedy is the advice
+    (lost,) = topk.advice({**spare, "val/dead_fraction": 0.5625})
+    assert "model.auxk_coeff=0.25" in lost and "true features" not in lost
+    (narrow,) = TopKSAE(d_in=8, n_latents=8, k=2, auxk_coeff=0.25).advice({**spare, "val/dead_fraction": 0.25})
+    assert "model.auxk_coeff=0.25" in narrow  # no wider than the data: nothing is spare
+
+
+def test_an_sae_wider_than_the_synthetic_data_says_its_unused_latents_are_spare(compose_cfg: Callable) -> None:
+    # 16 true features for 128 latents: 112 have no feature of their own (AuxK has some fire on the others' residue)
+    features = ["data.splits.n_features=16", "data.splits.mean_active=2", "model.k=2", "model.n_latents=128"]
+    cfg = compose_cfg("+experiment=sae", *features, "trainer.max_duration=30st", "data.splits.n_val=512")
+    train(cfg)
+    said = summary(cfg.run_dir)
+    assert said["metrics"]["val/true_features"] == 16
+    dead = said["metrics"]["val/dead_fraction"]
+    (line,) = said["advice"]
+    assert 0.01 < dead <= 112 / 128
+    assert line.startswith(f"{dead:.1%} of the SAE's 128 latents ({round(dead * 128)}) never fired")
+    assert "the data has 16 true features" in line and "so 112 of the latents have none of their own" in line
+
+
+def test_the_synthetic_recipe_on_real_activations_is_pointed_to_the_file_preset() -> None:
+    fitted = TopKSAE(d_in=8, n_latents=16, k=2, auxk_coeff=0.25, encoder_init="fit")
+    (line,) = fitted.advice({"val/dead_fraction": 0.25})  # no true features: a model's activations
+    assert "model.auxk_coeff=0.25" in line and "model.encoder_init=fit" in line and "+experiment=sae_file" in line
+    assert "model.encoder_init=unit left under 1% unused" in line
+    (synthetic,) = fitted.advice({"val/dead_fraction": 0.25, "val/true_features": 16.0})
+    assert "sae_file" not in synthetic  # synthetic data: the fitted start is that preset's own
+    (unit,) = TopKSAE(d_in=8, n_latents=16, k=2, auxk_coeff=0.25).advice({"val/dead_fraction": 0.25})
+    assert "sae_file" not in unit  # the file recipe's start already

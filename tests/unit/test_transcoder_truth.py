@@ -179,7 +179,8 @@ def test_ground_truth_scores_a_transcoder_against_its_target_input_and_linear_tr
     callback.on_validation_end(
         SimpleNamespace(task=_transcoder(d_out=None), val_loader=SimpleNamespace(dataset=sae_val)), metrics
     )
-    assert set(metrics) == {"val/mmcs", *(f"val/recovered_{t:g}" for t in callback.thresholds)}
+    assert set(metrics) == {"val/mmcs", "val/true_features", *(f"val/recovered_{t:g}" for t in callback.thresholds)}
+    assert metrics["val/true_features"] == SMALL["n_features"]
 
 
 def _resampled(task: torch.nn.Module, rows: torch.Tensor, dead: torch.Tensor) -> tuple[ResampleDead, dict]:

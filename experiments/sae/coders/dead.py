@@ -45,7 +45,28 @@ class DeadLatents:
         """Said at the end of the run (runner.train): the latents that never fired on the validation split, when
         more than 1% of them, with what trains them back (`key`: where this SAE's settings are in the config)."""
         what = "transcoder" if getattr(self, "transcoder", False) else "SAE"
-        return dead_advice(metrics, self.n_latents, self.revive_hint(key), prefix, what)
+        revive = self.surplus(metrics, prefix, key) or self.revive_hint(key)
+        if "val/true_features" not in metrics and getattr(self, "encoder_init", None) == "fit" and what == "SAE":
+            # the synthetic preset's start, on a model's activations (`+experiment=sae data=activations_file`)
+            revive += (
+                f"; on a model's activations the fitted encoder start ({key}.encoder_init=fit) is most of it: "
+                f"{key}.encoder_init=unit left under 1% unused on a GPT's residual stream (for a file, "
+                "+experiment=sae_file has that start with Muon and a dead window in rows)"
+            )
+        return dead_advice(metrics, self.n_latents, revive, prefix, what)
+
+    def surplus(self, metrics: dict[str, float], prefix: str = "", key: str = "model") -> str | None:
+        """Where the data's true features are known (val/true_features) and this SAE has more latents than those,
+        with no more latents dead than the surplus: what says so (no remedy gives such latents a feature)."""
+        true, dead = metrics.get("val/true_features"), metrics.get(f"val/{prefix}dead_fraction", 0.0)
+        if not true or self.n_latents <= true or round(dead * self.n_latents) > self.n_latents - true:
+            return None
+        found = metrics.get(f"val/{prefix}mmcs")
+        return (
+            f"the data has {true:g} true features (val/true_features){f', found at MMCS {found:.4f}' if found else ''}"
+            f", so {self.n_latents - true:g} of the latents have none of their own to learn: spare width, not a "
+            f"failure of training, which no dead-latent remedy changes ({key}.n_latents sets the width)"
+        )
 
     def revive_hint(self, key: str = "model") -> str:
         """What trains dead latents back, for this SAE's settings (under the config node `key`)."""
