@@ -21,10 +21,11 @@ script's own (so it wins over them); each row of the JSON keeps the overrides it
 Not made equal (each tool's own recipe, as its users get it): the initialisation (runner: W_enc = W_dec^T at unit
 norm, fitted encoder scale, b_dec at the geometric median; SAELens: decoder rows at norm 0.1, b_dec 0), input
 scaling (runner scales inputs to E||x|| = sqrt(d); SAELens's synthetic runner trains on raw activations), the decoder
-constraint (runner: unit rows; SAELens: codes rescaled by decoder norms), the dead-latent window (runner 10 steps,
-SAELens 1000) and its auxiliary loss (runner AuxK at 1/32; SAELens AuxK at 1.0, Matryoshka's per-level), gradient
-clipping (SAELens clips at 1.0, runner's preset does not), the sparsity penalties' forms and coefficients for JumpReLU
-and ReLU, and the evaluation data the preset's validation uses (here both are scored on fresh held-out samples).
+constraint (runner: unit rows, JumpReLU's free; SAELens: codes rescaled by decoder norms), the dead-latent window
+(runner 10 steps, SAELens 1000) and its auxiliary loss (runner AuxK at 1/32; SAELens AuxK at 1.0, Matryoshka's
+per-level), gradient clipping (SAELens clips at 1.0, runner's preset does not), the sparsity penalties' forms and
+coefficients for JumpReLU and ReLU, and the evaluation data the preset's validation uses (here both are scored on
+fresh held-out samples).
 
 Quality: both final SAEs go through one scorer, experiments/sae/evals/ground_truth.py's score_sae (SAELens's
 synthetic/evals.py definitions), on the same --eval-samples fresh samples of the world (a stream neither training
@@ -66,8 +67,9 @@ RUNNER_MODELS = {
 }
 # sparsity coefficients of the penalised architectures (runner: model.l0_coeff / model.l1_coeff; SAELens:
 # l0_coefficient of its quadratic mode / l1_coefficient). runner's ReLU keeps its option's l1_coeff: 0.3, which lands
-# at L0 12 after 256 steps, drifts to L0 7 with a fifth of the latents dead by the preset's full length
-RUNNER_COEFF = {"jumprelu": 0.05}
+# at L0 12 after 256 steps, drifts to L0 7 with a fifth of the latents dead by the preset's full length. JumpReLU's
+# 0.3 reaches the target L0 at full length with free decoder rows (12.5; 0.05 ended at 14.5)
+RUNNER_COEFF = {"jumprelu": 0.3}
 SAELENS_COEFF = {"jumprelu": 1.0, "relu": 4.0}
 SCORER = "experiments.sae.evals.ground_truth.score_sae"
 
