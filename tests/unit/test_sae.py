@@ -963,10 +963,36 @@ def test_a_batch_s_firing_counts_from_top_k_indices_are_the_dense_codes_counts()
     indices = torch.tensor([[0, 3], [3, 4], [1, 0]])
     dense = torch.zeros(3, 5).scatter(1, indices, values)
     target = torch.randn(3, 4)
-    sparse, whole = (split_statistics(target, target, v, i, 5) for v, i in ((values, indices), (dense, None)))
+    norms = torch.ones(5)
+    sparse, whole = (split_statistics(target, target, v, i, 5, norms) for v, i in ((values, indices), (dense, None)))
     assert sparse["firing_rate"].tolist() == whole["firing_rate"].tolist() == [2 / 3, 1 / 3, 0.0, 2 / 3, 0.0]
+    assert sparse["code_mass"].tolist() == whole["code_mass"].tolist() == [2.5 / 3, 1 / 3, 0.0, 4 / 3, 0.0]
     assert sparse["l0"].item() == whole["l0"].item() == 5 / 3
     assert sparse["firing_rate"].dtype == sparse["l0"].dtype == torch.float64
+
+
+def test_latents_that_fire_through_shrunken_decoder_rows_are_counted_faint() -> None:
+    from experiments.sae.coders.jumprelu import JumpReLUSAE
+    from runner.validation import summarize
+
+    torch.manual_seed(0)
+    sae = JumpReLUSAE(d_in=16, n_latents=64, unit_norm_decoder=False, threshold_init=0.01, normalize_input=False)
+    x = torch.randn(512, 16)
+    with torch.no_grad():
+        sae.b_enc.fill_(1.0)  # every latent fires on every row: none is dead, so faintness is the rows' alone
+        sae.W_dec[:5] *= 0.01  # 5 of 64 rows at a hundredth of the others' norm
+        sae.W_dec[5:8] *= 0.5  # half as loud: not faint
+    out = summarize(sae, {k: v.double() for k, v in sae.validation_step(x).items()})
+    assert out["dead_fraction"].item() == 0.0
+    assert out["faint_fraction"].item() == 5 / 64
+    with torch.no_grad():
+        sae.b_enc[:5] = -50.0  # the shrunken latents stop firing: dead, not faint
+    out = summarize(sae, {k: v.double() for k, v in sae.validation_step(x).items()})
+    assert out["dead_fraction"].item() == 5 / 64 and out["faint_fraction"].item() == 0.0
+    (line,) = sae.advice({"val/faint_fraction": 5 / 64, "val/dead_fraction": 0.0})
+    assert line.startswith("7.8% of the coder's 64 latents (5) fire but write under a tenth of the median")
+    assert "model.unit_norm_decoder=true" in line
+    assert not sae.advice({"val/faint_fraction": 0.01, "val/dead_fraction": 0.0})  # 1% is not said
 
 
 def test_auxk_reconstructs_the_residual_without_the_decoder_bias_a_second_time() -> None:

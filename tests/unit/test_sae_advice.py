@@ -96,6 +96,13 @@ def test_latents_beyond_the_data_s_true_features_are_called_spare_not_revivable(
     assert "model.auxk_coeff=0.25" in lost and "true features" not in lost
     (narrow,) = TopKSAE(d_in=8, n_latents=8, k=2, auxk_coeff=0.25).advice({**spare, "val/dead_fraction": 0.25})
     assert "model.auxk_coeff=0.25" in narrow  # no wider than the data: nothing is spare
+    # latents that fire but write almost nothing are as unused as dead ones: spare while both fit in the surplus
+    dead, faint = topk.advice({**spare, "val/dead_fraction": 0.25, "val/faint_fraction": 0.25})
+    assert faint.startswith("25.0% of the coder's 16 latents (4) fire but write under a tenth of the median")
+    assert "so 8 of the latents have none of their own" in dead and "so 8 of the latents have none" in faint
+    dead, faint = topk.advice({**spare, "val/dead_fraction": 0.25, "val/faint_fraction": 0.3125})
+    assert "model.auxk_coeff=0.25" in dead and "true features" not in faint
+    assert "they add almost nothing to the reconstruction" in faint  # unit rows: no shrinking to blame
 
 
 def test_an_sae_wider_than_the_synthetic_data_says_its_unused_latents_are_spare(compose_cfg: Callable) -> None:

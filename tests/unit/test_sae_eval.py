@@ -44,6 +44,10 @@ def test_core_metrics_equal_brute_force_over_the_same_positions(sae_lm_run: Path
         assert flat[key] == pytest.approx(value.item(), rel=1e-6), key
     assert got["latent_density"] == pytest.approx((codes != 0).double().mean(0).tolist())
     assert got["sparsity"]["dead_fraction"] == pytest.approx(((codes != 0).sum(0) == 0).double().mean().item())
+    fired = (codes != 0).sum(0) > 0  # faint: a firing latent's mean code when firing x its row's norm, < 0.1 x median
+    write = codes.abs().sum(0)[fired] / (codes != 0).sum(0)[fired] * sae.W_dec.norm(dim=1).double()[fired]
+    faint = (write < 0.1 * write.median()).sum().item() / sae.n_latents
+    assert got["sparsity"]["faint_fraction"] == pytest.approx(faint)
     assert got["read"]["positions"] == len(x) and got["downstream"]["positions"] == len(x)
     # the losses from the GPT itself: the first position (skip_positions=1) is neither scored nor spliced nor ablated
     gpt, skip, losses = source.model, source.skip, {"clean": [], "zero": []}

@@ -28,7 +28,7 @@ from experiments.sae.coders.dead import DeadLatents, dead_clock
 from experiments.sae.coders.init import check_settings, every_rank, fit_encoder_scale, geometric_median, unit_scale
 from experiments.sae.coders.kernels import check_choice
 from experiments.sae.coders.sparse import Pre, SparsePre, bag
-from experiments.sae.objectives import batch_errors, split_statistics, unexplained
+from experiments.sae.objectives import batch_errors, faint_share, split_statistics, unexplained
 from runner import ConfigError
 
 
@@ -270,17 +270,17 @@ class SAE(DeadLatents, nn.Module):
         xn, yn = self._normalised(batch)
         values, indices = self.activate(self.pre_activations(xn))
         recon = self.decode(values, indices) + self.skip_part(xn)
-        stats = split_statistics(recon, yn, values, indices, self.n_latents)
+        stats = split_statistics(recon, yn, values, indices, self.n_latents, self.W_dec.norm(dim=1))
         return {**stats, "silent_fraction": self.dead_mask().double().mean()}
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The split's metrics from validation_step's means: FVE = 1 - SSE/SST with SST about the per-dimension mean
         of the whole split (not about zero, and not a mean of per-batch ratios), NMSE against E||x||^2, MSE per
-        element in the inputs' own units, the fraction of latents that never fired on the split (dead) and of those
-        silent for the training's `dead_window` (silent)."""
+        element in the inputs' own units, the fraction of latents that never fired on the split (dead), of those
+        silent for the training's `dead_window` (silent) and of those that fire but write almost nothing (faint)."""
         unexplained_ = unexplained(means)
         # a subclass's own validation outputs pass through as their means
-        own = ("sse", "x_mean", "x_sq", "l0", "silent_fraction", "firing_rate")
+        own = ("sse", "x_mean", "x_sq", "l0", "silent_fraction", "firing_rate", "code_mass", "row_norm")
         others = {k: v for k, v in means.items() if k not in own}
         return {
             **others,
@@ -293,4 +293,5 @@ class SAE(DeadLatents, nn.Module):
             "silent_fraction": means["silent_fraction"],
             # latents that fired on none of the split's inputs (tokens, for a language model's activations)
             "dead_fraction": (means["firing_rate"] == 0).double().mean(),
+            "faint_fraction": faint_share(means),
         }

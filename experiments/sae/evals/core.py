@@ -9,7 +9,8 @@ special tokens):
 - shrinkage: E||y||, E||y'||, E(||y'|| / ||y||) and the relative reconstruction bias E||y'||^2 / E(y . y') per batch
   of windows, averaged over batches (SAELens; Eq. 10 of arXiv 2404.16014): 1 is unbiased, < 1 shrinks.
 - sparsity: L0 and L1 of the codes per position; each latent's density (the fraction of positions it fires on), the
-  fractions that never fire (dead) or fire on over 1% and 10% of positions (dense, SAEBench core), a histogram of
+  fractions that never fire (dead), fire yet write almost nothing (faint: objectives.faint_share, where the coder has
+  one decoder row per latent) or fire on over 1% and 10% of positions (dense, SAEBench core), a histogram of
   log10 density.
 - downstream: the next-token loss (CE) of the clean model, with the coder spliced in, and with the replaced module's
   output zero- or mean-ablated (the mean is over the first rows read); KL(clean || other) per position; the scores
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.sae.metrics import loss_recovered
+from experiments.sae.objectives import faint_share
 from experiments.sae.sources.source import SourceModel, Splice
 from runner.data import to_device
 
@@ -74,7 +76,7 @@ class _Sums:
 
     def __init__(self, d: int, n_latents: int, device: torch.device) -> None:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
-        self.y, self.fires, self.scalars = zeros(d), zeros(n_latents), zeros(9)
+        self.y, self.fires, self.mass, self.scalars = zeros(d), zeros(n_latents), zeros(n_latents), zeros(9)
         self.n, self.batches = 0, 0
 
     def add(self, y: torch.Tensor, recon: torch.Tensor, values: torch.Tensor, indices: torch.Tensor | None) -> None:
@@ -86,8 +88,10 @@ class _Sums:
         fired = values != 0
         if indices is None:
             self.fires += fired.sum(0)
+            self.mass += values.abs().sum(0)
         else:
             self.fires.index_add_(0, indices.flatten(), fired.flatten().double())
+            self.mass.index_add_(0, indices.flatten(), values.abs().flatten())
         self.y += y.sum(0)
         self.scalars += torch.stack(
             [
@@ -104,8 +108,12 @@ class _Sums:
         )
         self.n, self.batches = self.n + len(y), self.batches + 1
 
-    def result(self) -> dict[str, Any]:
+    def result(self, row_norms: torch.Tensor | None = None) -> dict[str, Any]:
         (y2, sse, cos, n_in, n_out, ratio, bias, l0, l1), n = self.scalars.tolist(), max(self.n, 1)
+        faint = {}
+        if row_norms is not None:  # latents that fire yet write almost nothing (objectives.faint_share)
+            means = {"firing_rate": self.fires / n, "code_mass": self.mass / n, "row_norm": row_norms.double()}
+            faint["faint_fraction"] = faint_share(means).item()
         variance = y2 / n - (self.y / n).pow(2).sum().item()
         density = (self.fires / n).cpu()
         logs = density[density > 0].log10().clamp(min=float(HISTOGRAM[0]), max=0.0)
@@ -126,6 +134,7 @@ class _Sums:
                 "l0": l0 / n,
                 "l1": l1 / n,
                 "dead_fraction": (density == 0).double().mean().item(),
+                **faint,
                 **{f"dense_fraction_{t:g}": (density > t).double().mean().item() for t in DENSE},
                 "density_histogram": {
                     "log10_edges": HISTOGRAM.tolist(),
@@ -199,7 +208,8 @@ def core(
         n_windows, batches = n_windows + len(batch["tokens"]), batches + 1
         if working is not None:  # the batches still to read at this one's rows: the pass's length and ETA
             working(batches, batches + -(-max(tokens - sums.n, 0) // max(int(mask.sum()), 1)))
-    out = sums.result()
+    decoder = getattr(sae, "W_dec", None)  # [n_latents, d] rows; a cross-layer transcoder's are per layer
+    out = sums.result(decoder.norm(dim=1) if decoder is not None and decoder.ndim == 2 else None)
     out["downstream"] = _downstream(losses, spliced_positions)
     out["read"] = {"positions": sums.n, "windows": n_windows, "seconds": round(time.perf_counter() - started, 2)}
     return out
