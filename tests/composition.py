@@ -8,7 +8,10 @@ bookkeeping (the overrides lists, cwd, override_dirname) is written last. The fi
 done once a process for each choice of options, and each composition takes a copy and runs the second stage with
 Hydra's own functions, in Hydra's order. tests/unit/test_composition.py checks the result equals Hydra's whole
 composition, errors included. Overrides of the hydra node's own values (other than the run folder) and sweeps take
-Hydra's whole path.
+Hydra's whole path. Within the first stage each option file is loaded (read, wrapped, its defaults list made) once
+a process and copied after (_loads_shared): Hydra loads every file again at each composition, and a copy costs a
+fraction of a load. A file on disk is keyed by its size and modification time too, and ConfigStore's structured
+configs, which a test may register anew, are always loaded.
 """
 
 from __future__ import annotations
@@ -16,18 +19,24 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from hydra import compose
 from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+from hydra._internal.config_repository import ConfigRepository
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.core.utils import JobRuntime
 from hydra.errors import ConfigCompositionException
+from hydra.plugins.config_source import ConfigResult
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 _CHOSEN: dict[tuple, DictConfig] = {}  # (options chosen, search path, job name) -> the config Hydra composed
+_LOADED: dict[tuple, ConfigResult | None] = {}  # (search path, config path, file's state) -> what a load gave
 _OWN = ("hydra.run.dir",)  # hydra-node values the second stage may set: written before the bookkeeping, as Hydra does
 
 
@@ -48,7 +57,8 @@ def composed(config_name: str, overrides: list[str]) -> DictConfig:
             choices.append(o.input_line)
     key = (config_name, tuple(choices), tuple(s.path for s in loader.get_sources()), JobRuntime.instance().get("name"))
     if key not in _CHOSEN:
-        _CHOSEN[key] = compose(config_name=config_name, overrides=choices, return_hydra_config=True)
+        with _loads_shared():
+            _CHOSEN[key] = compose(config_name=config_name, overrides=choices, return_hydra_config=True)
     cfg = copy.deepcopy(_CHOSEN[key])
     try:
         ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
@@ -69,3 +79,27 @@ def _hydra_value(override: Override) -> bool:
     # a value of the hydra node that Hydra reads while composing (searchpath, env_copy) or overwrites after
     key = override.key_or_group
     return key.startswith("hydra.") and key not in _OWN
+
+
+@contextmanager
+def _loads_shared() -> Iterator[None]:
+    """ConfigRepository.load_config answered from _LOADED (a copy each time: Hydra merges a loaded config's nodes into
+    the composition without copying them)."""
+    load = ConfigRepository.load_config
+
+    def shared(self: ConfigRepository, config_path: str) -> ConfigResult | None:
+        source = self._find_object_source(config_path, ObjectType.CONFIG)
+        if source is None or source.scheme() == "structured":
+            return load(self, config_path)
+        file = os.path.join(source.path, source._normalize_file_name(config_path))
+        state = (os.stat(file).st_size, os.stat(file).st_mtime_ns) if source.scheme() == "file" else None
+        key = (tuple(s.path for s in self.sources), config_path, state)
+        if key not in _LOADED:
+            _LOADED[key] = load(self, config_path)
+        return copy.deepcopy(_LOADED[key])
+
+    ConfigRepository.load_config = shared  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigRepository.load_config = load  # type: ignore[method-assign]

@@ -85,3 +85,17 @@ def test_a_refused_composition_raises_what_hydra_raises(overrides: list[str]) ->
     assert str(ours.value) == str(hydras.value)
     assert type(ours.value.__cause__) is type(hydras.value.__cause__)
     assert str(ours.value.__cause__) == str(hydras.value.__cause__)
+
+
+def test_a_file_loaded_for_one_choice_is_loaded_again_for_the_next_once_it_changed(tmp_path: Path) -> None:
+    # option files are loaded once a process and copied after (composition._loads_shared): an edited one is not stale
+    (tmp_path / "model").mkdir()
+    (tmp_path / "config.yaml").write_text("defaults:\n  - model: a\n  - _self_\nshared: 1\n")
+    for name in "abc":
+        (tmp_path / "model" / f"{name}.yaml").write_text(f"name: {name}\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        first, again = composed("config", ["model=a"]), composed("config", ["model=b"])
+        assert (first.shared, first.model.name, again.model.name) == (1, "a", "b")
+        (tmp_path / "config.yaml").write_text("defaults:\n  - model: a\n  - _self_\nshared: 22\n")
+        edited = composed("config", ["model=c"])  # choices not composed before, with config.yaml loaded before
+        assert (edited.shared, edited.model.name) == (22, "c") == (compose("config", ["model=c"]).shared, "c")

@@ -7,11 +7,13 @@ import functools
 from collections.abc import Callable
 
 import pytest
+import torch
 from helpers import summary
 
 from experiments.sae.coders.activations import ReLUSAE, TopKSAE
 from experiments.sae.coders.dead import dead_advice
 from runner.train import train
+from runner.validation import summarize
 
 
 def test_more_than_one_percent_never_firing_is_said_with_its_count_and_the_remedy() -> None:
@@ -82,6 +84,17 @@ def test_a_cross_layer_transcoder_counts_every_layer_s_latents() -> None:
     (line,) = clt.advice({"val/dead_fraction": 0.125})
     assert line.startswith("12.5% of the cross-layer transcoder's 48 latents (6) never fired")
     assert "model.coder.auxk_coeff" in line
+    _, faint = clt.advice({"val/dead_fraction": 0.125, "val/faint_fraction": 0.0625})
+    assert faint.startswith("6.2% of the coder's 48 latents (3) fire but write under a tenth")
+    # the faint share is over every layer's latents, against the median of them all: layer 2's rows shrunk
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for coder in clt.coders:
+            coder.b_enc.fill_(5.0)  # every latent among the top 2 of 16 on some of the 64 rows (seed 0: none dead)
+        clt.coders[2].W_dec[:4] *= 1e-3
+    rows = torch.randn(64, 3 * 16)
+    out = summarize(clt, {k: v.double() for k, v in clt.validation_step(rows).items()})
+    assert out["dead_fraction"].item() == 0.0 and out["faint_fraction"].item() == 4 / 48
 
 
 def test_latents_beyond_the_data_s_true_features_are_called_spare_not_revivable() -> None:

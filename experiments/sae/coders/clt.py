@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from experiments.sae.coders.base import SAE
-from experiments.sae.coders.dead import dead_advice
+from experiments.sae.coders.dead import dead_advice, faint_advice
 from experiments.sae.coders.init import every_rank, geometric_median, unit_scale
 from experiments.sae.coders.sparse import SparsePre
-from experiments.sae.objectives import batch_errors, split_statistics, unexplained
+from experiments.sae.objectives import batch_errors, faint_share, split_statistics, unexplained
 from runner import ConfigError, check_whole
 from runner.config.trust import buildable
 
@@ -208,7 +208,8 @@ class CrossLayerTranscoder(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for i, (values, indices, _) in enumerate(codes):
             target = targets[i].float() * self.target_scale[i]
-            stats = split_statistics(recon[i], target, values, indices, self.coders[i].n_latents)
+            coder = self.coders[i]  # its decoder row: what a latent writes to this and every later layer
+            stats = split_statistics(recon[i], target, values, indices, coder.n_latents, coder.W_dec.norm(dim=1))
             out.update({f"{key}_{i}": value for key, value in stats.items()})
         out["silent_fraction"] = torch.stack([c.dead_mask().double().mean() for c in self.coders]).mean()
         return out
@@ -216,12 +217,14 @@ class CrossLayerTranscoder(nn.Module):
     def advice(self, metrics: dict[str, float]) -> list[str]:
         """Said at the end of the run: more than 1% of the layers' latents never firing on the validation split, with
         what trains them back (the layers' coders share one config)."""
-        latents = sum(c.n_latents for c in self.coders)
-        return dead_advice(metrics, latents, self.coders[0].revive_hint("model.coder"), what="cross-layer transcoder")
+        latents, coder = sum(c.n_latents for c in self.coders), self.coders[0]
+        dead = dead_advice(metrics, latents, coder.revive_hint("model.coder"), what="cross-layer transcoder")
+        return dead + faint_advice(metrics, latents, coder.unit_norm_decoder, "model.coder")
 
     def validation_summary(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per layer FVE (SST about the split's mean) and L0; the loss as trained (their sum), the mean FVE and L0,
-        the latents that never fired on the split (dead) and those silent for `dead_window`."""
+        the latents that never fired on the split (dead), those that fire but write almost nothing (faint) and those
+        silent for `dead_window`."""
         losses = [unexplained(means, f"_{i}") for i in range(self.layers)]
         out = {f"layer{i}/fve": 1 - loss for i, loss in enumerate(losses)}
         out.update({f"layer{i}/l0": means[f"l0_{i}"] for i in range(self.layers)})
@@ -229,6 +232,8 @@ class CrossLayerTranscoder(nn.Module):
         out["fve"] = 1 - torch.stack(losses).mean()
         out["l0"] = torch.stack([means[f"l0_{i}"] for i in range(self.layers)]).mean()
         out["silent_fraction"] = means["silent_fraction"]
-        rates = torch.cat([means[f"firing_rate_{i}"] for i in range(self.layers)])
-        out["dead_fraction"] = (rates == 0).double().mean()
+        every = {k: torch.cat([means[f"{k}_{i}"] for i in range(self.layers)]) for k in ("firing_rate", "code_mass")}
+        every["row_norm"] = torch.cat([means[f"row_norm_{i}"] for i in range(self.layers)])
+        out["dead_fraction"] = (every["firing_rate"] == 0).double().mean()
+        out["faint_fraction"] = faint_share(every)  # against the median latent of every layer
         return out

@@ -38,6 +38,30 @@ def dead_advice(
     ]
 
 
+def faint_advice(
+    metrics: dict[str, float], n_latents: int, unit_rows: bool, key: str, prefix: str = "", spare: str | None = None
+) -> list[str]:
+    """The line that says more than 1% of the latents fire yet write almost nothing (val/<prefix>faint_fraction:
+    objectives.faint_share), with the cause where it is known (free decoder rows that shrank) or `spare`."""
+    faint = metrics.get(f"val/{prefix}faint_fraction")
+    if faint is None or faint <= DEAD_SAID:
+        return []
+    who = f"{prefix.rstrip('/')}'s" if prefix else "the coder's"
+    line = (
+        f"{faint:.1%} of {who} {n_latents} latents ({round(faint * n_latents)}) fire but write under a tenth of the "
+        f"median latent's output (val/{prefix}faint_fraction: mean code when firing times decoder row norm)"
+    )
+    if spare:
+        return [f"{line}: {spare}"]
+    if unit_rows:
+        return [f"{line}: they add almost nothing to the reconstruction, and dead_fraction does not count them"]
+    return [
+        f"{line}: free decoder rows ({key}.unit_norm_decoder=false) shrank towards zero while their latents kept "
+        f"firing; {key}.unit_norm_decoder=true holds every row at unit norm, and a higher L0 leaves fewer (a JumpReLU "
+        "on a GPT's residual stream after 5 epochs: 4.4-4.8% at L0 9-13 free, none unit, 0.7% at L0 40 free)"
+    ]
+
+
 class DeadLatents:
     """The clock's buffers and counting, mixed into SAE (an nn.Module with `n_latents`, `dead_unit`, `dead_window`)."""
 
@@ -56,28 +80,9 @@ class DeadLatents:
         return dead_advice(metrics, self.n_latents, revive, prefix, what) + self.faint_advice(metrics, prefix, key)
 
     def faint_advice(self, metrics: dict[str, float], prefix: str = "", key: str = "model") -> list[str]:
-        """The line that says more than 1% of the latents fire yet write almost nothing (val/<prefix>faint_fraction:
-        objectives.faint_share), with the cause where it is known: free decoder rows that shrank."""
-        faint = metrics.get(f"val/{prefix}faint_fraction")
-        if faint is None or faint <= DEAD_SAID:
-            return []
-        who = f"{prefix.rstrip('/')}'s" if prefix else "the coder's"
-        line = (
-            f"{faint:.1%} of {who} {self.n_latents} latents ({round(faint * self.n_latents)}) fire but write under a "
-            f"tenth of the median latent's output (val/{prefix}faint_fraction: mean code when firing times decoder "
-            "row norm)"
-        )
-        spare = self.surplus(metrics, prefix, key)
-        if spare:
-            return [f"{line}: {spare}"]
-        if getattr(self, "unit_norm_decoder", True):
-            return [f"{line}: they add almost nothing to the reconstruction, and dead_fraction does not count them"]
-        return [
-            f"{line}: free decoder rows ({key}.unit_norm_decoder=false) shrank towards zero while their latents kept "
-            f"firing; {key}.unit_norm_decoder=true holds every row at unit norm, and a higher L0 leaves fewer (a "
-            "JumpReLU on a GPT's residual stream after 5 epochs: 4.4-4.8% at L0 9-13 free, none unit, 0.7% at L0 40 "
-            "free)"
-        ]
+        """faint_advice for this coder: spare width where the data's true features say so (surplus)."""
+        unit = getattr(self, "unit_norm_decoder", True)
+        return faint_advice(metrics, self.n_latents, unit, key, prefix, self.surplus(metrics, prefix, key))
 
     def surplus(self, metrics: dict[str, float], prefix: str = "", key: str = "model") -> str | None:
         """Where the data's true features are known (val/true_features) and this SAE has more latents than those,
