@@ -28,13 +28,12 @@ def split_statistics(
     recon, target, fired = recon.double(), target.double(), values > 0
     counts = fired.double()  # [B, k] at `indices`, or [B, n_latents]
     if indices is None:
-        rate, mass = counts.mean(0), (values.double() * counts).mean(0)
+        rate = counts.mean(0)
     else:
         # A row's indices are distinct (its top k), so each latent's count of firing rows is a count of its index
         # among the fired ones: the exact sums of the dense [B, n_latents] matrix, without making it (B x n_latents
         # float64 a batch: 128 MiB at 1024 x 16384)
         rate = torch.bincount(indices[fired], minlength=n_latents).double() / len(values)
-        mass = torch.bincount(indices[fired], values[fired].double(), minlength=n_latents) / len(values)
     out = {
         "sse": (recon - target).pow(2).sum(1).mean(),
         "x_mean": target.mean(0),  # [d]: the target's (an SAE's: its inputs')
@@ -42,7 +41,11 @@ def split_statistics(
         "l0": counts.sum(1).mean(),
         "firing_rate": rate,  # [n_latents]: the split's mean is each latent's rate over all its rows
     }
-    if row_norms is not None:
+    if row_norms is not None:  # each latent's mean code over the rows (0 where it did not fire), summed in float64
+        if indices is None:
+            mass = values.clamp(min=0).sum(0, dtype=torch.float64) / len(values)
+        else:
+            mass = torch.bincount(indices[fired], values[fired].double(), minlength=n_latents) / len(values)
         out["code_mass"], out["row_norm"] = mass, row_norms.detach().double()
     return out
 
