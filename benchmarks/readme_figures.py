@@ -50,7 +50,7 @@ FIGURES: dict[str, tuple[str, list[tuple[str, list[Figure]]]]] = {
         [
             (
                 rf"`python -m runner \+experiment=digits` reaches \*\*val/acc {N}\*\* \(best val/loss {N} at "
-                r"step (\d+); early stopping at step (\d+), epoch (\d+)\)",
+                r"step (\d+); early stopping at step (\d+), epoch (\d+)[;)]",
                 [
                     _metric("val/acc"),
                     lambda run: run["summary"]["best"]["value"],
