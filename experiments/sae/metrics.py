@@ -11,7 +11,11 @@ from runner.sweeps.frontier import Frontier
 # What `python -m runner.report` tabulates and draws for a sweep of k or width, or one run's family (model=sae_multi),
 # through the entry point runner.frontiers: SAEBench compares SAEs along an L0 sweep, never at one L0. The spliced
 # metrics are there with callbacks=sae_splice.
-FRONTIER = Frontier(x="val/l0", y=("val/fve", "val/kl_spliced", "val/loss_recovered", "val/dead_fraction"), log_x=True)
+FRONTIER = Frontier(
+    x="val/l0",
+    y=("val/fve", "val/kl_spliced", "val/loss_recovered", "val/dead_fraction", "val/faint_fraction"),
+    log_x=True,
+)
 
 
 @torch.no_grad()

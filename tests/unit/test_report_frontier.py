@@ -51,6 +51,7 @@ def sae(n: int, k: int) -> dict[str, float]:
         "val/fve": 0.5 + k / 100 + (0.05 if n == 4096 else 0.0),
         "val/kl_spliced": 1.0 / k,
         "val/dead_fraction": 0.01 if n == 1024 else 0.2,
+        "val/faint_fraction": 0.0 if n == 1024 else 0.05,
     }
 
 
@@ -85,10 +86,11 @@ def test_a_sweep_of_k_and_width_is_a_table_sorted_by_l0(sweep: Path, capsys: pyt
     assert main([str(sweep), "--no-plot"]) == 0
     out = capsys.readouterr().out
     rows = table(out, "frontier sae: 6 job(s) by val/l0")
-    # job, model.n_latents, model.k, val/l0, val/fve, val/kl_spliced, val/dead_fraction: loss recovered was not logged
+    # job, model.n_latents, model.k, val/l0, val/fve, val/kl_spliced, val/dead_fraction, val/faint_fraction: loss
+    # recovered was not logged
     assert [row[0] for row in rows] == ["0", "3", "1", "4", "2", "5"]
-    assert rows[0] == ["0", "1024", "8", "7.84", "0.58", "0.125", "0.01"]
-    assert rows[-1] == ["5", "4096", "32", "31.94", "0.87", "0.03125", "0.2"]
+    assert rows[0] == ["0", "1024", "8", "7.84", "0.58", "0.125", "0.01", "0"]
+    assert rows[-1] == ["5", "4096", "32", "31.94", "0.87", "0.03125", "0.2", "0.05"]
     assert "1 job(s) without val/l0: failed or not validated yet" in out
     assert "val/loss_recovered" not in out and not (sweep / "plots").exists()
 
@@ -101,7 +103,7 @@ def test_the_plot_has_a_line_per_width_and_a_point_per_job(sweep: Path, capsys: 
     assert path.read_bytes().startswith(PNG)
     # model.k moves L0 (the report finds it), so each width is a line through its three jobs, by L0
     drawn = plot_frontier(points(collect(sweep), FRONTIER), FRONTIER, path)
-    assert list(drawn) == ["val/fve", "val/kl_spliced", "val/dead_fraction"]
+    assert list(drawn) == ["val/fve", "val/kl_spliced", "val/dead_fraction", "val/faint_fraction"]
     assert list(drawn["val/fve"]) == ["model.n_latents=1024", "model.n_latents=4096"]
     wide = [sae(4096, k) for k in KS]
     assert drawn["val/fve"]["model.n_latents=4096"] == [(m["val/l0"], m["val/fve"]) for m in wide]
