@@ -91,8 +91,10 @@ def _loads_shared() -> Iterator[None]:
         source = self._find_object_source(config_path, ObjectType.CONFIG)
         if source is None or source.scheme() == "structured":
             return load(self, config_path)
-        file = os.path.join(source.path, source._normalize_file_name(config_path))
-        state = (os.stat(file).st_size, os.stat(file).st_mtime_ns) if source.scheme() == "file" else None
+        state = None
+        if source.scheme() == "file":
+            stat = os.stat(os.path.join(source.path, source._normalize_file_name(config_path)))
+            state = (stat.st_size, stat.st_mtime_ns)
         key = (tuple(s.path for s in self.sources), config_path, state)
         if key not in _LOADED:
             _LOADED[key] = load(self, config_path)

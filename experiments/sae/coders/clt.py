@@ -232,8 +232,8 @@ class CrossLayerTranscoder(nn.Module):
         out["fve"] = 1 - torch.stack(losses).mean()
         out["l0"] = torch.stack([means[f"l0_{i}"] for i in range(self.layers)]).mean()
         out["silent_fraction"] = means["silent_fraction"]
-        every = {k: torch.cat([means[f"{k}_{i}"] for i in range(self.layers)]) for k in ("firing_rate", "code_mass")}
-        every["row_norm"] = torch.cat([means[f"row_norm_{i}"] for i in range(self.layers)])
+        keys = ("firing_rate", "code_mass", "row_norm")
+        every = {k: torch.cat([means[f"{k}_{i}"] for i in range(self.layers)]) for k in keys}
         out["dead_fraction"] = (every["firing_rate"] == 0).double().mean()
         out["faint_fraction"] = faint_share(every)  # against the median latent of every layer
         return out
