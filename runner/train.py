@@ -146,6 +146,10 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), sweep: Swee
         run.stop_reason = StopReason.INTERRUPTED
         summary = summarize(run, samples_at_start, tokens_at_start)
     finally:
+        for saver in (cb for cb in run.callbacks if isinstance(cb, Checkpoint)):
+            # a run that raised between two saves keeps the one still writing: the next launch, in this process too,
+            # resumes from it rather than finding it half-written and clearing it away
+            saver.wait()
         if summary is not None:
             _write_outputs(run, run_dir, summary)
         for logger in run.loggers:

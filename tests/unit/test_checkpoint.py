@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -237,3 +239,32 @@ def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path: Path
         fit(run)
     # raised at the step after the failed save at step 5, or at the latest when the next save (step 10) begins
     assert 5 <= steps.steps <= 10
+
+
+class _CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, run: Run) -> None:
+        if run.progress.step == self.step:
+            raise RuntimeError("the node died")
+
+
+def test_a_crash_while_a_save_is_writing_leaves_that_checkpoint_for_the_next_launch(
+    compose_cfg: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import runner.ckpt.callback as callback
+
+    write = callback.write_checkpoint
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)  # a loaded disk: the training thread reaches the crash while the writer is still at work
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(callback, "write_checkpoint", slow_write)
+    overrides = ["+experiment=digits", "trainer.max_duration=12st", "callbacks=none", "checkpoint.interval=10st"]
+    with pytest.raises(RuntimeError, match="the node died"):
+        train(compose_cfg(*overrides), extra_callbacks=[_CrashAt(11)])
+    assert [f.name for f in checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000010"]
+    train(compose_cfg(*overrides, "resume=auto"))
+    assert (tmp_path / "run" / "run-resumed-at-10.json").is_file()
