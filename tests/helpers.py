@@ -244,6 +244,17 @@ class StopAt(Callback):
             run.request_stop("preempted")
 
 
+class CrashAt(Callback):
+    """Fails at `step`, after that step was logged: a crash between two checkpoints."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, run: Run) -> None:
+        if run.progress.step == self.step:
+            raise RuntimeError("the node died")
+
+
 class SyncsAreErrors(Callback):
     """Makes every host-device sync an error (torch.cuda.set_sync_debug_mode) from the end of optimizer step `first`
     to the end of step `last`: the steps in between (`guarded` of them) must not sync. The mode goes back to default

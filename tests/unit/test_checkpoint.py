@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import CountSteps, StopAt, assert_same_state, make_run, metric_rows
+from helpers import CountSteps, CrashAt, StopAt, assert_same_state, make_run, metric_rows
 
 from runner.ckpt.callback import Checkpoint
 from runner.ckpt.files import (
@@ -241,15 +241,6 @@ def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path: Path
     assert 5 <= steps.steps <= 10
 
 
-class _CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, run: Run) -> None:
-        if run.progress.step == self.step:
-            raise RuntimeError("the node died")
-
-
 def test_a_crash_while_a_save_is_writing_leaves_that_checkpoint_for_the_next_launch(
     compose_cfg: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -264,7 +255,7 @@ def test_a_crash_while_a_save_is_writing_leaves_that_checkpoint_for_the_next_lau
     monkeypatch.setattr(callback, "write_checkpoint", slow_write)
     overrides = ["+experiment=digits", "trainer.max_duration=12st", "callbacks=none", "checkpoint.interval=10st"]
     with pytest.raises(RuntimeError, match="the node died"):
-        train(compose_cfg(*overrides), extra_callbacks=[_CrashAt(11)])
+        train(compose_cfg(*overrides), extra_callbacks=[CrashAt(11)])
     assert [f.name for f in checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000010"]
     train(compose_cfg(*overrides, "resume=auto"))
     assert (tmp_path / "run" / "run-resumed-at-10.json").is_file()

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import StopAt, jsonl, summary
+from helpers import CrashAt, StopAt, jsonl, summary
 from safetensors.torch import load_file
 
 from runner import ConfigError
 from runner.build import build
 from runner.log.mlflow_logger import MlflowLogger, flat
 from runner.log.tensorboard_logger import TensorBoardLogger
-from runner.run import Callback, Run
 from runner.train import train
 
 TINY = ["+experiment=digits", "trainer.max_duration=20st", "trainer.val_interval=10st", "trainer.log_interval=5st"]
@@ -52,17 +51,6 @@ def test_tensorboard_writes_every_metric_and_the_config_for_tensorboards_reader(
     assert "config/text_summary" in events.Tags()["tensors"]
     (config,) = events.Tensors("config/text_summary")
     assert b"max_duration: 20st" in config.tensor_proto.string_val[0]
-
-
-class CrashAt(Callback):
-    """Fails at `step`, after that step was logged: a crash between two checkpoints."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, run: Run) -> None:
-        if run.progress.step == self.step:
-            raise RuntimeError("the node died")
 
 
 def test_a_resumed_run_replaces_what_tensorboard_got_after_the_checkpoint(
