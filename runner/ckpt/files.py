@@ -164,17 +164,23 @@ def verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
     return data
 
 
-def digest(path: Path) -> dict[str, Any]:
-    """A file's manifest entry: its size and sha256 (read in chunks, not loaded)."""
+def hash_into(sha256: Any, path: Path) -> int:
+    """Feed the file at `path` to the hash `sha256` in chunks, not loaded; the bytes read."""
     # one 1 MiB buffer read into again and again: a fresh chunk a read would take twice its size at the turn (the old
     # one still held), in the arena of whichever thread hashes (a checkpoint writer's, beside the training's memory)
-    sha256, size, buffer = hashlib.sha256(), 0, bytearray(1 << 20)
+    size, buffer = 0, bytearray(1 << 20)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while count := f.readinto(buffer):
             sha256.update(view[:count])
             size += count
-    return {"bytes": size, "sha256": sha256.hexdigest()}
+    return size
+
+
+def digest(path: Path) -> dict[str, Any]:
+    """A file's manifest entry: its size and sha256."""
+    sha256 = hashlib.sha256()
+    return {"bytes": hash_into(sha256, path), "sha256": sha256.hexdigest()}
 
 
 def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:

@@ -4,7 +4,9 @@ data is exact."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -206,3 +208,13 @@ def test_a_source_trained_on_a_stream_writes_its_cache_from_that_stream(
     trained_once(source, *TINY_LM, "data=text_stream", "data.block=4")  # test_sae_lm's stream_lm_run: trained once
     run = build(compose_cfg(*_sae(source, tmp_path / "acts")))
     assert len(run.train_loader.dataset) == 2500 and (tmp_path / "acts" / "manifest.json").exists()
+
+
+def test_the_source_s_identity_hashes_its_weight_files_end_to_end(tmp_path: Path) -> None:
+    # a file longer than the hash's read buffer (1 MiB), its last chunk a short one, then a second file
+    parts = [os.urandom((5 << 19) + 3), b"the tokenizer's text"]
+    files = [tmp_path / "model-1.safetensors", tmp_path / "tokenizer.json"]
+    for file, data in zip(files, parts, strict=True):
+        file.write_bytes(data)
+    key = cache_module.identity(str(tmp_path), "h.0", 0, "float32", 8, weights=files)
+    assert key["weights_sha256"] == hashlib.sha256(b"".join(parts)).hexdigest()

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 
 from experiments.sae.sources.buffer import source_inputs
 from runner import ConfigError
+from runner.ckpt.files import hash_into
 from runner.rundir import MODEL, fsync_dir, locked, read_json, write_atomic
 
 MANIFEST, HEARTBEAT, PARTIAL = "manifest.json", ".writing", ".partial.json"  # the writer's DIR/.lock: runner.rundir
@@ -74,9 +75,7 @@ def identity(
     path = Path(checkpoint)
     digest = hashlib.sha256()
     for file in weights or [path / MODEL if path.is_dir() else path]:
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
+        hash_into(digest, file)
     return {
         "source": str(path.resolve()),
         "weights_sha256": digest.hexdigest(),
