@@ -24,6 +24,7 @@ from helpers import (
     read_json,
     weights,
 )
+from safetensors.torch import load_file
 
 from runner.ckpt.files import checkpoints
 
@@ -34,6 +35,9 @@ STEPS = [*TRAINED, "checkpoint.interval=10st", "checkpoint.keep_last=10"]
 HSDP = ["distributed=hsdp", "distributed.replicate=2", "data.batch_size=8"]
 FSDP4 = ["distributed=fsdp", "data.batch_size=8"]
 GATHERED = ["+callbacks.gathered._target_=_hsdp_ranks.GatheredWeights"]  # RUN_DIR/gathered.safetensors
+# RUN_DIR/initial.safetensors: the weights before the first step, gathered
+INITIAL = [f"+callbacks.initial.{k}" for k in ("_target_=_hsdp_ranks.GatheredWeights", "name=initial.safetensors")]
+INITIAL.append("+callbacks.initial.at=start")
 CHANGED = "resume_allow_changes=true"  # another distributed option: the same training on another mesh
 ATOL = 1e-5  # as tests/e2e/test_fsdp.py: the same gradients summed in another order
 
@@ -76,7 +80,6 @@ def initialised_in_one_process(root: Path, one: Future) -> Path:
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     """The module's runs (helpers.module_runs); the resumes wait for the runs they resume."""
     fsdp2 = [*DIGITS_DDP, "distributed=fsdp", "data.batch_size=16", "trainer.max_duration=10st", *GATHERED]
-    still = [*DIGITS_DDP, "optimizer=sgd", "optimizer.lr=0.0", "trainer.max_duration=2st", *HSDP]  # weights kept
     return {
         "hsdp": lambda: ranks(root, "hsdp", 4, *STEPS, *HSDP, *GATHERED),
         "fsdp4": lambda: ranks(root, "fsdp4", 4, *STEPS, *FSDP4),
@@ -88,9 +91,8 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "fsdp_to_hsdp": lambda: ranks(root, "fsdp_to_hsdp", 4, *STEPS, *HSDP, CHANGED, step_10(runs["fsdp4"])),
         "hsdp_to_fsdp": lambda: ranks(root, "hsdp_to_fsdp", 4, *STEPS, *FSDP4, CHANGED, step_10(runs["hsdp"])),
         "hsdp_to_one": lambda: single(root, "hsdp_to_one", CHANGED, step_10(runs["hsdp"])),
-        "hsdp_init": lambda: ranks(root, "hsdp_init", 4, *TRAINED, *HSDP, *init_from(runs["one"])),
+        "hsdp_init": lambda: ranks(root, "hsdp_init", 4, *TRAINED, *HSDP, *init_from(runs["one"]), *INITIAL),
         "one_init": lambda: initialised_in_one_process(root, runs["one"]),
-        "hsdp_still": lambda: ranks(root, "hsdp_still", 4, *still, *init_from(runs["one"])),
     }
 
 
@@ -135,12 +137,11 @@ def test_streamed_final_weights_are_the_bytes_of_the_gathered_file(runs: dict[st
 
 def test_an_hsdp_init_from_reads_the_file_s_weights_and_trains_as_one_process(runs: dict[str, Future]) -> None:
     # each rank of the 2 x 2 mesh builds the task's parameters on the meta device and reads only its block of the
-    # file: unchanged by steps of lr 0, the weights are the file's exactly; trained, they follow one process reading
-    # the file whole (HSDP trains as FSDP(4) and one process: the first test)
-    file = weights(runs["one"].result())
-    still = weights(runs["hsdp_still"].result())
-    assert still.keys() == file.keys() and all(still[k].equal(file[k]) for k in file)
+    # file: gathered before the first step, the weights are the file's exactly; trained, they follow one process
+    # reading the file whole (HSDP trains as FSDP(4) and one process: the first test)
     hsdp, one = runs["hsdp_init"].result(), runs["one_init"].result()
+    file, initial = weights(runs["one"].result()), load_file(hsdp / "initial.safetensors")
+    assert initial.keys() == file.keys() and all(initial[k].equal(file[k]) for k in file)
     assert "hsdp (2 replicas x 2 shards, full shard)" in (hsdp / "runner.log").read_text()
     for key in ("train/grad_norm", "train/loss"):
         assert column(hsdp, key) == pytest.approx(column(one, key), rel=1e-5), key
