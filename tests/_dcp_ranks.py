@@ -1,4 +1,4 @@
-"""Callbacks for tests/e2e/test_dcp_ranks.py and test_dcp_kills.py: one rank SIGKILLed in the middle of a distributed
+"""Callbacks for tests/e2e/test_fsdp.py's kill trials: one rank SIGKILLed in the middle of a distributed
 save (its shards written, its own files and the manifest not yet), as the OOM killer or a lost node would; a save held
 in the writer thread while a test kills the whole job; one rank's disk full.
 

@@ -35,6 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
+from runner.ckpt.files import checkpoints
 from runner.data import DataModule, TensorData
 from runner.distributed.strategies import Single
 from runner.precision import FP32
@@ -540,6 +541,21 @@ def worker_exit_codes(stderr: str) -> list[int]:
 def error_lines(stderr: str) -> list[str]:
     """The lines the ranks said their errors on ("error: ..." and "error on rank N: ...")."""
     return [line for line in stderr.splitlines() if line.startswith("error")]
+
+
+def split_at_first_checkpoint(run_dir: Path, copy: Path) -> Path:
+    """`copy`: the finished run `run_dir` as it stood after its first checkpoint (a crash right after it)."""
+    shutil.copytree(run_dir, copy, symlinks=True)
+    for later in checkpoints(copy / "checkpoints")[:-1]:
+        shutil.rmtree(later)
+    (copy / "model.safetensors").unlink()
+    return copy
+
+
+def no_worker_traceback(stderr: str) -> None:
+    """torchrun prints a traceback of its own (ChildFailedError) when a worker fails; no worker may print one."""
+    for said in ("Connection closed by peer", "third_party/gloo", "Error executing job", "runner/__main__.py"):
+        assert said not in stderr, stderr[-4000:]
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

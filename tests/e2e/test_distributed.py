@@ -1,5 +1,5 @@
-"""Distributed training for real on the CPU: torchrun, 2 processes, the gloo backend. Preemption, a killed worker and
-a rank that drifts are test callbacks chosen on the command line (tests/_tasks.py)."""
+"""Distributed training for real on the CPU: torchrun, 2 processes, the gloo backend. Preemption, a killed worker, a
+full disk on rank 0 and a rank that drifts are test callbacks chosen on the command line (tests/_tasks.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from helpers import (
     assert_close_weights,
     assert_same_weights,
     cli,
+    error_lines,
     explain,
     metric_rows,
+    no_worker_traceback,
     ok,
     popen,
     python,
@@ -30,6 +32,7 @@ from helpers import (
     torchrun_worker,
     values,
     wait_for,
+    worker_exit_codes,
 )
 
 # The 2-rank run that the other 2-rank runs of the module must reproduce: 20 steps of 2 x 16 samples, checkpoints at
@@ -98,8 +101,9 @@ def full_disk(root: Path) -> dict[str, Any]:
     full = ["+callbacks.full._target_=_tasks.FullDiskFrom", "+callbacks.full.step=12"]
     failed = torchrun(*CHECKPOINTED, *full, f"hydra.run.dir={folder}", cwd=root)
     left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    stopped = summary(folder)
     resumed = torchrun(*CHECKPOINTED, *full, f"hydra.run.dir={folder}", "resume=auto", cwd=root)
-    return {"failed": failed, "left": left, "resumed": resumed, "run_dir": folder}
+    return {"failed": failed, "left": left, "summary": stopped, "resumed": resumed, "run_dir": folder}
 
 
 def two_nodes(root: Path) -> dict[str, Any]:
@@ -309,6 +313,31 @@ def test_a_full_disk_on_rank_0_stops_every_rank_and_the_resume_loses_nothing(run
     assert_same_weights(outcome["run_dir"], the_whole_run(runs))
     rows = metric_rows(outcome["run_dir"])
     assert [r for r in rows if r["step"] > 10] == [r for r in metric_rows(the_whole_run(runs)) if r["step"] > 10]
+
+
+def test_a_full_disk_on_rank_0_exits_2_on_every_rank_with_one_paragraph(runs: dict[str, Future]) -> None:
+    # torchrun's own exit code is 1 whenever a worker fails (torch's ChildFailedError): what is sure is each worker's
+    # code in its failure table. Only rank 0 prints its paragraph, rank 1 one line.
+    failed = runs["full_disk"].result()["failed"]
+    assert failed.returncode != 0 and worker_exit_codes(failed.stderr) == [2, 2], explain(failed)
+    errors = error_lines(failed.stderr)
+    assert len(errors) == 2, failed.stderr[-4000:]
+    paragraph, line = sorted(errors, reverse=True)  # "error:" sorts after "error on"
+    assert paragraph.startswith("error: disk full: saving checkpoint ") and "step-00000020" in paragraph, paragraph
+    assert "resume=auto" in paragraph
+    assert line == "error on rank 1: stopped because rank 0 stopped (exit 2; its message says why)", line
+    no_worker_traceback(failed.stderr)
+    stopped = runs["full_disk"].result()["summary"]
+    assert stopped["stop_reason"] == "failed" and stopped["error"].startswith("disk full: saving checkpoint")
+
+
+def test_the_run_stopped_by_a_full_disk_resumes_bit_exact(runs: dict[str, Future]) -> None:
+    outcome = runs["full_disk"].result()
+    resumed = ok(outcome["resumed"])
+    assert resumed.stderr.count("resuming from") == 1 and "(step 10)" in resumed.stderr, resumed.stderr[-3000:]
+    reference = the_whole_run(runs)
+    assert_same_weights(outcome["run_dir"], reference)
+    assert metric_rows(outcome["run_dir"]) == metric_rows(reference)
 
 
 def test_rank_consistency_names_the_parameter_that_diverged(runs: dict[str, Future]) -> None:

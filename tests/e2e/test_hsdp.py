@@ -5,7 +5,6 @@ by tensor, is byte for byte the file gathered whole on rank 0 (under fsdp on 2 r
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -22,6 +21,7 @@ from helpers import (
     ok,
     python,
     read_json,
+    split_at_first_checkpoint,
     weights,
 )
 from safetensors.torch import load_file
@@ -54,12 +54,8 @@ def single(root: Path, name: str, *overrides: str) -> Path:
 
 
 def split(root: Path, source: Future, name: str) -> Path:
-    """A copy of a finished run as it stood after its step-10 checkpoint (a crash right after it)."""
-    shutil.copytree(source.result(), root / name, symlinks=True)
-    for later in checkpoints(root / name / "checkpoints")[:-1]:
-        shutil.rmtree(later)
-    (root / name / "model.safetensors").unlink()
-    return root / name
+    """A copy of a finished run as it stood after its step-10 checkpoint."""
+    return split_at_first_checkpoint(source.result(), root / name)
 
 
 def step_10(run: Future) -> str:

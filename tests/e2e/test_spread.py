@@ -1,5 +1,6 @@
 """distributed=spread for real on 2 gloo ranks: each SAE of a family whole on one rank trains as one process trains it
-on the global batch, the files hold each SAE once, and a rank killed mid-run is restarted and resumes bit for bit."""
+on the global batch, the files hold each SAE once, a rank killed mid-run is restarted and resumes bit for bit, and so
+does a run resumed from its distributed checkpoint (checkpoint.format=dcp, the default under spread)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from helpers import (
     ok,
     popen,
     python,
+    split_at_first_checkpoint,
     summary,
     torchrun,
     torchrun_worker,
@@ -45,12 +47,13 @@ def _family(acts: Path) -> list[str]:
         "trainer.val_interval=10st",
         "trainer.log_interval=5st",
         "checkpoint.interval=10st",
-        "checkpoint.format=files",  # one process's state.pt, which resumes too (dcp: tests/e2e/test_dcp_ranks.py)
+        "checkpoint.format=files",  # one process's state.pt, which resumes too (dcp: SYNTHETIC below)
         "logger=[console,jsonl]",
     ]
 
 
-# the synthetic preset with its ground-truth callback: each rank scores its own SAEs against the true features
+# the synthetic preset with its ground-truth callback: each rank scores its own SAEs against the true features; a
+# distributed checkpoint every 10 steps, all kept
 SYNTHETIC = [
     "+experiment=sae",
     "model=sae_multi",
@@ -63,7 +66,8 @@ SYNTHETIC = [
     "data.batch_size=64",
     "trainer.max_duration=20st",
     "trainer.val_interval=10st",
-    "checkpoint=none",
+    "checkpoint.interval=10st",
+    "checkpoint.keep_last=10",
     "logger=jsonl",
     "distributed=spread",
 ]
@@ -91,6 +95,18 @@ def restarted(root: Path, family: list[str]) -> dict[str, Any]:
     return {"code": proc.returncode, "err": err, "run_dir": root / "restarted"}
 
 
+def split(root: Path, run_dir: Path, name: str) -> Path:
+    """A copy of a finished run as it stood after its step-10 checkpoint."""
+    return split_at_first_checkpoint(run_dir, root / name)
+
+
+def synthetic_resumed(root: Path, synthetic: Future) -> Path:
+    _, run_dir = synthetic.result()
+    resumed = split(root, run_dir, "synthetic_resumed")
+    ok(torchrun(*SYNTHETIC, "resume=auto", f"hydra.run.dir={resumed}", cwd=root))
+    return resumed
+
+
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     """The module's runs (helpers.module_runs)."""
     family, spread = _family(_rows(root)), ["distributed=spread", "data.batch_size=32"]
@@ -106,6 +122,7 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
             root / "synthetic",
         ),
         "ranks": lambda: python(*TORCHRUN, str(Path(__file__).parents[1] / "_spread_ranks.py"), cwd=root),
+        "synthetic_resumed": lambda: synthetic_resumed(root, runs["synthetic"]),
     }
 
 
@@ -173,3 +190,10 @@ def test_each_rank_scores_its_own_sae_s_against_the_true_features_and_rank_0_log
     assert 0 < last["val/k2/mmcs"] <= 1 and 0 < last["val/k4/mmcs"] <= 1  # k2 on rank 0, k4 on rank 1
     assert last["val/mmcs"] == pytest.approx((last["val/k2/mmcs"] + last["val/k4/mmcs"]) / 2)
     assert last["val/k4/recovered_0.5"] >= 0 and "val/fve" in last
+
+
+def test_a_spread_run_resumed_from_its_distributed_checkpoint_is_bit_for_bit(runs: dict[str, Future]) -> None:
+    _, whole = runs["synthetic"].result()
+    resumed = runs["synthetic_resumed"].result()
+    assert_same_weights(resumed, whole)
+    assert metric_rows(resumed) == metric_rows(whole)
