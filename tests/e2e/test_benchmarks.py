@@ -15,22 +15,41 @@ from helpers import ROOT, ok, python, read_json
 
 SPARSIFY = ROOT / ".venv-sparsify" / "bin" / "python"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])  # benchmarks/peers/install.sh makes it; CI has none
-# script -> its smoke arguments (the slowest first: they start in this order). Every script runs with --device cpu:
-# the checks below are the CPU's (identical losses and decoders, no MFU), also on a machine with a GPU.
+# sae_kl trains the GPT the way a user's first run does (--lm-args: 4 steps of a 2-block GPT on one stdlib package);
+# startup_sae and sae_init read that run (--lm): its blocks 0 and 1 are their --layer choices, and the LM's training
+# is no part of any script's figures
+TINY_GPT = [
+    *("model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=2"),
+    *("trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
+    f"data.paths=[{STDLIB / 'json' / '*.py'}]",
+]
+READS_GPT = {"startup_sae", "sae_init"}
+# script -> its smoke arguments (sae_kl, whose GPT two others read, then the slowest first: they start in this order).
+# Every script runs with --device cpu: the checks below are the CPU's (identical losses and decoders, no MFU), also on
+# a machine with a GPU.
 SMOKE = {
+    # TINY_GPT, then 12 steps of 2 windows a step of SAEs of 64 latents (k 4) on its blocks.0, trained by KL through
+    # block 1 and by reconstruction; sparsify's too where its virtualenv is
+    "sae_kl": [
+        *("--n-latents", "64", "--k", "4", "--windows", "2", "--steps", "12", "--layer", "0", "--seeds", "0"),
+        *("--profile-steps", "2", "--dir", "out"),
+        # CI: runner's alone; runner-kl-compiled (compile=blocks) is tested in tests/unit/test_end_to_end.py
+        *(
+            "--contenders",
+            "runner-kl",
+            "runner-recon",
+            *(("sparsify-kl", "sparsify-recon") if SPARSIFY.exists() else ()),
+        ),
+        *("--lm-args", *TINY_GPT),
+    ],
     # DDP with no_sync accumulation, runner and hand-written, and their one-process baselines: four jobs, two of them
     # torchrun with 2 processes (all nine take over a minute of startup on 2 busy cores)
     "ddp": ["--smoke", "--contenders", "ddp_acc", "hand_ddp_acc"],
     # past the first epoch (64 steps on tiny): the losses check covers each contender's reshuffle at an epoch's start
     "overhead": ["--steps", "70", "--warmup", "10", "--reps", "1", "--sizes", "tiny"],
     "startup": ["--steps", "3", "--reps", "1"],
-    # a 4-step 2-block GPT on one stdlib package, then 4 SAE steps of each contender on blocks.1
-    "startup_sae": [
-        *("--steps", "4", "--reps", "1", "--threads", "1", "--layer", "1", "--lm-args"),
-        *("model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=2"),
-        *("trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
-        f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
-    ],
+    # 4 SAE steps of each contender on blocks.1 of sae_kl's GPT
+    "startup_sae": ["--steps", "4", "--reps", "1", "--threads", "1", "--layer", "1"],
     # a 2-block GPT of width 64 over 2 ranks, a checkpoint every 2 of its 4 steps, in each format
     "checkpoint_dcp": ["--ranks", "2", "--width", "64", "--layers", "2", "--steps", "4", "--interval", "2"],
     # two log windows of digits (the steady state is the second), fused and not
@@ -49,30 +68,11 @@ SMOKE = {
     "sae_hf": ["--n-layer", "2", "--n-embd", "64", "--layer", "1", "--windows", "8", "--batch", "4", "--context", "16"],
     # a one-block source; 5,000 rows in shards of 2,048
     "sae_cache": ["--rows", "5000", "--shard-rows", "2048", "--n-layer", "1", "--layer", "0"],
-    # a 4-step one-block GPT on one stdlib package, then each variant on 2,048 of its activations
+    # each variant on 2,048 activations of sae_kl's GPT's blocks.0
     "sae_init": [
         *("model.n_latents=64", "model.k=4", "scheduler.decay=0.5dur"),  # the SAEs'
         *("--variants", "unit-norm encoder", "fit encoder scale", "norm 0.5 (default)"),  # 3 of the 7 processes
-        *("--seeds", "0", "--rows", "2048", "--batch", "256", "--layer", "0", "--dir", "out", "--lm-args"),
-        *("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.batch_size=2"),
-        *("trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
-        f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
-    ],
-    # a 4-step 2-block GPT on one stdlib package, then 12 steps of 2 windows a step of SAEs of 64 latents (k 4) on
-    # blocks.0, trained by KL through block 1 and by reconstruction; sparsify's too where its virtualenv is
-    "sae_kl": [
-        *("--n-latents", "64", "--k", "4", "--windows", "2", "--steps", "12", "--layer", "0", "--seeds", "0"),
-        *("--profile-steps", "2", "--dir", "out"),
-        # CI: runner's alone; runner-kl-compiled (compile=blocks) is tested in tests/unit/test_end_to_end.py
-        *(
-            "--contenders",
-            "runner-kl",
-            "runner-recon",
-            *(("sparsify-kl", "sparsify-recon") if SPARSIFY.exists() else ()),
-        ),
-        *("--lm-args", "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32"),
-        *("data.batch_size=2", "trainer.max_duration=4st", "data.val_every=2", "data.cache_dir=cache"),
-        f"data.paths=[{Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}]",
+        *("--seeds", "0", "--rows", "2048", "--batch", "256", "--layer", "0", "--dir", "out"),
     ],
     # a one-block d-32 source on one stdlib package, a ring of 2048 refilled every 4 steps of 256, hand against runner
     "sae_pipeline": [
@@ -111,13 +111,17 @@ SMOKE = {
 
 
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], dict]]:
-    """The module's runs (helpers.module_runs): every script of SMOKE once (one thread per process), its --json."""
+    """The module's runs (helpers.module_runs): every script of SMOKE once (one thread per process), its --json; the
+    scripts of READS_GPT wait for sae_kl's GPT."""
 
     def job(name: str) -> Callable[[], dict]:
         def run() -> dict:
             (root / name).mkdir()
             out, args = root / name / "out.json", SMOKE[name]
             extra = ["--device", "cpu", *(["--dir", str(root / name)] if name == "checkpoint" else [])]
+            if name in READS_GPT:
+                runs["sae_kl"].result()
+                extra += ["--lm", str(root / "sae_kl" / "out" / "lm")]
             script = str(ROOT / "benchmarks" / f"{name}.py")
             ok(python(script, *args, *extra, "--json", str(out), cwd=root / name, timeout=600))
             return {**read_json(out), "cwd": root / name}
@@ -156,7 +160,8 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], dict]]:
             "no_target": {"returncode": no_target.returncode, "stderr": no_target.stderr},
         }
 
-    return {**{name: job(name) for name in SMOKE}, "ddp_cuda": ddp_without_gpus, "sae_peers": sae_peers}
+    scripts = {name: job(name) for name in SMOKE}
+    return {**scripts, "ddp_cuda": ddp_without_gpus, "sae_peers": sae_peers}
 
 
 def test_every_script_names_its_device(runs: dict[str, Future]) -> None:
