@@ -1,7 +1,8 @@
 """HSDP (distributed=hsdp) for real on 4 gloo ranks as a 2 x 2 mesh: the same training as 4-rank FSDP and one process
 (losses, validation, the clipped gradient norm, the weights); its distributed checkpoints resume bit for bit on the
-same mesh and resharded between FSDP(4), HSDP(2x2) and one process. And the final model.safetensors, streamed tensor
-by tensor, is byte for byte the file gathered whole on rank 0 (under fsdp on 2 ranks, and under hsdp)."""
+same mesh and resharded between FSDP(4), HSDP(2x2), FSDP(2) and one process. And the final model.safetensors,
+streamed tensor by tensor, is byte for byte the file gathered whole on rank 0 (under fsdp on 2 ranks, and under
+hsdp)."""
 
 from __future__ import annotations
 
@@ -75,18 +76,19 @@ def initialised_in_one_process(root: Path, one: Future) -> Path:
 
 def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
     """The module's runs (helpers.module_runs); the resumes wait for the runs they resume."""
-    fsdp2 = [*DIGITS_DDP, "distributed=fsdp", "data.batch_size=16", "trainer.max_duration=10st", *GATHERED]
+    fsdp2 = [*STEPS, "distributed=fsdp", "data.batch_size=16"]  # the uninterrupted run on 2 ranks
     return {
         "hsdp": lambda: ranks(root, "hsdp", 4, *STEPS, *HSDP, *GATHERED),
         "fsdp4": lambda: ranks(root, "fsdp4", 4, *STEPS, *FSDP4),
         "one": lambda: single(root, "one"),
-        "fsdp2": lambda: ranks(root, "fsdp2", 2, *fsdp2, "checkpoint=none"),
+        "fsdp2": lambda: ranks(root, "fsdp2", 2, *fsdp2, *GATHERED),
         "resumed": lambda: ranks(
             root, split(root, runs["hsdp"], "resumed").name, 4, *STEPS, *HSDP, *GATHERED, "resume=auto"
         ),
         "fsdp_to_hsdp": lambda: ranks(root, "fsdp_to_hsdp", 4, *STEPS, *HSDP, CHANGED, step_10(runs["fsdp4"])),
         "hsdp_to_fsdp": lambda: ranks(root, "hsdp_to_fsdp", 4, *STEPS, *FSDP4, CHANGED, step_10(runs["hsdp"])),
         "hsdp_to_one": lambda: single(root, "hsdp_to_one", CHANGED, step_10(runs["hsdp"])),
+        "fsdp4_to_fsdp2": lambda: ranks(root, "fsdp4_to_fsdp2", 2, *fsdp2, CHANGED, step_10(runs["fsdp4"])),
         "hsdp_init": lambda: ranks(root, "hsdp_init", 4, *TRAINED, *HSDP, *init_from(runs["one"]), *INITIAL),
         "one_init": lambda: initialised_in_one_process(root, runs["one"]),
     }
@@ -120,6 +122,8 @@ def test_checkpoints_reshard_between_fsdp_hsdp_and_one_process(runs: dict[str, F
     assert_close_weights(runs["fsdp_to_hsdp"].result(), runs["hsdp"].result(), atol=ATOL)
     assert_close_weights(runs["hsdp_to_fsdp"].result(), runs["fsdp4"].result(), atol=ATOL)
     assert_close_weights(runs["hsdp_to_one"].result(), runs["one"].result(), atol=ATOL)
+    # 4 FSDP ranks to 2: each rank takes back other slices of the weights and of SGD's momentum
+    assert_close_weights(runs["fsdp4_to_fsdp2"].result(), runs["fsdp2"].result(), atol=ATOL)
 
 
 def test_streamed_final_weights_are_the_bytes_of_the_gathered_file(runs: dict[str, Future]) -> None:
