@@ -50,9 +50,10 @@ def busy(root: Path) -> dict[str, Any]:
     second = cli(*first_run, "resume=auto", cwd=root, run_dir=run_dir)
     (root / "busy.release").touch()
     first.wait(timeout=300)
-    config = (run_dir / ".hydra" / "config.yaml").read_bytes()
+    config, summary = (run_dir / ".hydra" / "config.yaml").read_bytes(), (run_dir / "summary.json").read_bytes()
     third = cli(*TINY, "seed=0", cwd=root, run_dir=run_dir)  # another seed than the first run's
-    return {"pid": first.pid, "first": first.returncode, "second": second, "third": third, "config": config}
+    outcome = {"pid": first.pid, "first": first.returncode, "second": second, "third": third}
+    return {**outcome, "config": config, "summary": summary}
 
 
 def sweeps(root: Path) -> dict[str, Any]:
@@ -95,7 +96,8 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_finished_folder_is_n
     run_dir = _root(runs) / "busy"
     assert (run_dir / ".hydra" / "config.yaml").read_bytes() == outcome["config"]  # the finished run's, untouched
     assert not list((run_dir / ".hydra").glob("clash-*"))
-    assert [r["step"] for r in jsonl(run_dir)][-1] == 30 and "seed" not in (run_dir / "summary.json").read_text()
+    assert [r["step"] for r in jsonl(run_dir)][-1] == 30
+    assert (run_dir / "summary.json").read_bytes() == outcome["summary"]  # nor its summary
 
 
 def test_a_second_sweep_on_a_sweep_folder_in_use_is_refused(runs: dict[str, Future]) -> None:
