@@ -125,7 +125,7 @@ def test_without_a_network_it_falls_back_to_offline(
 ) -> None:
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
-    logger = _start(tmp_path, init_timeout=3)
+    logger = _start(tmp_path, init_timeout=1)
     try:
         assert logger.run.settings.mode == "offline"
     finally:
