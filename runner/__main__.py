@@ -183,6 +183,24 @@ def debug_last(args: list[str]) -> list[str]:
     return [a for a in args if a not in debug] + ["+" + a.lstrip("+") for a in debug]
 
 
+def run_dir_to_hydra_run_dir(args: list[str]) -> list[str]:
+    """`args` with a `run_dir=X` given as `hydra.run.dir=X`. run_dir follows Hydra's output folder, where Hydra writes
+    .hydra/ and rank 0's runner.log goes: set alone, it would split one run over two folders (X and outputs/...)."""
+    given = [a for a in args if a.lstrip("+").startswith("run_dir=")]
+    if not given:
+        return args
+    folder = given[-1].partition("=")[2]
+    if {"-m", "--multirun"} & set(args):
+        raise ConfigError(
+            f"run_dir={folder} names one folder, and each job of a sweep needs its own: give the sweep's folder with "
+            f"hydra.sweep.dir={folder} instead"
+        )
+    other = [a.partition("=")[2] for a in args if a.lstrip("+").startswith("hydra.run.dir=")]
+    if other and other[-1] != folder:
+        raise ConfigError(f"run_dir={folder} and hydra.run.dir={other[-1]} name two folders for one run: give one")
+    return [a for a in args if a not in given] + ([] if other else [f"hydra.run.dir={folder}"])
+
+
 def cli() -> None:
     """The command: under torchrun or SLURM, join the process group first and agree on one run folder;
     `runner init DIR` makes a project of your own (runner.tools.scaffold)."""
@@ -208,6 +226,10 @@ def cli() -> None:
     if rank > 0:
         sys.argv += QUIET_RANK
     sys.argv[1:] = debug_last(sys.argv[1:])
+    try:
+        sys.argv[1:] = run_dir_to_hydra_run_dir(sys.argv[1:])
+    except ConfigError as error:
+        fail(error, 2)
     if environment()["world_size"] == 1:
         try:
             main()

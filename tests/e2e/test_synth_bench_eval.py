@@ -24,8 +24,11 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_a_synth_bench_run_logs_the_benchmark_and_sae_eval_scores_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     root = Path(__file__).resolve().parents[2]
-    done = _run("runner", "+experiment=synth_sae_bench", f"run_dir={run_dir}", *TINY, cwd=root)
+    done = _run("runner", "+experiment=synth_sae_bench", f"run_dir={run_dir}", *TINY, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    # run_dir= is Hydra's run folder too: one folder with the console's log, no outputs/<date>/<time> beside it
+    assert (run_dir / "runner.log").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+    assert not (tmp_path / "outputs").exists()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = next(r for r in reversed(rows) if "val/gt_mcc" in r)
     assert all(f"val/gt_{k}" in logged for k in KEYS)

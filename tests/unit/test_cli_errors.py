@@ -15,6 +15,7 @@ from helpers import CONF_DIRS, config_options
 from hydra.errors import CompactHydraException
 
 from runner import ConfigError
+from runner.__main__ import run_dir_to_hydra_run_dir
 from runner.train import train
 
 # id: (overrides, the error, fragments its message must contain). Hydra's composition errors are compact ones,
@@ -142,3 +143,17 @@ def test_a_bad_activation_file_is_refused_before_training(
     with pytest.raises(ConfigError, match=re.escape(fragment)) as caught:
         train(compose_cfg("+experiment=sae", "data=activations_file", f"data.train_path={path}"))
     assert len(str(caught.value).splitlines()) == 1
+
+
+def test_a_run_dir_on_the_command_line_is_hydra_s_run_folder_or_refused() -> None:
+    # run_dir follows Hydra's output folder (.hydra/, runner.log): given alone it must become that folder, not a second
+    assert run_dir_to_hydra_run_dir(["+experiment=digits", "seed=1"]) == ["+experiment=digits", "seed=1"]
+    moved = run_dir_to_hydra_run_dir(["+experiment=digits", "run_dir=/x/run", "seed=1"])
+    assert moved == ["+experiment=digits", "seed=1", "hydra.run.dir=/x/run"]
+    assert run_dir_to_hydra_run_dir(["++run_dir=/x/run"]) == ["hydra.run.dir=/x/run"]
+    same = run_dir_to_hydra_run_dir(["run_dir=/x/run", "hydra.run.dir=/x/run"])
+    assert same == ["hydra.run.dir=/x/run"]
+    with pytest.raises(ConfigError, match=re.escape("run_dir=/x/run and hydra.run.dir=/y name two folders")):
+        run_dir_to_hydra_run_dir(["run_dir=/x/run", "hydra.run.dir=/y"])
+    with pytest.raises(ConfigError, match=re.escape("each job of a sweep needs its own: give the sweep's folder with")):
+        run_dir_to_hydra_run_dir(["-m", "+experiment=digits", "seed=0,1", "run_dir=/x/sweep"])
