@@ -32,7 +32,6 @@ from helpers import (
     explain,
     metric_rows,
     ok,
-    python,
     read_json,
     split_at_first_checkpoint,
     summary,
@@ -79,8 +78,7 @@ def fsdp_dir(fsdp: Future) -> Path:
 
 def ranks(root: Path, name: str, *overrides: str) -> subprocess.CompletedProcess:
     """2 ranks of torchrun in the run folder `name`."""
-    args = [*TORCHRUN, "-m", "runner", *overrides, f"hydra.run.dir={root / name}"]
-    return python(*args, cwd=root)
+    return torchrun(*overrides, f"hydra.run.dir={root / name}", cwd=root)
 
 
 def trained(root: Path, name: str, *overrides: str) -> Path:
@@ -93,18 +91,13 @@ def single(root: Path, name: str, *overrides: str) -> Path:
     return root / name
 
 
-def split(root: Path, run_dir: Path, name: str) -> Path:
-    """A copy of a finished run as it stood after its step-10 checkpoint."""
-    return split_at_first_checkpoint(run_dir, root / name)
-
-
 def first_checkpoint(run_dir: Path) -> str:
     return f"resume={checkpoints(run_dir / 'checkpoints')[-1]}"
 
 
 def resumed_under_fsdp(root: Path, fsdp: Future) -> dict[str, Any]:
     """The FSDP run as it stood when its step-10 checkpoint was written, resumed on 2 ranks."""
-    run_dir = split(root, fsdp_dir(fsdp), "resumed")
+    run_dir = split_at_first_checkpoint(fsdp_dir(fsdp), root / "resumed")
     return {"stderr": ok(ranks(root, run_dir.name, *FSDP, "resume=auto")).stderr, "run_dir": run_dir}
 
 
@@ -191,7 +184,9 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "resumed": lambda: resumed_under_fsdp(root, runs["fsdp"]),
         "two_to_one": lambda: single(root, "two_to_one", *ONE, CHANGED, first_checkpoint(fsdp_dir(runs["fsdp"]))),
         "corrupt": lambda: corrupt(root, runs["fsdp"]),
-        "files_to_dcp": lambda: trained(root, split(root, runs["files"].result(), "files_to_dcp").name, *resume),
+        "files_to_dcp": lambda: trained(
+            root, split_at_first_checkpoint(runs["files"].result(), root / "files_to_dcp").name, *resume
+        ),
         "init_fsdp": lambda: initialised(root, "init_fsdp", final, "distributed=fsdp", "data.batch_size=16"),
         "init_one": lambda: initialised(root, "init_one", final, "data.batch_size=32"),
         "dcp_fsdp": lambda: initialised(root, "dcp_fsdp", dcp, "distributed=fsdp", "data.batch_size=16"),

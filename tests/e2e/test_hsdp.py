@@ -54,11 +54,6 @@ def single(root: Path, name: str, *overrides: str) -> Path:
     return root / name
 
 
-def split(root: Path, source: Future, name: str) -> Path:
-    """A copy of a finished run as it stood after its step-10 checkpoint."""
-    return split_at_first_checkpoint(source.result(), root / name)
-
-
 def step_10(run: Future) -> str:
     return f"resume={checkpoints(run.result() / 'checkpoints')[-1]}"
 
@@ -83,7 +78,13 @@ def jobs(root: Path, runs: dict[str, Future]) -> dict[str, Callable[[], Any]]:
         "one": lambda: single(root, "one"),
         "fsdp2": lambda: ranks(root, "fsdp2", 2, *fsdp2, *GATHERED),
         "resumed": lambda: ranks(
-            root, split(root, runs["hsdp"], "resumed").name, 4, *STEPS, *HSDP, *GATHERED, "resume=auto"
+            root,
+            split_at_first_checkpoint(runs["hsdp"].result(), root / "resumed").name,
+            4,
+            *STEPS,
+            *HSDP,
+            *GATHERED,
+            "resume=auto",
         ),
         "fsdp_to_hsdp": lambda: ranks(root, "fsdp_to_hsdp", 4, *STEPS, *HSDP, CHANGED, step_10(runs["fsdp4"])),
         "hsdp_to_fsdp": lambda: ranks(root, "hsdp_to_fsdp", 4, *STEPS, *FSDP4, CHANGED, step_10(runs["hsdp"])),

@@ -95,14 +95,9 @@ def restarted(root: Path, family: list[str]) -> dict[str, Any]:
     return {"code": proc.returncode, "err": err, "run_dir": root / "restarted"}
 
 
-def split(root: Path, run_dir: Path, name: str) -> Path:
-    """A copy of a finished run as it stood after its step-10 checkpoint."""
-    return split_at_first_checkpoint(run_dir, root / name)
-
-
 def synthetic_resumed(root: Path, synthetic: Future) -> Path:
     _, run_dir = synthetic.result()
-    resumed = split(root, run_dir, "synthetic_resumed")
+    resumed = split_at_first_checkpoint(run_dir, root / "synthetic_resumed")
     ok(torchrun(*SYNTHETIC, "resume=auto", f"hydra.run.dir={resumed}", cwd=root))
     return resumed
 
